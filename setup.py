@@ -1,0 +1,26 @@
+"""allatt_jax: layer-wise attention-head pruning of All-attention Transformer LMs in JAX."""
+import setuptools
+
+setuptools.setup(
+    name="allatt_jax",
+    version="0.1.0",
+    description=("Train All-attention Transformer language models and prune their "
+                 "attention heads layer by layer with trainable L0 gates."),
+    packages=setuptools.find_packages(include=["allatt_jax", "allatt_jax.*"]),
+    package_data={"allatt_jax": ["corpus/*.xz", "corpus/*.md"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10,<0.12",
+        "flax>=0.12,<0.14",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "tensorflow-datasets>=4.9.8,<5",
+        "tensorflow-cpu>=2.18,<3",
+        "ml_collections>=1.0,<2",
+        "clu>=0.0.12",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+)
