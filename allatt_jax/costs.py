@@ -1,0 +1,151 @@
+r"""Parameter counts and forward MACs of a model config, before and after head pruning.
+
+Parameter counts come from the real parameter tree (`jax.eval_shape` of init); the
+per-layer formula below must agree with it (tests check both). MACs come from this
+formula, counting every multiply-accumulate of the matmuls in one forward pass of a
+batch of B segments of length T with memory S (K = S + T keys), divided by B·T:
+
+  per layer with h heads of size dh:
+    query projection                    d·h·dh
+    key, value projections    2·(K/T)·d·h·dh     (memory keys are recomputed per segment)
+    relative projection     (K/(B·T))·d·h·dh     (shared by the batch)
+    content + position scores     2·K·h·dh
+    persistent scores + values    2·N·h·dh       (All-att)
+    context values                  K·h·dh
+    output projection               h·dh·d
+    feed-forward                  2·d·d_ff       (TXL)
+  output layer: d·V (plain softmax) or the adaptive softmax's head and every tail
+  cluster (projection and logits) evaluated at every position.
+
+Elementwise work (softmax, LayerNorm, rel_shift) is left out: it is a few percent of
+the total at the sizes that matter, which the XLA cross-check bounds.
+
+  python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
+"""
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+
+from allatt_jax import adaptive
+from allatt_jax import model as model_lib
+
+EMBEDDING_PARAMS = ("embedding", "relative_table")
+
+
+def layer_param_count(cfg: model_lib.ModelConfig, heads: int) -> int:
+  d, dh = cfg.d_model, cfg.head_dim
+  count = 0
+  if heads:
+    count += 5 * d * heads * dh + 2 * heads * dh + 2 * d   # Q K V O R, u v, LayerNorm
+    if cfg.kind == "allatt":
+      count += 2 * heads * cfg.num_persistent * dh
+  if cfg.kind == "txl":
+    count += 2 * d * cfg.d_ff + cfg.d_ff + d + 2 * d
+  return count
+
+
+def layer_macs_per_token(cfg: model_lib.ModelConfig, heads: int, seq_len: int,
+                         mem_len: int, batch_size: int) -> float:
+  d, dh, hd = cfg.d_model, cfg.head_dim, heads * cfg.head_dim
+  keys = seq_len + mem_len
+  macs = 0.0
+  if heads:
+    macs += d * hd * (1 + 2 * keys / seq_len + keys / (batch_size * seq_len) + 1)
+    macs += 3 * keys * hd
+    if cfg.kind == "allatt":
+      macs += 2 * cfg.num_persistent * hd
+  if cfg.kind == "txl":
+    macs += 2 * d * cfg.d_ff
+  return macs
+
+
+def output_macs_per_token(cfg: model_lib.ModelConfig) -> float:
+  d, v = cfg.d_model, cfg.vocab_size
+  if not cfg.cutoffs:
+    return d * v
+  bounds = (0, *cfg.cutoffs, v)
+  macs = d * (cfg.cutoffs[0] + len(cfg.cutoffs))        # head: shortlist + cluster logits
+  for i in range(len(bounds) - 1):
+    d_i = d // cfg.div_val ** i
+    if cfg.div_val > 1:
+      macs += d * d_i                                     # projection to the cluster's width
+    if i:
+      macs += d_i * (bounds[i + 1] - bounds[i])
+  return macs
+
+
+def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
+  """Embedding / non-embedding / total parameter counts of the real tree."""
+  abstract = jax.eval_shape(
+      model_lib.TransformerLM(cfg).init, jax.random.key(0),
+      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+      model_lib.init_memory(cfg, 1, 1))
+  params = abstract["params"]
+  size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  embedding = sum(size(params[k]) for k in EMBEDDING_PARAMS if k in params)
+  total = size(params)
+  return {"params_non_embedding": total - embedding, "params_embedding": embedding,
+          "params_total": total}
+
+
+def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
+                   batch_size: int) -> dict[str, float]:
+  layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size)
+               for h in cfg.layer_heads)
+  return {"macs_per_token_non_embedding": layers,
+          "macs_per_token": layers + output_macs_per_token(cfg)}
+
+
+def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: int,
+           heads_kept: float | None = None) -> dict:
+  """The cost report; with `heads_kept`, also relative to the unpruned model."""
+  full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
+          "heads_per_layer": list(cfg.layer_heads), "seq_len": seq_len,
+          "mem_len": mem_len, "batch_size": batch_size}
+  if heads_kept is None:
+    return full
+  pruned_cfg = prune_uniformly(cfg, heads_kept)
+  pruned = {**param_counts(pruned_cfg),
+            **macs_per_token(pruned_cfg, seq_len, mem_len, batch_size),
+            "heads_per_layer": list(pruned_cfg.layer_heads)}
+  pruned["relative_params"] = (pruned["params_non_embedding"]
+                               / full["params_non_embedding"])
+  pruned["relative_macs"] = (pruned["macs_per_token_non_embedding"]
+                             / full["macs_per_token_non_embedding"])
+  return {**full, **pruned, "heads_kept": heads_kept,
+          "unpruned": {k: full[k] for k in ("params_non_embedding",
+                                            "macs_per_token_non_embedding")}}
+
+
+def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.ModelConfig:
+  """The same model keeping round(F·H) heads in every layer."""
+  if not 0.0 <= heads_kept <= 1.0:
+    raise ValueError(f"--heads_kept must lie in [0, 1], got {heads_kept}.")
+  return dataclasses.replace(
+      cfg, heads_per_layer=tuple(round(heads_kept * h) for h in cfg.layer_heads))
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  config = _CONFIG.value
+  cfg = model_lib.model_config(config)
+  train = config.train
+  print(json.dumps(report(cfg, train.seq_len, train.mem_len, train.batch_size,
+                          _HEADS_KEPT.value), indent=2))
+
+
+if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.",
+                                            lock_config=True)
+  _HEADS_KEPT = flags.DEFINE_float(
+      "heads_kept", None, "Keep this fraction of every layer's heads and report the "
+      "pruned model relative to the unpruned one.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

@@ -1,0 +1,68 @@
+"""Hard-concrete head gates and their L0 penalty (Louizos et al. 2018).
+
+One gate logit π per head. During pruning, gates are sampled from the stretched,
+clipped BinConcrete distribution; the paper makes them discrete with a
+straight-through estimator (forward 1[g >= 0.5], backward through the soft g).
+The L0 penalty is the expected number of open gates, which is differentiable in π.
+
+The formulas are the paper's (Shim et al. 2021, §3.2) on top of Louizos et al.:
+  u ~ U(eps, 1-eps),  s = σ((log u - log(1-u) + π) / β),  g = clip(s(ζ-γ) + γ, 0, 1)
+  P(g > 0) = σ(π - β log(-γ/ζ))
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+GAMMA = -0.1
+ZETA = 1.1
+_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+  """How gates behave; each of the paper's three techniques can be switched off.
+
+  Attributes:
+    init: initial gate logit π (technique 2: 2.0 ≈ 88% open; 0.0 for the ablation).
+    temperature: β of the hard-concrete distribution (Louizos: 2/3, paper's code: 1/3).
+    hard: straight-through discrete gates (the paper) instead of soft ones.
+    scale_output: multiply each layer's output by s_g = H / Σg (technique 3).
+  """
+  init: float = 2.0
+  temperature: float = 1.0 / 3.0
+  hard: bool = True
+  scale_output: bool = True
+
+
+def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:
+  """Stochastic gates for training; hard mode is straight-through."""
+  u_H = jax.random.uniform(rng, logits_H.shape, minval=_EPS, maxval=1.0 - _EPS)
+  s_H = jax.nn.sigmoid((jnp.log(u_H) - jnp.log1p(-u_H) + logits_H) / cfg.temperature)
+  soft_H = jnp.clip(s_H * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+  if not cfg.hard:
+    return soft_H
+  hard_H = (soft_H >= 0.5).astype(soft_H.dtype)
+  return soft_H + jax.lax.stop_gradient(hard_H - soft_H)
+
+
+def deterministic(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
+  """Gates for evaluation and after the freeze: open iff π > 0 (hard mode)."""
+  if cfg.hard:
+    return (logits_H > 0).astype(logits_H.dtype)
+  return jnp.clip(jax.nn.sigmoid(logits_H) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+
+
+def open_probability(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
+  """P(g > 0) per head; its sum over heads is the expected L0 norm."""
+  return jax.nn.sigmoid(logits_H - cfg.temperature * jnp.log(-GAMMA / ZETA))
+
+
+def output_scale(gates_H: jax.Array, cfg: GateConfig) -> jax.Array:
+  """s_g = H / Σg, at most H (all gates closed), without gradient (technique 3)."""
+  num_heads = gates_H.shape[-1]
+  if not cfg.scale_output:
+    return jnp.ones((), gates_H.dtype)
+  # Σg < 1 (every gate closed, or soft gates near zero) would blow the scale up; the
+  # clip at H keeps a dead layer at zero output instead of NaN.
+  return num_heads / jnp.maximum(jax.lax.stop_gradient(jnp.sum(gates_H)), 1.0)

@@ -1,0 +1,208 @@
+"""All-attention and Transformer-XL language models with Transformer-XL memory.
+
+Both are a stack of pre-norm layers around one `RelativeAttention`:
+  All-att:  x + Attn(LN(x), LN(mem))                          (persistent vectors, no FF)
+  TXL:      x + Attn(LN(x), LN(mem));  x + FF(LN(x))           (d_ff = 4d)
+Layers may have different head counts (a pruned model); a layer with no heads
+passes its input through (All-att) or keeps only its feed-forward (TXL).
+
+Memory is a pytree {'hidden': (L, B, S, D), 'length': int32 scalar}: the hidden
+states that entered each layer during the last S positions, and how many of the S
+slots hold real positions (0 at the start of a stream).
+"""
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from allatt_jax import adaptive
+from allatt_jax import attention
+from allatt_jax import gates as gates_lib
+
+KINDS = ("allatt", "txl")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture hyper-parameters (see configs/ for the paper's values)."""
+  kind: str = "allatt"
+  vocab_size: int = 256
+  num_layers: int = 2
+  d_model: int = 64
+  num_heads: int = 4                 # H of the unpruned model: head_dim = d_model // H
+  heads_per_layer: tuple[int, ...] | None = None   # a pruned model's per-layer counts
+  num_persistent: int = 0            # N persistent key/value vectors per head (All-att)
+  d_ff: int = 0                      # feed-forward width (TXL)
+  rel_pos: str = "learned"           # 'learned' (shared table) or 'sinusoidal'
+  max_relative_len: int = 0          # learned table length, at least T + S of any use
+  same_length: bool = False
+  dropout: float = 0.0               # hidden activations
+  dropout_attn: float = 0.0          # attention weights
+  dropout_emb: float = 0.0           # embeddings and relative positions
+  cutoffs: tuple[int, ...] = ()      # adaptive input/softmax; () = plain tied softmax
+  div_val: int = 1
+  tie_projs: tuple[bool, ...] | None = None
+  dtype: str = "float32"             # compute dtype; parameters stay float32
+  gated: bool = False                # create head gates at init
+  gate: gates_lib.GateConfig = gates_lib.GateConfig()
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def layer_heads(self) -> tuple[int, ...]:
+    return self.heads_per_layer or (self.num_heads,) * self.num_layers
+
+
+
+def model_config(config: ml_collections.ConfigDict, **overrides) -> ModelConfig:
+  """The ModelConfig of a run config (model and gates sections)."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  values = {k: v for k, v in config.model.to_dict().items() if k in fields}
+  for key in ("heads_per_layer", "cutoffs", "tie_projs"):
+    if values.get(key) is not None:
+      values[key] = tuple(values[key])
+  if not values.get("max_relative_len"):
+    values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
+                                     config.eval.seq_len + config.eval.mem_len)
+  values["gated"] = config.gates.enabled
+  values["gate"] = gates_lib.GateConfig(**{
+      f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})
+  values.update(overrides)
+  return ModelConfig(**values)
+
+
+def init_memory(cfg: ModelConfig, batch_size: int, mem_len: int) -> dict[str, jax.Array]:
+  return {"hidden": jnp.zeros((cfg.num_layers, batch_size, mem_len, cfg.d_model),
+                              jnp.dtype(cfg.dtype)),
+          "length": jnp.zeros((), jnp.int32)}
+
+
+class FeedForward(nn.Module):
+  d_ff: int
+  dropout: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BxTxD, *, deterministic):
+    d_model = x_BxTxD.shape[-1]
+    dense = lambda features, names, name: nn.Dense(
+        features, dtype=self.dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]))
+    h = nn.relu(dense(self.d_ff, ("embed", "mlp"), "wi")(x_BxTxD))
+    h = nn.Dropout(self.dropout)(h, deterministic=deterministic)
+    return dense(d_model, ("mlp", "embed"), "wo")(h)
+
+
+def _layer_norm(name, dtype):
+  return nn.LayerNorm(
+      dtype=dtype, name=name,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
+class Layer(nn.Module):
+  cfg: ModelConfig
+  num_heads: int
+
+  @nn.compact
+  def __call__(self, x_BxTxD, mem_BxSxD, r_KxD, mask_TxK, *, deterministic, sample_gates):
+    cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+    drop = nn.Dropout(cfg.dropout)
+    stats = {}
+    if self.num_heads:
+      norm = _layer_norm("attention_norm", dtype)
+      attn_out, stats = attention.RelativeAttention(
+          num_heads=self.num_heads, head_dim=cfg.head_dim,
+          num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
+          dropout_attn=cfg.dropout_attn, gated=cfg.gated, gate=cfg.gate, dtype=dtype,
+          name="attention")(norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK,
+                            deterministic=deterministic, sample_gates=sample_gates)
+      x_BxTxD = x_BxTxD + drop(attn_out, deterministic=deterministic)
+    if cfg.kind == "txl":
+      ff_out = FeedForward(cfg.d_ff, cfg.dropout, dtype, name="feed_forward")(
+          _layer_norm("feed_forward_norm", dtype)(x_BxTxD), deterministic=deterministic)
+      x_BxTxD = x_BxTxD + drop(ff_out, deterministic=deterministic)
+    return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), stats
+
+
+class TransformerLM(nn.Module):
+  """Language model over token segments with memory.
+
+  `__call__` returns per-token NLL (training and evaluation); `log_probs` returns
+  full-vocabulary log-probabilities (scoring and sampling). Both return the memory
+  for the next segment and per-layer gate statistics (empty without gates).
+  """
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    if cfg.kind not in KINDS:
+      raise ValueError(f"Unknown model kind {cfg.kind!r}; expected one of {KINDS}.")
+    self.embedding = adaptive.AdaptiveEmbedding(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, cutoffs=cfg.cutoffs,
+        div_val=cfg.div_val, tie_projs=cfg.tie_projs, dtype=jnp.dtype(cfg.dtype))
+    if cfg.rel_pos == "learned":
+      self.relative_table = self.param(
+          "relative_table", nn.with_logical_partitioning(
+              nn.initializers.normal(0.02), ("relpos", "embed")),
+          (cfg.max_relative_len, cfg.d_model))
+    self.layers = [Layer(cfg, h, name=f"layer_{i}") for i, h in enumerate(cfg.layer_heads)]
+    self.final_norm = _layer_norm("final_norm", jnp.dtype(cfg.dtype))
+    self.drop_emb = nn.Dropout(cfg.dropout_emb)
+    self.drop = nn.Dropout(cfg.dropout)
+
+  def _relative_positions(self, length: int) -> jax.Array:
+    """Relative position vectors for distances length-1 .. 0."""
+    if self.cfg.rel_pos == "learned":
+      return self.relative_table[:length][::-1]
+    return attention.sinusoidal_positions(length, self.cfg.d_model)
+
+  def hidden(self, inputs_BxT, memory, *, deterministic=True, sample_gates=False):
+    """Final hidden states, the next memory and gate statistics."""
+    cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+    seq_len, mem_len = inputs_BxT.shape[1], memory["hidden"].shape[2]
+    mask_TxK = attention.attention_mask(seq_len, mem_len, memory["length"], cfg.same_length)
+    r_KxD = self.drop_emb(self._relative_positions(mem_len + seq_len).astype(dtype),
+                          deterministic=deterministic)
+    x_BxTxD = self.drop_emb(self.embedding.embed(inputs_BxT), deterministic=deterministic)
+    x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
+    entering, stats = [], []
+    for layer, mem_BxSxD in zip(self.layers, memory["hidden"]):
+      entering.append(x_BxTxD)
+      x_BxTxD, layer_stats = layer(x_BxTxD, mem_BxSxD.astype(dtype), r_KxD, mask_TxK,
+                                   deterministic=deterministic, sample_gates=sample_gates)
+      stats.append(layer_stats)
+    out_BxTxD = self.drop(self.final_norm(x_BxTxD), deterministic=deterministic)
+    new_memory = _next_memory(memory, jnp.stack(entering), seq_len)
+    return out_BxTxD, new_memory, tuple(stats)
+
+  def __call__(self, inputs_BxT, targets_BxT, memory, *, deterministic=True,
+               sample_gates=False):
+    out_BxTxD, new_memory, stats = self.hidden(
+        inputs_BxT, memory, deterministic=deterministic, sample_gates=sample_gates)
+    return self.embedding.nll(out_BxTxD, targets_BxT), new_memory, stats
+
+  def log_probs(self, inputs_BxT, memory):
+    out_BxTxD, new_memory, _ = self.hidden(inputs_BxT, memory)
+    return self.embedding.log_probs(out_BxTxD), new_memory
+
+
+def _next_memory(memory, entering_LxBxTxD, seq_len):
+  mem_len = memory["hidden"].shape[2]
+  if mem_len == 0:
+    return memory
+  hidden = jnp.concatenate(
+      [memory["hidden"], entering_LxBxTxD.astype(memory["hidden"].dtype)], axis=2)
+  return {"hidden": jax.lax.stop_gradient(hidden[:, :, -mem_len:]),
+          "length": jnp.minimum(memory["length"] + seq_len, mem_len)}
+
+
+def l0_penalty(stats) -> jax.Array:
+  """Expected number of open heads over all layers (the L0 term)."""
+  return sum(jnp.sum(s["open_prob"]) for s in stats if s)

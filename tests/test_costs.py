@@ -1,0 +1,91 @@
+"""Cost model: parameter formula vs the real tree, MACs vs XLA, the paper's counts, the CLI."""
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from allatt_jax import config_base
+from allatt_jax import costs
+from allatt_jax import model as model_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def small_cfg(kind, heads_per_layer=None):
+  return model_lib.ModelConfig(
+      kind=kind, vocab_size=64, num_layers=3, d_model=128, num_heads=4,
+      heads_per_layer=heads_per_layer, num_persistent=128 if kind == "allatt" else 0,
+      d_ff=512 if kind == "txl" else 0, max_relative_len=64)
+
+
+def paper_cfg(name, arg=None):
+  return model_lib.model_config(config_base.load(ROOT / "configs" / name, arg))
+
+
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+@pytest.mark.parametrize("heads", [None, (4, 0, 3)])
+def test_layer_formula_equals_parameter_tree(kind, heads):
+  cfg = small_cfg(kind, heads)
+  abstract = jax.eval_shape(
+      model_lib.TransformerLM(cfg).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+      jnp.zeros((1, 1), jnp.int32), model_lib.init_memory(cfg, 1, 1))
+  params = nn.unbox(abstract["params"])
+  for i, h in enumerate(cfg.layer_heads):
+    tree = params.get(f"layer_{i}", {})
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    assert count == costs.layer_param_count(cfg, h), (i, h)
+  counts = costs.param_counts(cfg)
+  assert counts["params_non_embedding"] == (
+      sum(costs.layer_param_count(cfg, h) for h in cfg.layer_heads) + 2 * cfg.d_model)
+
+
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+def test_macs_formula_matches_xla_cost_analysis(kind):
+  cfg = small_cfg(kind, (4, 2, 3))
+  b, t, s = 4, 32, 32
+  lm = model_lib.TransformerLM(cfg)
+  memory = model_lib.init_memory(cfg, b, s)
+  x = jnp.zeros((b, t), jnp.int32)
+  variables = nn.unbox(lm.init(jax.random.key(0), x, x, memory))
+  forward = jax.jit(lambda v, x, m: lm.apply(v, x, x, m)[0])
+  analysis = forward.lower(variables, x, memory).compile().cost_analysis()
+  if isinstance(analysis, list):   # older jax returns one dict per device
+    analysis = analysis[0]
+  formula_flops = 2 * costs.macs_per_token(cfg, t, s, b)["macs_per_token"] * b * t
+  # XLA also counts elementwise work (softmax, LayerNorm) that the formula leaves out.
+  assert 1.0 <= analysis["flops"] / formula_flops < 1.06
+
+
+def test_paper_parameter_counts():
+  wt103 = costs.param_counts(paper_cfg("wt103_base.py"))
+  text8 = costs.param_counts(paper_cfg("text8_base.py"))
+  assert round(wt103["params_non_embedding"] / 1e6, 1) == 54.6   # Table 1
+  assert round(text8["params_non_embedding"] / 1e6, 1) == 40.9   # Table 2
+  assert round(wt103["params_embedding"] / 1e6, 1) == 19.5       # paper: 19.6M
+
+
+def test_head_pruning_shrinks_allatt_proportionally_but_not_txl():
+  """Fig. 1: at 50% heads, TXL keeps ~81% params / ~73% MACs, All-att 50% / 50%."""
+  allatt = costs.report(paper_cfg("wt103_base.py"), 192, 192, 96, heads_kept=0.5)
+  txl = costs.report(paper_cfg("txl_wt103_base.py"), 192, 192, 96, heads_kept=0.5)
+  assert allatt["relative_params"] == pytest.approx(0.5, abs=0.001)
+  assert allatt["relative_macs"] == pytest.approx(0.5, abs=0.001)
+  assert txl["relative_params"] == pytest.approx(0.81, abs=0.01)
+  assert txl["relative_macs"] == pytest.approx(0.73, abs=0.02)
+
+
+def test_cli_prints_one_json_object():
+  out = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.costs", "--config=configs/wt103_base.py:tiny",
+       "--heads_kept=0.5"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  report = json.loads(out)
+  for key in ("params_non_embedding", "params_embedding", "params_total", "macs_per_token",
+              "relative_params", "relative_macs"):
+    assert key in report
+  assert report["heads_per_layer"] == [2, 2]

@@ -1,0 +1,205 @@
+"""Model layer: causality, memory, gates, rel_shift, uneven heads, bf16."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import attention
+from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
+
+VOCAB = 37
+
+
+def make_cfg(kind="allatt", **overrides):
+  base = dict(kind=kind, vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
+              num_persistent=8 if kind == "allatt" else 0,
+              d_ff=64 if kind == "txl" else 0, max_relative_len=64)
+  base.update(overrides)
+  return model_lib.ModelConfig(**base)
+
+
+def init(cfg, batch=2, seq_len=8, mem_len=8, seed=0):
+  lm = model_lib.TransformerLM(cfg)
+  tokens = jnp.zeros((batch, seq_len), jnp.int32)
+  variables = nn.unbox(lm.init(jax.random.key(seed), tokens, tokens,
+                               model_lib.init_memory(cfg, batch, mem_len)))
+  return lm, variables
+
+
+def tokens(seed, shape):
+  return jax.random.randint(jax.random.key(seed), shape, 0, VOCAB)
+
+
+def test_rel_shift_matches_gather():
+  b, h, t, s = 2, 3, 5, 4
+  k = s + t
+  raw = jax.random.normal(jax.random.key(0), (b, h, t, k))
+  shifted = attention.rel_shift(raw)
+  i, j = np.meshgrid(np.arange(t), np.arange(k), indexing="ij")
+  valid = j <= s + i
+  # Column m of the raw scores is relative distance k-1-m; key j at distance s+i-j.
+  expected = np.take_along_axis(np.asarray(raw), np.broadcast_to(
+      np.clip(j + t - 1 - i, 0, k - 1), raw.shape), axis=-1)
+  np.testing.assert_allclose(np.asarray(shifted)[..., valid], expected[..., valid])
+
+
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+@pytest.mark.parametrize("rel_pos", ["learned", "sinusoidal"])
+def test_causal_with_memory(kind, rel_pos):
+  cfg = make_cfg(kind, rel_pos=rel_pos)
+  lm, variables = init(cfg)
+  memory = model_lib.init_memory(cfg, 2, 8)
+  _, memory, _ = lm.apply(variables, tokens(1, (2, 8)), tokens(2, (2, 8)), memory)
+  x = tokens(3, (2, 8))
+  changed = x.at[:, 5:].set((x[:, 5:] + 1) % VOCAB)
+  logp, _ = lm.apply(variables, x, memory, method=lm.log_probs)
+  logp_changed, _ = lm.apply(variables, changed, memory, method=lm.log_probs)
+  np.testing.assert_allclose(logp[:, :5], logp_changed[:, :5], atol=1e-6)
+  assert np.abs(logp[:, 5:] - logp_changed[:, 5:]).max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+@pytest.mark.parametrize("empty_mem_len", [0, 8])
+def test_memory_equals_concatenation(kind, empty_mem_len):
+  """Segment 2 with segment 1's memory scores like the concatenation's last T positions."""
+  t = 8
+  cfg = make_cfg(kind)
+  lm, variables = init(cfg, seq_len=t, mem_len=t)
+  seq = tokens(4, (2, 2 * t + 1))
+  inputs, targets = seq[:, :-1], seq[:, 1:]
+  memory = model_lib.init_memory(cfg, 2, t)
+  _, memory, _ = lm.apply(variables, inputs[:, :t], targets[:, :t], memory)
+  nll_seg2, _, _ = lm.apply(variables, inputs[:, t:], targets[:, t:], memory)
+
+  empty = model_lib.init_memory(cfg, 2, empty_mem_len)
+  nll_concat, _, _ = lm.apply(variables, inputs, targets, empty)
+  np.testing.assert_allclose(nll_seg2, nll_concat[:, t:], rtol=1e-5, atol=1e-5)
+
+
+def test_memory_is_truncated_and_counts_valid_slots():
+  cfg = make_cfg()
+  lm, variables = init(cfg, seq_len=4, mem_len=6)
+  memory = model_lib.init_memory(cfg, 2, 6)
+  _, memory, _ = lm.apply(variables, tokens(0, (2, 4)), tokens(1, (2, 4)), memory)
+  assert int(memory["length"]) == 4 and memory["hidden"].shape == (2, 2, 6, 32)
+  _, memory, _ = lm.apply(variables, tokens(2, (2, 4)), tokens(3, (2, 4)), memory)
+  assert int(memory["length"]) == 6
+
+
+def test_hard_gate_open_rate_is_sigmoid_of_logit():
+  cfg = gates_lib.GateConfig(temperature=1 / 3, hard=True)
+  logits = jnp.array([-2.0, -0.5, 0.0, 1.0, 2.0])
+  keys = jax.random.split(jax.random.key(0), 20000)
+  g = jax.vmap(lambda k: gates_lib.sample(logits, k, cfg))(keys)
+  assert set(np.unique(np.asarray(g))) <= {0.0, 1.0}
+  np.testing.assert_allclose(g.mean(0), jax.nn.sigmoid(logits), atol=0.015)
+
+
+def test_l0_penalty_is_expected_open_count_in_soft_mode():
+  cfg = gates_lib.GateConfig(temperature=2 / 3, hard=False)
+  logits = jnp.array([-2.0, -0.5, 0.0, 1.0, 2.0])
+  keys = jax.random.split(jax.random.key(1), 20000)
+  g = jax.vmap(lambda k: gates_lib.sample(logits, k, cfg))(keys)
+  assert np.any((g > 0) & (g < 1))   # soft gates take values inside (0, 1)
+  np.testing.assert_allclose((g > 0).mean(0), gates_lib.open_probability(logits, cfg),
+                             atol=0.015)
+
+
+def test_straight_through_gradient_flows_through_soft_gate():
+  cfg = gates_lib.GateConfig(hard=True)
+  key = jax.random.key(3)
+  grad_hard = jax.grad(lambda p: gates_lib.sample(p, key, cfg).sum())(jnp.zeros(6))
+  soft_cfg = dataclasses.replace(cfg, hard=False)
+  grad_soft = jax.grad(lambda p: gates_lib.sample(p, key, soft_cfg).sum())(jnp.zeros(6))
+  np.testing.assert_allclose(grad_hard, grad_soft)
+
+
+def _with_gate_logits(variables, value):
+  gates = jax.tree.map(lambda x: jnp.full_like(x, value), variables["gates"])
+  return {"params": variables["params"], "gates": gates}
+
+
+@pytest.mark.parametrize("scale_output", [False, True])
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+def test_open_gates_reproduce_ungated_model(kind, scale_output):
+  gate = gates_lib.GateConfig(scale_output=scale_output)
+  cfg = make_cfg(kind, gated=True, gate=gate)
+  lm, variables = init(cfg)
+  x, y = tokens(5, (2, 8)), tokens(6, (2, 8))
+  memory = model_lib.init_memory(cfg, 2, 8)
+  ungated, _, stats = lm.apply({"params": variables["params"]}, x, y, memory)
+  assert not any(stats)
+  gated, _, stats = lm.apply(_with_gate_logits(variables, 10.0), x, y, memory)
+  np.testing.assert_array_equal(gated, ungated)
+  assert all(np.all(s["open"] == 1) for s in stats)
+
+
+def test_closed_layer_is_scaled_safely():
+  gate = gates_lib.GateConfig(scale_output=True)
+  assert float(gates_lib.output_scale(jnp.zeros(8), gate)) == 8.0
+  assert float(gates_lib.output_scale(jnp.array([1.0, 1, 0, 0]), gate)) == 2.0
+  assert float(gates_lib.output_scale(jnp.array([0.3, 0.2, 0, 0]), gate)) == 4.0
+
+  cfg = make_cfg(gated=True, gate=gate)
+  lm, variables = init(cfg)
+  closed = _with_gate_logits(variables, -10.0)
+  x, y = tokens(7, (2, 8)), tokens(8, (2, 8))
+  memory = model_lib.init_memory(cfg, 2, 8)
+
+  def loss(v):
+    return lm.apply(v, x, y, memory, deterministic=False, sample_gates=True,
+                    rngs={"gates": jax.random.key(0), "dropout": jax.random.key(1)})[0].mean()
+
+  value, grads = jax.value_and_grad(loss)(closed)
+  assert np.isfinite(value)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_uneven_heads_and_empty_layer_is_identity():
+  cfg = make_cfg(num_layers=3, heads_per_layer=(4, 0, 2))
+  lm, variables = init(cfg)
+  assert "layer_1" not in variables["params"]
+  assert variables["params"]["layer_2"]["attention"]["query"]["kernel"].shape == (32, 2, 8)
+  memory = model_lib.init_memory(cfg, 2, 8)
+  x = tokens(9, (2, 8))
+  hidden, new_memory, _ = lm.apply(variables, x, memory, method=lm.hidden)
+  assert hidden.shape == (2, 8, 32)
+  # Layer 1 is the identity: what enters layer 2 is what entered layer 1.
+  np.testing.assert_array_equal(new_memory["hidden"][1], new_memory["hidden"][2])
+
+
+def test_bfloat16_compute_keeps_float32_params():
+  cfg = make_cfg(dtype="bfloat16")
+  lm, variables = init(cfg)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(variables))
+  memory = model_lib.init_memory(cfg, 2, 8)
+  nll, new_memory, _ = lm.apply(variables, tokens(0, (2, 8)), tokens(1, (2, 8)), memory)
+  assert nll.dtype == jnp.float32 and new_memory["hidden"].dtype == jnp.bfloat16
+  f32_lm = model_lib.TransformerLM(make_cfg())
+  f32_nll, _, _ = f32_lm.apply(variables, tokens(0, (2, 8)), tokens(1, (2, 8)),
+                               model_lib.init_memory(make_cfg(), 2, 8))
+  np.testing.assert_allclose(nll, f32_nll, rtol=0.05, atol=0.05)
+
+
+def test_log_probs_normalised_over_vocabulary():
+  cfg = make_cfg(vocab_size=VOCAB, cutoffs=(10, 20), div_val=2)
+  lm, variables = init(cfg)
+  logp, _ = lm.apply(variables, tokens(0, (2, 8)), model_lib.init_memory(cfg, 2, 8),
+                     method=lm.log_probs)
+  np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_dropout_active_only_in_training():
+  cfg = make_cfg(dropout=0.1, dropout_attn=0.2, dropout_emb=0.1)
+  lm, variables = init(cfg)
+  x, y, memory = tokens(0, (2, 8)), tokens(1, (2, 8)), model_lib.init_memory(cfg, 2, 8)
+  eval_a = lm.apply(variables, x, y, memory)[0]
+  eval_b = lm.apply(variables, x, y, memory)[0]
+  train = lm.apply(variables, x, y, memory, deterministic=False,
+                   rngs={"dropout": jax.random.key(0)})[0]
+  np.testing.assert_array_equal(eval_a, eval_b)
+  assert np.abs(train - eval_a).max() > 1e-4
