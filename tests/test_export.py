@@ -1,0 +1,170 @@
+"""Export: closed heads removed, gates folded into W_O, outputs unchanged."""
+import flax.linen as nn
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import costs
+from allatt_jax import errors
+from allatt_jax import export
+from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
+
+VOCAB = 41
+SEQ_LEN = 8
+# Layer 0 mixes open and closed heads in both modes (-4 is closed even in soft mode,
+# -1 is closed only in hard mode), layer 1 is fully closed, layer 2 fully open.
+LOGITS = ((3.0, -4.0, 1.0, -1.0), (-3.0, -3.0, -3.0, -3.0), (2.0, 2.0, 2.0, 2.0))
+HARD = gates_lib.GateConfig(hard=True)
+SOFT = gates_lib.GateConfig(hard=False)
+SOFT_UNSCALED = gates_lib.GateConfig(hard=False, scale_output=False)
+
+
+def make_cfg(kind, gate=HARD, **overrides):
+  base = dict(kind=kind, vocab_size=VOCAB, num_layers=3, d_model=32, num_heads=4,
+              num_persistent=8 if kind == "allatt" else 0,
+              d_ff=64 if kind == "txl" else 0, max_relative_len=64, gated=True, gate=gate)
+  base.update(overrides)
+  return model_lib.ModelConfig(**base)
+
+
+def gated_model(kind, gate=HARD, **overrides):
+  """A gated model with LOGITS as gates and every parameter perturbed.
+
+  The perturbation makes the zero-initialised biases u, v non-zero, so slicing them
+  along the wrong axis would change the outputs.
+  """
+  cfg = make_cfg(kind, gate, **overrides)
+  tokens_BxT = jnp.zeros((2, SEQ_LEN), jnp.int32)
+  variables = nn.unbox(model_lib.TransformerLM(cfg).init(
+      jax.random.key(0), tokens_BxT, tokens_BxT,
+      model_lib.init_memory(cfg, 2, SEQ_LEN)))
+  leaves, treedef = jax.tree.flatten(variables["params"])
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = treedef.unflatten(
+      [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  gates = {f"layer_{i}": {"attention": {"logits": jnp.array(LOGITS[i])}}
+           for i, h in enumerate(cfg.layer_heads) if h}
+  return cfg, {"params": params, "gates": gates}
+
+
+def tokens(seed, shape):
+  return jax.random.randint(jax.random.key(seed), shape, 0, VOCAB)
+
+
+def abstract_params(cfg):
+  abstract = jax.eval_shape(
+      model_lib.TransformerLM(cfg).init, jax.random.key(0),
+      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+      model_lib.init_memory(cfg, 1, 1))
+  return nn.unbox(abstract["params"])
+
+
+@pytest.mark.parametrize("gate", [HARD, SOFT, SOFT_UNSCALED],
+                         ids=["hard", "soft", "soft_unscaled"])
+@pytest.mark.parametrize("kind", model_lib.KINDS)
+def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
+  cfg, variables = gated_model(kind, gate)
+  pruned_cfg, params = export.prune_variables(cfg, variables)
+  gated_lm, pruned_lm = model_lib.TransformerLM(cfg), model_lib.TransformerLM(pruned_cfg)
+  seq = tokens(2, (2, 2 * SEQ_LEN + 1))
+  gated_mem = model_lib.init_memory(cfg, 2, SEQ_LEN)
+  pruned_mem = model_lib.init_memory(pruned_cfg, 2, SEQ_LEN)
+  # Two consecutive segments: the second one attends to the first one's memory.
+  for start in (0, SEQ_LEN):
+    x = seq[:, start:start + SEQ_LEN]
+    y = seq[:, start + 1:start + SEQ_LEN + 1]
+    gated_nll, gated_next, _ = gated_lm.apply(variables, x, y, gated_mem,
+                                              deterministic=True)
+    pruned_nll, pruned_next, stats = pruned_lm.apply({"params": params}, x, y, pruned_mem)
+    assert not any(stats)
+    np.testing.assert_allclose(pruned_nll, gated_nll, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(pruned_next["hidden"], gated_next["hidden"],
+                               rtol=0, atol=1e-5)
+    gated_logp, _ = gated_lm.apply(variables, x, gated_mem, method=gated_lm.log_probs)
+    pruned_logp, _ = pruned_lm.apply({"params": params}, x, pruned_mem,
+                                     method=pruned_lm.log_probs)
+    np.testing.assert_allclose(pruned_logp, gated_logp, rtol=0, atol=1e-5)
+    gated_mem, pruned_mem = gated_next, pruned_next
+  # The gates matter: the same params without them give other outputs.
+  ungated_nll, _, _ = gated_lm.apply({"params": variables["params"]}, x, y, gated_mem)
+  assert np.abs(ungated_nll - gated_nll).max() > 1e-3
+
+
+@pytest.mark.parametrize("gate,expected", [
+    (HARD, ([0, 2], [], [0, 1, 2, 3])),
+    (SOFT, ([0, 2, 3], [], [0, 1, 2, 3])),
+], ids=["hard", "soft"])
+def test_surviving_heads(gate, expected):
+  cfg, variables = gated_model("allatt", gate)
+  kept = export.surviving_heads(cfg, variables["gates"])
+  assert [k.tolist() for k in kept] == list(expected)
+
+
+@pytest.mark.parametrize("kind", model_lib.KINDS)
+def test_exported_tree_is_the_pruned_models(kind):
+  cfg, variables = gated_model(kind, HARD)
+  pruned_cfg, params = export.prune_variables(cfg, variables)
+  assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
+  assert pruned_cfg.head_dim == cfg.head_dim
+
+  full = variables["params"]["layer_0"]["attention"]
+  kept = np.array([0, 2])
+  attn = params["layer_0"]["attention"]
+  for name in ("query", "key", "value", "rel"):
+    assert attn[name]["kernel"].shape == (32, 2, 8)
+    np.testing.assert_array_equal(attn[name]["kernel"], full[name]["kernel"][:, kept])
+  for name in ("content_bias", "position_bias"):
+    np.testing.assert_array_equal(attn[name], full[name][kept])
+  if kind == "allatt":
+    for name in ("persistent_key", "persistent_value"):
+      assert attn[name].shape == (2, 8, 8)
+      np.testing.assert_array_equal(attn[name], full[name][kept])
+  # Two open heads of four: s_g = 2 is folded into the survivors' W_O.
+  assert attn["out"]["kernel"].shape == (2, 8, 32)
+  np.testing.assert_allclose(attn["out"]["kernel"], 2.0 * full["out"]["kernel"][kept],
+                             rtol=1e-6)
+
+  if kind == "allatt":
+    assert "layer_1" not in params
+  else:
+    assert set(params["layer_1"]) == {"feed_forward", "feed_forward_norm"}
+  assert params["layer_2"]["attention"]["query"]["kernel"].shape == (32, 4, 8)
+
+  expected = abstract_params(pruned_cfg)
+  assert jax.tree.structure(params) == jax.tree.structure(expected)
+  assert jax.tree.map(np.shape, params) == jax.tree.map(lambda x: x.shape, expected)
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+  count = sum(x.size for x in jax.tree.leaves(params))
+  assert count == costs.param_counts(pruned_cfg)["params_total"]
+
+  # Everything outside the attention of pruned layers is copied unchanged.
+  flat_full = traverse_util.flatten_dict(variables["params"])
+  for path, leaf in traverse_util.flatten_dict(params).items():
+    if path[0] != "layer_0":
+      np.testing.assert_array_equal(leaf, flat_full[path])
+
+
+def test_gated_model_with_a_headless_layer_exports():
+  cfg, variables = gated_model("allatt", HARD, heads_per_layer=(4, 0, 4))
+  assert "layer_1" not in variables["gates"]
+  pruned_cfg, params = export.prune_variables(cfg, variables)
+  assert pruned_cfg.layer_heads == (2, 0, 4)
+  assert jax.tree.structure(params) == jax.tree.structure(abstract_params(pruned_cfg))
+
+
+def test_variables_without_gates_are_refused():
+  cfg, variables = gated_model("allatt")
+  with pytest.raises(errors.CheckpointError, match="no head gates, so there is nothing "
+                     "to prune. Export needs a pruning run"):
+    export.prune_variables(cfg, {"params": variables["params"]})
+
+
+def test_variables_that_do_not_fit_the_config_are_refused():
+  cfg, variables = gated_model("allatt", num_persistent=4)
+  wrong_cfg = make_cfg("allatt", num_persistent=8)
+  with pytest.raises(errors.CheckpointError,
+                     match=r"do not fit the config.*persistent_key: shape \(2, 4, 8\)"):
+    export.prune_variables(wrong_cfg, variables)
