@@ -1,0 +1,132 @@
+"""Finding, checking and fingerprinting the raw files of a dataset.
+
+Checks run before any expensive work, so a wrong folder fails in a second with a
+message that names the file and the fix.
+"""
+import hashlib
+import lzma
+import pathlib
+import re
+
+from absl import logging
+
+from allatt_jax.data import specs
+from allatt_jax.errors import DataError
+
+_HEAD_BYTES = 1 << 16
+_HASH_BLOCK = 1 << 22
+_WIKITEXT_HEADING = re.compile(rb'^ = [^=].* = $')
+_TEXT8_ALPHABET = re.compile(rb'[a-z ]*')
+
+
+def locate(spec: specs.DatasetSpec, directory) -> dict[str, pathlib.Path]:
+  """Paths of the dataset's files in `directory` (or its archive folder inside)."""
+  directory = pathlib.Path(directory).expanduser()
+  candidates = [directory]
+  if spec.archive_folder:
+    candidates.append(directory / spec.archive_folder)
+  for folder in candidates:
+    if all((folder / name).is_file() for name in spec.files):
+      return {name: folder / name for name in spec.files}
+  missing = [name for name in spec.files if not (directory / name).is_file()]
+  raise spec.not_found(f'{", ".join(missing)} missing in {directory}')
+
+
+def check(spec: specs.DatasetSpec, paths: dict[str, pathlib.Path]) -> None:
+  """Raises DataError when a file is empty, truncated or not in the official format."""
+  for name, path in paths.items():
+    if path.stat().st_size == 0:
+      raise DataError(f"Dataset '{spec.name}': {path} is empty. "
+                      f'{spec.source_hint()}')
+    if spec.level == 'word':
+      _check_wikitext(spec, path)
+    elif spec.name == 'enwik8':
+      _check_prefix(spec, path, b'<mediawiki', 'an XML dump starting with <mediawiki')
+    elif spec.name == 'text8':
+      _check_text8_alphabet(spec, path, _read_head(path))
+
+
+def _read_head(path: pathlib.Path) -> bytes:
+  with open(path, 'rb') as f:
+    return f.read(_HEAD_BYTES)
+
+
+def _check_wikitext(spec, path):
+  with open(path, 'rb') as f:
+    head = f.read(_HEAD_BYTES)
+    f.seek(-1, 2)
+    last = f.read(1)
+  if last != b'\n':
+    raise DataError(f"Dataset '{spec.name}': {path} is truncated (its last line has "
+                    f'no newline). {spec.source_hint()}')
+  lines = [line for line in head.split(b'\n')[:-1] if line.strip()]
+  if not lines or not _WIKITEXT_HEADING.match(lines[0]):
+    raise DataError(f"Dataset '{spec.name}': {path} is not a WikiText file: its first "
+                    "text line should be an article title like ' = Title = '. "
+                    f'{spec.source_hint()}')
+
+
+def _check_prefix(spec, path, prefix, what):
+  if not _read_head(path).startswith(prefix):
+    raise DataError(f"Dataset '{spec.name}': {path} is not {what}. "
+                    f'{spec.source_hint()}')
+
+
+def _check_text8_alphabet(spec, where, text: bytes):
+  if not _TEXT8_ALPHABET.fullmatch(text):
+    bad = re.search(rb'[^a-z ]', text).group()
+    raise DataError(f"Dataset '{spec.name}': {where} holds {bad!r}; text8-style text "
+                    'has only lowercase a-z and spaces. '
+                    f'{spec.source_hint()}')
+
+
+def fingerprint(paths: dict[str, pathlib.Path]) -> dict[str, dict[str, int | str]]:
+  """Size and SHA-256 of every file: what an encoded cache was made from."""
+  result = {}
+  for name, path in sorted(paths.items()):
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+      while block := f.read(_HASH_BLOCK):
+        digest.update(block)
+    result[name] = {'size': path.stat().st_size, 'sha256': digest.hexdigest()}
+  return result
+
+
+def warn_if_unofficial(spec: specs.DatasetSpec, sources: dict) -> None:
+  for name, sha256 in spec.official_sha256.items():
+    if sources[name]['sha256'] != sha256:
+      logging.warning("Dataset '%s': %s differs from the official file; results will "
+                      'not be comparable with published numbers.', spec.name, name)
+
+
+def read_stream(spec: specs.DatasetSpec, path: pathlib.Path) -> bytes:
+  """The whole text of a single-file dataset, checked."""
+  data = path.read_bytes()
+  if path.suffix == '.xz':
+    try:
+      data = lzma.decompress(data)
+    except lzma.LZMAError as e:
+      raise DataError(f"Dataset '{spec.name}': {path} is not a valid .xz file ({e}). "
+                      f'{spec.source_hint()}') from e
+  if spec.level == 'char':
+    _check_text8_alphabet(spec, path, data)
+  if not data:
+    raise DataError(f"Dataset '{spec.name}': {path} holds no text.")
+  return data
+
+
+def split_stream(spec: specs.DatasetSpec, data: bytes) -> tuple[dict[str, bytes], str]:
+  """Cuts a single-file dataset into splits; logs when it is not the official rule."""
+  sizes, rule = spec.split_sizes(len(data))
+  if rule != 'official' and spec.official_size is not None:
+    logging.warning(
+        "Dataset '%s': the file has %s bytes, not the official %s, so it is split "
+        '%s (%s) instead of %s; results are not comparable with published numbers.',
+        spec.name, f'{len(data):,}', f'{spec.official_size:,}', rule,
+        '/'.join(f'{s:,}' for s in sizes), '/'.join(f'{s:,}' for s in spec.official_split))
+  if min(sizes) < 2:
+    raise DataError(f"Dataset '{spec.name}': the file has only {len(data)} bytes, "
+                    'too few to split into train/valid/test.')
+  bounds = [0, sizes[0], sizes[0] + sizes[1], len(data)]
+  return ({split: data[bounds[i]:bounds[i + 1]] for i, split in enumerate(specs.SPLITS)},
+          rule)

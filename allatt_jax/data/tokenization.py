@@ -1,0 +1,110 @@
+"""Text to ids as in Transformer-XL's data setup.
+
+Words: split on whitespace, one <eos> per line, vocabulary from train only in
+descending frequency (ties: first occurrence), <unk> an ordinary word.
+Characters: the text8 alphabet (space and a-z). Bytes: id = byte value.
+"""
+from collections.abc import Iterable, Mapping
+import itertools
+
+import numpy as np
+
+from allatt_jax.errors import DataError
+
+EOS = '<eos>'
+UNK = '<unk>'
+TEXT8_ALPHABET = ' abcdefghijklmnopqrstuvwxyz'
+
+
+class _FirstSeenIds(dict):
+  """word -> id in order of first appearance, assigned on first lookup."""
+
+  def __missing__(self, word: str) -> int:
+    self[word] = len(self)
+    return self[word]
+
+
+def encode_train(line_batches: Iterable[Iterable[str]]) -> tuple[tuple[str, ...], np.ndarray]:
+  """The vocabulary of the training text and the text's ids, in one pass.
+
+  Words first get ids in order of appearance; a stable sort of those by
+  descending count is the frequency order with ties broken by first appearance.
+  """
+  first_seen = _FirstSeenIds()
+  lookup = first_seen.__getitem__
+  parts = []
+  for lines in line_batches:
+    ids = []
+    for line in lines:
+      ids.extend(map(lookup, line.split()))
+      ids.append(lookup(EOS))
+    parts.append(np.array(ids, dtype=np.int32))
+  ids = np.concatenate(parts)
+  order = np.argsort(-np.bincount(ids, minlength=len(first_seen)), kind='stable')
+  new_ids = np.empty(len(order), dtype=np.int32)
+  new_ids[order] = np.arange(len(order), dtype=np.int32)
+  words = list(first_seen)
+  return tuple(words[i] for i in order), new_ids[ids]
+
+
+def encode_lines(lines: Iterable[str], index: Mapping[str, int]) -> tuple[np.ndarray, int]:
+  """Ids of the words of `lines`, each line ended by <eos>; and the <unk> count."""
+  lookup = index.get
+  eos = index[EOS]
+  ids = []
+  for line in lines:
+    ids.extend(map(lookup, line.split(), itertools.repeat(-1)))
+    ids.append(eos)
+  return _map_unknown(np.array(ids, dtype=np.int32), index)
+
+
+def encode_words(text: str, index: Mapping[str, int]) -> tuple[np.ndarray, int]:
+  """Like the splits: every newline is an <eos>; a final unended line gets none."""
+  *lines, last = text.split('\n')
+  ids, unknown = encode_lines(lines, index)
+  tail = [index.get(word, -1) for word in last.split()]
+  tail, tail_unknown = _map_unknown(np.array(tail, dtype=np.int32), index)
+  return np.concatenate([ids, tail]), unknown + tail_unknown
+
+
+def _map_unknown(ids: np.ndarray, index: Mapping[str, int]) -> tuple[np.ndarray, int]:
+  unknown = ids < 0
+  count = int(unknown.sum())
+  if count:
+    if UNK not in index:
+      raise DataError(f'{count} words are not in the vocabulary, which has no {UNK}.')
+    ids[unknown] = index[UNK]
+  return ids, count
+
+
+def decode_words(ids, vocab: tuple[str, ...]) -> str:
+  """Words joined by spaces, <eos> as a newline: the inverse of `encode_words`."""
+  text, line = [], []
+  for word in (vocab[i] for i in np.asarray(ids).ravel()):
+    if word == EOS:
+      text.append(' '.join(line) + '\n')
+      line = []
+    else:
+      line.append(word)
+  text.append(' '.join(line))
+  return ''.join(text)
+
+
+def char_table(vocab: tuple[str, ...]) -> np.ndarray:
+  """Byte value -> id for an ASCII vocabulary; -1 for bytes outside it."""
+  table = np.full(256, -1, dtype=np.int32)
+  table[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.int32)
+  return table
+
+
+def encode_ascii(data: bytes, table: np.ndarray) -> np.ndarray:
+  ids = table[np.frombuffer(data, dtype=np.uint8)]
+  if (ids < 0).any():
+    bad = data[int(np.argmax(ids < 0))]
+    raise DataError(f'Character {chr(bad)!r} is outside the vocabulary.')
+  return ids
+
+
+def byte_vocab() -> tuple[str, ...]:
+  """A printable name per byte: the character itself for printable ASCII."""
+  return tuple(chr(b) if 0x20 <= b < 0x7f else f'<0x{b:02X}>' for b in range(256))
