@@ -1,0 +1,47 @@
+"""The `wikitext_chars` corpus shipped in the package, and how it is made.
+
+Text: WikiText-2 raw valid then test (Merity et al. 2016, CC BY-SA 3.0), cleaned
+the way text8 was made from Wikipedia (Mahoney's wikifil.pl), with one change:
+  * accents are removed (NFKD) before anything else, so 'café' stays 'cafe'
+    instead of breaking into 'caf'; other non-Latin letters become spaces;
+  * lowercase (casefold: 'ß' -> 'ss');
+  * each digit becomes its English word, as in text8: '1984' -> ' one nine eight
+    four ';
+  * every other character (punctuation, WikiText's @-@ markers, newlines) becomes
+    a space; runs of spaces collapse to one; no leading or trailing space.
+The result is one line of a-z and spaces, split 90/5/5 by characters when loaded.
+"""
+import lzma
+import pathlib
+import re
+import unicodedata
+
+from allatt_jax.data import specs
+from allatt_jax.errors import DataError
+
+RAW_FILES = ('wiki.valid.raw', 'wiki.test.raw')
+_DIGIT_WORDS = ('zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven',
+                'eight', 'nine')
+_DIGIT = re.compile(r'[0-9]')
+_NOT_LETTER = re.compile(r'[^a-z]+')
+
+
+def clean_text8_style(text: str) -> str:
+  decomposed = unicodedata.normalize('NFKD', text)
+  text = ''.join(c for c in decomposed if not unicodedata.combining(c)).casefold()
+  text = _DIGIT.sub(lambda digit: f' {_DIGIT_WORDS[int(digit.group())]} ', text)
+  return _NOT_LETTER.sub(' ', text).strip()
+
+
+def make_embedded_corpus(raw_dir, out_path=None) -> pathlib.Path:
+  """Writes the cleaned, xz-compressed corpus; returns its path."""
+  raw_dir = pathlib.Path(raw_dir).expanduser()
+  missing = [name for name in RAW_FILES if not (raw_dir / name).is_file()]
+  if missing:
+    raise DataError(f'{", ".join(missing)} missing in {raw_dir}: pass the folder of '
+                    'an unzip of wikitext-2-raw-v1.zip.')
+  text = ' '.join(clean_text8_style((raw_dir / name).read_text(encoding='utf-8'))
+                  for name in RAW_FILES)
+  out_path = pathlib.Path(out_path or specs.CORPUS_DIR / specs.WIKITEXT_CHARS.files[0])
+  out_path.write_bytes(lzma.compress(text.encode('ascii'), preset=9 | lzma.PRESET_EXTREME))
+  return out_path
