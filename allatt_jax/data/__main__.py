@@ -1,0 +1,59 @@
+"""Prepares a dataset (if needed) and prints its statistics as one JSON object.
+
+  python -m allatt_jax.data --dataset=wikitext2 --manual_dir=DIR [--data_dir=DIR]
+  python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
+"""
+import json
+import sys
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from allatt_jax.data import corpus as corpus_lib
+from allatt_jax.data import embedded
+from allatt_jax.data import specs
+from allatt_jax.data import tokenization
+from allatt_jax.errors import DataError
+
+_DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
+                             'Dataset to prepare.')
+_MANUAL_DIR = flags.DEFINE_string(
+    'manual_dir', None, 'Folder holding the official files (else TFDS downloads).')
+_DATA_DIR = flags.DEFINE_string(
+    'data_dir', None, 'TFDS data folder (default $TFDS_DATA_DIR or ~/tensorflow_datasets).')
+_MAKE_EMBEDDED = flags.DEFINE_string(
+    'make_embedded_corpus_from', None,
+    'Instead: rebuild the shipped wikitext_chars corpus from this folder of '
+    'WikiText-2 raw files.')
+
+
+def stats(corpus: corpus_lib.Corpus) -> dict:
+  result = {
+      'dataset': corpus.name, 'level': corpus.level, 'metric': corpus.metric,
+      'vocab_size': corpus.vocab_size,
+      'num_tokens': {split: int(ids.size) for split, ids in corpus.splits.items()},
+      'split_rule': corpus.split_rule,
+  }
+  if tokenization.UNK in corpus.vocab:
+    unk = corpus.vocab.index(tokenization.UNK)
+    result['num_unk'] = {split: int(np.count_nonzero(ids == unk))
+                         for split, ids in corpus.splits.items()}
+  return result
+
+
+def main(argv):
+  del argv
+  try:
+    if _MAKE_EMBEDDED.value:
+      path = embedded.make_embedded_corpus(_MAKE_EMBEDDED.value)
+      print(json.dumps({'written': str(path), 'bytes': path.stat().st_size}))
+      return
+    corpus = corpus_lib.load_corpus(_DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value)
+  except DataError as e:
+    sys.exit(f'error: {e}')
+  print(json.dumps(stats(corpus)))
+
+
+if __name__ == '__main__':
+  app.run(main)
