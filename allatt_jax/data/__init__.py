@@ -1,6 +1,10 @@
-"""Language-modelling data: datasets, tokenisation, cached encodings."""
+"""Language-modelling data: datasets, tokenisation, cached encodings, batch streams."""
 from allatt_jax.data.corpus import Corpus
 from allatt_jax.data.corpus import load_corpus
 from allatt_jax.data.specs import DATASETS
+from allatt_jax.data.stream import eval_batches
+from allatt_jax.data.stream import SegmentStream
+from allatt_jax.data.stream import to_global_array
 
-__all__ = ['DATASETS', 'Corpus', 'load_corpus']
+__all__ = ['DATASETS', 'Corpus', 'SegmentStream', 'eval_batches', 'load_corpus',
+           'to_global_array']
