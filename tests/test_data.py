@@ -257,6 +257,11 @@ def test_missing_files_message_names_dataset_files_and_both_fixes(tmp_path):
     assert part in message
 
 
+def test_manual_dir_that_does_not_exist_is_named(tmp_path):
+  with pytest.raises(DataError, match=f"'text8' not found .{tmp_path / 'nope'} is not a"):
+    data.load_corpus('text8', tmp_path / 'data', tmp_path / 'nope')
+
+
 def test_offline_without_manual_dir_fails_fast_with_both_fixes(tmp_path, monkeypatch):
   def no_network(*args, **kwargs):
     raise OSError('Name or service not known')

@@ -178,7 +178,11 @@ def test_two_processes_assemble_the_global_batch(tmp_path):
   workers = [subprocess.Popen([sys.executable, str(script), port, str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-  outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+  try:
+    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+  finally:
+    for worker in workers:
+      worker.kill()
   for i, (worker, output) in enumerate(zip(workers, outputs)):
     assert worker.returncode == 0, output
     assert f'ok {i}' in output

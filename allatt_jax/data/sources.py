@@ -22,6 +22,8 @@ _TEXT8_ALPHABET = re.compile(rb'[a-z ]*')
 def locate(spec: specs.DatasetSpec, directory) -> dict[str, pathlib.Path]:
   """Paths of the dataset's files in `directory` (or its archive folder inside)."""
   directory = pathlib.Path(directory).expanduser()
+  if not directory.is_dir():
+    raise spec.not_found(f'{directory} is not a folder')
   candidates = [directory]
   if spec.archive_folder:
     candidates.append(directory / spec.archive_folder)
