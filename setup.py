@@ -7,7 +7,7 @@ setuptools.setup(
     description=("Train All-attention Transformer language models and prune their "
                  "attention heads layer by layer with trainable L0 gates."),
     packages=setuptools.find_packages(include=["allatt_jax", "allatt_jax.*"]),
-    package_data={"allatt_jax": ["corpus/*.xz", "corpus/*.md"]},
+    package_data={"allatt_jax": ["corpus/*.xz", "corpus/*.md", "data/checksums.tsv"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.12",
@@ -18,6 +18,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.18,<3",
         "ml_collections>=1.0,<2",
         "clu>=0.0.12",
+        "tensorboard>=2.18",
         "absl-py>=2.1",
         "numpy>=1.26",
         "matplotlib>=3.8",

@@ -59,11 +59,23 @@ def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
   return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
-def _dense(features, axis, names, dtype, name):
-  return nn.DenseGeneral(
-      features=features, axis=axis, use_bias=False, dtype=dtype,
-      kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
-      name=name)
+class Projection(nn.Module):
+  """Contracts the last `num_in` axes of x with the first axes of a named kernel.
+
+  Written out rather than with nn.DenseGeneral, whose flattened kernel init does not
+  survive logical-axis constraints on multi-axis kernels.
+  """
+  shape: tuple[int, ...]
+  names: tuple[str, ...]
+  num_in: int = 1
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal(in_axis=tuple(range(self.num_in)),
+                                        out_axis=tuple(range(self.num_in, len(self.shape))))
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names), self.shape)
+    return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.num_in)
 
 
 class RelativeAttention(nn.Module):
@@ -86,13 +98,13 @@ class RelativeAttention(nn.Module):
                sample_gates: bool = False):
     h, dh = self.num_heads, self.head_dim
     d_model = x_BxTxD.shape[-1]
-    heads_names = ("embed", "heads", "head_dim")
     kv_BxKxD = jnp.concatenate([mem_BxSxD, x_BxTxD], axis=1)
-
-    q = _dense((h, dh), -1, heads_names, self.dtype, "query")(x_BxTxD)
-    k = _dense((h, dh), -1, heads_names, self.dtype, "key")(kv_BxKxD)
-    v = _dense((h, dh), -1, heads_names, self.dtype, "value")(kv_BxKxD)
-    r_KxHxDh = _dense((h, dh), -1, heads_names, self.dtype, "rel")(r_KxD)
+    in_proj = lambda name: Projection((d_model, h, dh), ("embed", "heads", "head_dim"),
+                                      dtype=self.dtype, name=name)
+    q = in_proj("query")(x_BxTxD)
+    k = in_proj("key")(kv_BxKxD)
+    v = in_proj("value")(kv_BxKxD)
+    r_KxHxDh = in_proj("rel")(r_KxD)
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
     k = nn.with_logical_constraint(k, ("batch", "length", "heads", "head_dim"))
     v = nn.with_logical_constraint(v, ("batch", "length", "heads", "head_dim"))
@@ -136,12 +148,8 @@ class RelativeAttention(nn.Module):
       combine_H = g_H * gates_lib.output_scale(g_H, self.gate)
       out_BxTxHxDh = out_BxTxHxDh * combine_H[:, None].astype(self.dtype)
 
-    out = nn.DenseGeneral(
-        features=d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(),
-            ("heads", "head_dim", "embed")),
-        name="out")(out_BxTxHxDh)
+    out = Projection((h, dh, d_model), ("heads", "head_dim", "embed"), num_in=2,
+                     dtype=self.dtype, name="out")(out_BxTxHxDh)
     return out, stats
 
   def _persistent_vectors(self, h, dh):

@@ -44,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
       lam=0.0,                     # λ of the L0 term
       l0_warmup_steps=4000,        # technique 1: λ rises linearly; 0 = no warm-up
       freeze_step=16000,           # gates stop updating and become deterministic
+      # Peak learning rate of the gate logits; None = train.learning_rate (the paper).
+      # Short runs need more: LAMB moves a logit by about 1-2 x lr per step.
+      learning_rate=ml_collections.FieldReference(None, field_type=float),
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -4,6 +4,8 @@ Every check that can fail on user input (a config, a dataset, a checkpoint) rais
 of these before any expensive work starts; `main` prints the message without a
 traceback.
 """
+import contextlib
+import sys
 
 
 class AllattError(Exception):
@@ -20,3 +22,13 @@ class DataError(AllattError):
 
 class CheckpointError(AllattError):
   """A checkpoint is missing, unreadable or does not match the config."""
+
+
+@contextlib.contextmanager
+def reported_to_user():
+  """Turns an AllattError into its message on stderr and exit status 2, no traceback."""
+  try:
+    yield
+  except AllattError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

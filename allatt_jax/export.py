@@ -10,16 +10,22 @@ equal the gated model's deterministic outputs, in hard (g ∈ {0, 1}) and soft
 attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward.
 """
 import dataclasses
+import pathlib
 
+from absl import app
+from absl import flags
 import flax.linen as nn
 from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import checkpointing
 from allatt_jax import errors
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+
+EXPORT_DIR = "export"
 
 # Where the head axis sits in each attention parameter, keyed by its path under
 # `layer_{i}/attention`: kernels (d, H, dh) / (H, dh, d), biases (H, dh),
@@ -148,3 +154,42 @@ def _check_matches_init(cfg: model_lib.ModelConfig, params) -> None:
         "The pruned parameters do not match the pruned model "
         f"(heads_per_layer={cfg.layer_heads}); the variables do not fit the config: "
         + "; ".join(problems))
+
+
+def export_run(workdir, out_dir=None) -> pathlib.Path:
+  """Exports a pruning run's latest checkpoint as a standalone smaller model.
+
+  The export's config.json is the run's config describing the smaller model (per-layer
+  head counts, no gates, no init_from), so `checkpointing.load_model` and every CLI that
+  takes a checkpoint can load it.
+  """
+  workdir = pathlib.Path(workdir)
+  config = checkpointing.load_config(workdir)
+  if not config.gates.enabled:
+    raise errors.CheckpointError(
+        f"{workdir} is a baseline run (gates.enabled=False): it has no head gates, so "
+        "there is nothing to prune. Export a pruning run's workdir instead.")
+  variables = checkpointing.restore_variables(workdir)
+  pruned_cfg, params = prune_variables(model_lib.model_config(config), variables)
+  exported = config.copy_and_resolve_references()
+  exported.model.heads_per_layer = pruned_cfg.heads_per_layer
+  exported.model.max_relative_len = pruned_cfg.max_relative_len
+  exported.gates.enabled = False
+  exported.init_from = ""
+  out_dir = pathlib.Path(out_dir) if out_dir else workdir / EXPORT_DIR
+  checkpointing.save_model(out_dir, exported, params)
+  return out_dir
+
+
+def main(argv):
+  del argv
+  with errors.reported_to_user():
+    out_dir = export_run(_WORKDIR.value, _OUT.value)
+  print(f"Exported the pruned model to {out_dir}")
+
+
+if __name__ == "__main__":
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
+  _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: WORKDIR/export).")
+  flags.mark_flags_as_required(["workdir"])
+  app.run(main)

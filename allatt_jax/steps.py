@@ -1,0 +1,130 @@
+"""Pure train and eval steps, and the train state they transform.
+
+One train step serves baseline and pruning runs: with a `gates` collection in the
+state, the loss gains λ(t)·L0 and gates are sampled (before the freeze) or
+deterministic (after it). The step is jitted once per gate mode by `train.py`.
+"""
+import functools
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array                 # int32 scalar: updates applied so far
+  variables: Any                  # {'params': ...} or {'params': ..., 'gates': ...}
+  opt_state: Any
+  memory: Any                     # model_lib memory of the training stream's rows
+
+
+def init_state(lm: model_lib.TransformerLM, optimizer, config, rng, *, boxed=False):
+  """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only)."""
+  batch, cfg = config.train.batch_size, lm.cfg
+  tokens_BxT = jnp.zeros((batch, config.train.seq_len), jnp.int32)
+  memory = model_lib.init_memory(cfg, batch, config.train.mem_len)
+  variables = lm.init({"params": rng}, tokens_BxT, tokens_BxT, memory)
+  if not boxed:
+    variables = nn.unbox(variables)
+  variables = flax.core.unfreeze(variables)
+  return TrainState(step=jnp.zeros((), jnp.int32), variables=variables,
+                    opt_state=optimizer.init(variables), memory=memory)
+
+
+def _per_layer(stats, key):
+  """Sum of a gate statistic per layer (0 for layers without heads or gates)."""
+  return jnp.stack([jnp.sum(s[key]) if s else jnp.zeros(()) for s in stats])
+
+
+def _micro_batches(x, k):
+  """(B, ...) -> (k, B/k, ...) taking rows i, i+k, ... for micro-batch i.
+
+  Strided rather than contiguous, so each data-parallel shard holds rows of every
+  micro-batch and the devices stay evenly loaded.
+  """
+  return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+
+def _merge_micro_batches(x):
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
+               lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
+               config: ml_collections.ConfigDict, sample_gates: bool):
+  """One optimizer update on a global batch (optionally accumulated over micro-batches)."""
+  accum = config.train.grad_accum_steps
+  rng = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
+  gates_rng, dropout_rng = jax.random.split(rng)
+  lam = optim.lambda_schedule(config.gates)(state.step)
+
+  def loss_fn(variables, inputs, targets, memory, micro_index):
+    nll_BxT, new_memory, stats = lm.apply(
+        variables, inputs, targets, memory, deterministic=False, sample_gates=sample_gates,
+        # One gate sample per step, shared by all micro-batches, as for the full batch.
+        rngs={"gates": gates_rng, "dropout": jax.random.fold_in(dropout_rng, micro_index)})
+    nll = nll_BxT.mean()
+    l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
+    return nll + lam * l0, (nll, l0, new_memory, stats)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if accum == 1:
+    (loss, (nll, l0, memory, stats)), grads = grad_fn(
+        state.variables, inputs_BxT, targets_BxT, state.memory, 0)
+  else:
+    micro = lambda x: _micro_batches(x, accum)
+    memory_micro = {"hidden": jax.vmap(micro, in_axes=0, out_axes=1)(state.memory["hidden"]),
+                    "length": state.memory["length"]}
+
+    def accumulate(grad_sum, xs):
+      inputs, targets, hidden, index = xs
+      (loss, (nll, l0, memory, stats)), grads = grad_fn(
+          state.variables, inputs, targets, {"hidden": hidden, "length": memory_micro["length"]},
+          index)
+      grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+      return grad_sum, (loss, nll, l0, memory["hidden"], memory["length"], stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.variables)
+    grads, (loss, nll, l0, hidden, length, stats) = jax.lax.scan(
+        accumulate, zeros, (micro(inputs_BxT), micro(targets_BxT),
+                            memory_micro["hidden"], jnp.arange(accum)))
+    grads = jax.tree.map(lambda g: g / accum, grads)
+    loss, nll, l0 = loss.mean(), nll.mean(), l0[0]
+    memory = {"hidden": jax.vmap(_merge_micro_batches, in_axes=1)(hidden), "length": length[0]}
+    stats = jax.tree.map(lambda s: s[0], stats)
+
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.variables)
+  variables = optax.apply_updates(state.variables, updates)
+  metrics = {
+      "loss": loss, "nll": nll, "l0": l0, "lambda": lam,
+      "grad_norm": optax.tree.norm(grads),
+      "learning_rate": optim.learning_rate_schedule(config.train)(state.step),
+      "open_expected": _per_layer(stats, "open_prob"),
+      "open_actual": _per_layer(stats, "open"),
+  }
+  new_state = state.replace(step=state.step + 1, variables=variables, opt_state=opt_state,
+                            memory=memory)
+  return new_state, metrics
+
+
+def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
+              lm: model_lib.TransformerLM):
+  """Weighted NLL sum and token count of one eval batch, and the next memory."""
+  nll_BxT, memory, _ = lm.apply(variables, inputs_BxT, targets_BxT, memory)
+  return (jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), memory
+
+
+def jit_train_step(lm, optimizer, config, state_sharding, batch_sharding, replicated,
+                   *, sample_gates: bool):
+  step = functools.partial(train_step, lm=lm, optimizer=optimizer, config=config,
+                           sample_gates=sample_gates)
+  return jax.jit(step, in_shardings=(state_sharding, batch_sharding, batch_sharding),
+                 out_shardings=(state_sharding, replicated), donate_argnums=(0,))

@@ -1,0 +1,226 @@
+"""Training and pruning runs: setup, state, the train loop, final evaluation.
+
+A run is a baseline run (no gates) or a pruning run (`gates.enabled`, usually with
+`init_from` a baseline workdir). Restarting on the same workdir resumes from the
+latest checkpoint, data position and memory included.
+"""
+import functools
+import json
+import pathlib
+import sys
+import time
+
+from absl import logging
+from clu import metric_writers
+from clu import periodic_actions
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+
+from allatt_jax import checkpointing
+from allatt_jax import data as data_lib
+from allatt_jax import evaluate
+from allatt_jax import export
+from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+from allatt_jax import sharding
+from allatt_jax import steps
+from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
+
+GATE_HISTORY_FILE = "gate_history.jsonl"
+
+
+class Run:
+  """Everything a run needs besides its state: corpus, mesh, model, optimizer."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.corpus = data_lib.load_corpus(config.data.name, config.data.data_dir,
+                                       config.data.manual_dir)
+    if self.corpus.vocab_size != config.model.vocab_size:
+      raise ConfigError(
+          f"config.model.vocab_size is {config.model.vocab_size} but dataset "
+          f"{config.data.name!r} has {self.corpus.vocab_size} types; set "
+          f"--config.model.vocab_size={self.corpus.vocab_size}.")
+    self.mesh = sharding.make_mesh(config.mesh)
+    self.lm = model_lib.TransformerLM(model_lib.model_config(config))
+    self.optimizer = optim.make_optimizer(config)
+
+  def abstract_state(self):
+    """Shapes, dtypes and shardings of the train state, without allocating it."""
+    init = functools.partial(steps.init_state, self.lm, self.optimizer, self.config,
+                             boxed=True)
+    with sharding.activate(self.mesh):
+      boxed = jax.eval_shape(init, jax.random.key(0))
+    shardings = sharding.logical_shardings(self.mesh, boxed)
+    shardings = shardings.replace(memory=sharding.memory_sharding(self.mesh))
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.unbox(boxed), shardings), shardings
+
+  def new_state(self, state_sharding):
+    init = functools.partial(steps.init_state, self.lm, self.optimizer, self.config)
+    with sharding.activate(self.mesh):
+      state = jax.jit(init, out_shardings=state_sharding)(
+          jax.random.key(self.config.train.seed))
+    if self.config.init_from:
+      state = self._start_from_baseline(state, state_sharding)
+    return state
+
+  def _start_from_baseline(self, state, state_sharding):
+    """Baseline params into a fresh state; gates stay at their init, optimizer fresh."""
+    baseline = checkpointing.restore_variables(self.config.init_from)["params"]
+    expected = jax.tree.map(lambda a: a.shape, state.variables["params"])
+    found = jax.tree.map(lambda a: a.shape, baseline)
+    if expected != found:
+      raise CheckpointError(
+          f"init_from={self.config.init_from} holds parameters of another shape than "
+          f"config.model describes (expected {_short(expected)}, found {_short(found)}). "
+          "Use the same model section as the baseline run.")
+    variables = {**state.variables, "params": baseline}
+    with sharding.activate(self.mesh):
+      fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=self.optimizer.init(v)),
+                      out_shardings=state_sharding)
+      return fresh(variables)
+
+  def evaluator(self) -> evaluate.Evaluator:
+    e = self.config.eval
+    return evaluate.Evaluator(self.lm, self.mesh, batch_size=e.batch_size,
+                              seq_len=e.seq_len, mem_len=e.mem_len)
+
+
+def _short(shapes) -> str:
+  text = str(shapes)
+  return text if len(text) < 300 else text[:300] + "..."
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+  # --- Setup.
+  workdir = pathlib.Path(workdir)
+  run = Run(config)
+  is_main = jax.process_index() == 0
+  if is_main:
+    checkpointing.save_config(workdir, config)
+  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  train_cfg = config.train
+  tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+
+  # --- State: resume, or start fresh (from a baseline for pruning runs).
+  abstract_state, state_sharding = run.abstract_state()
+  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
+  stream = data_lib.SegmentStream(run.corpus.splits["train"], train_cfg.batch_size,
+                                  train_cfg.seq_len, jax.process_index(),
+                                  jax.process_count())
+  if (latest := checkpoints.latest_step()) is not None:
+    logging.info("Resuming from step %d in %s", latest, checkpoints.directory)
+    state, data_state = checkpoints.restore(latest, abstract_state)
+    stream.set_state(data_state)
+  else:
+    state = run.new_state(state_sharding)
+  gated = "gates" in state.variables
+
+  batch = sharding.batch_sharding(run.mesh)
+  step_fns = {
+      sample: steps.jit_train_step(run.lm, run.optimizer, config, state_sharding, batch,
+                                   sharding.replicated(run.mesh), sample_gates=sample)
+      for sample in ((True, False) if gated else (False,))}
+  evaluator = run.evaluator()
+  report_progress = periodic_actions.ReportProgress(
+      num_train_steps=train_cfg.num_steps, writer=writer)
+  progress = tqdm.tqdm(total=train_cfg.num_steps, initial=int(state.step),
+                       disable=not (is_main and sys.stdout.isatty()), dynamic_ncols=True)
+
+  # --- Train loop.
+  shape = (train_cfg.batch_size, train_cfg.seq_len)
+  pending, interval_start = [], time.perf_counter()
+  for step in range(int(state.step), train_cfg.num_steps):
+    inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
+    sample = gated and step < config.gates.freeze_step
+    with sharding.activate(run.mesh):
+      state, metrics = step_fns[sample](state, inputs, targets)
+    pending.append(metrics)
+    done = step + 1
+    report_progress(done)
+    progress.update(1)
+
+    if done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps:
+      summary = _summarise(pending, run.corpus.metric)
+      elapsed = time.perf_counter() - interval_start
+      summary["tokens_per_s"] = len(pending) * tokens_per_step / elapsed
+      writer.write_scalars(done, summary)
+      progress.set_postfix(loss=f"{summary['nll']:.3f}")
+      if gated and is_main:
+        _append_gate_history(workdir, done, state.variables["gates"], run.lm.cfg)
+      pending, interval_start = [], time.perf_counter()
+
+    if config.eval.every_steps and done % config.eval.every_steps == 0:
+      results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus, ("valid",),
+                                         config.eval.max_batches)
+      writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
+      interval_start = time.perf_counter()
+
+    if done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps:
+      checkpoints.save(done, state, stream.get_state(), force=True)
+  progress.close()
+
+  # --- Final evaluation.
+  checkpoints.wait()
+  checkpoints.close()
+  results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus)
+  writer.write_scalars(train_cfg.num_steps, {f"final/{k}": v for k, v in results.items()})
+  writer.flush()
+  results["metric"] = run.corpus.metric
+  if gated:
+    results["export"] = _export_and_evaluate(workdir, run)
+  if is_main:
+    (workdir / "results.json").write_text(json.dumps(results, indent=2))
+  return results
+
+
+def _export_and_evaluate(workdir, run: Run) -> dict:
+  """Removes the closed heads and scores the smaller model on valid and test."""
+  export_dir = export.export_run(workdir)
+  exported_config, variables = checkpointing.load_model(export_dir)
+  lm = model_lib.TransformerLM(model_lib.model_config(exported_config))
+  e = run.config.eval
+  evaluator = evaluate.Evaluator(lm, run.mesh, batch_size=e.batch_size, seq_len=e.seq_len,
+                                 mem_len=e.mem_len)
+  results = evaluate.evaluate_splits(evaluator, variables, run.corpus)
+  results["heads_per_layer"] = list(lm.cfg.layer_heads)
+  results["directory"] = str(export_dir)
+  return results
+
+
+def _layer_gates(gates, num_layers):
+  """Each layer's gate variables (None for a layer without heads)."""
+  return [gates.get(f"layer_{i}") for i in range(num_layers)]
+
+
+def _summarise(pending, metric: str) -> dict[str, float]:
+  """Means over the logging interval; per-layer vectors become one scalar per layer."""
+  fetched = jax.device_get(pending)
+  summary = {}
+  for key in fetched[0]:
+    mean = np.mean([m[key] for m in fetched], axis=0)
+    if np.ndim(mean):
+      summary.update({f"{key}/layer_{i}": float(v) for i, v in enumerate(mean)})
+      summary[f"{key}/total"] = float(np.sum(mean))
+    else:
+      summary[key] = float(mean)
+  summary[metric] = evaluate.metric_value(summary["nll"], metric)
+  return summary
+
+
+def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> None:
+  """Per-layer, per-head open probabilities, for the gates heat map."""
+  probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
+                                                 cfg.gate)).tolist() if g else []
+           for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
+  with open(pathlib.Path(workdir) / GATE_HISTORY_FILE, "a") as f:
+    f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")
