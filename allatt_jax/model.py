@@ -160,6 +160,11 @@ class TransformerLM(nn.Module):
   def _relative_positions(self, length: int) -> jax.Array:
     """Relative position vectors for distances length-1 .. 0."""
     if self.cfg.rel_pos == "learned":
+      if length > self.cfg.max_relative_len:
+        raise ValueError(
+            f"Segment plus memory length {length} exceeds the learned relative position "
+            f"table ({self.cfg.max_relative_len}); raise model.max_relative_len or use "
+            "rel_pos='sinusoidal'.")
       return self.relative_table[:length][::-1]
     return attention.sinusoidal_positions(length, self.cfg.d_model)
 
