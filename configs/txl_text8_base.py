@@ -14,6 +14,4 @@ from allatt_jax import config_base
 def get_config(arg=None):
   args = config_base.parse_arg(arg, d_model=512, tiny=False)
   c = config_base.load_sibling(__file__, "text8_base.py", "tiny" if args.tiny else None)
-  d_model = 64 if args.tiny else args.d_model
-  c.model.update(dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0))
-  return c
+  return config_base.as_txl(c, 64 if args.tiny else args.d_model)

@@ -10,7 +10,7 @@ fine-tunes the surviving heads. The pruned model is exported at the end.
       --workdir=$WORKDIR --config.data.manual_dir=/path/to/wikitext-103
 
 Arguments: lam (0.01, 0.015, 0.02 in the paper), init_from, txl (prune a Transformer-XL
-baseline instead, with d_model), tiny.
+baseline instead, of width d_model), tiny.
 """
 from allatt_jax import config_base
 
@@ -21,11 +21,8 @@ def get_config(arg=None):
   base = "txl_wt103_base.py" if args.txl else "wt103_base.py"
   base_arg = ",".join(
       ([f"d_model={args.d_model}"] if args.txl else []) + (["tiny"] if args.tiny else []))
-  c = config_base.load_sibling(__file__, base, base_arg or None)
-  c.init_from = args.init_from
-  c.gates.update(dict(enabled=True, lam=args.lam, init=2.0, l0_warmup_steps=4000,
-                      freeze_step=16_000))
-  c.train.update(dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4))
+  c = config_base.paper_pruning(
+      config_base.load_sibling(__file__, base, base_arg or None), args.lam, args.init_from)
   if args.tiny:
     c.gates.update(dict(l0_warmup_steps=5, freeze_step=10))
     c.train.update(dict(num_steps=20, warmup_steps=5))
