@@ -16,6 +16,7 @@ import optax
 
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax.errors import ConfigError
 
 
 @flax.struct.dataclass
@@ -57,11 +58,29 @@ def _merge_micro_batches(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def _check_accumulation(batch_size: int, accum: int) -> None:
+  if accum < 1 or batch_size % accum:
+    raise ConfigError(
+        f"config.train.grad_accum_steps={accum} must be a positive divisor of the global "
+        f"batch of {batch_size} rows (config.train.batch_size), one of "
+        f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}.")
+
+
 def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
                config: ml_collections.ConfigDict, sample_gates: bool):
-  """One optimizer update on a global batch (optionally accumulated over micro-batches)."""
+  """One optimizer update on a global batch (optionally accumulated over micro-batches).
+
+  With `config.train.grad_accum_steps` = k > 1 the batch is scored as k micro-batches
+  in sequence, each with its own rows' memory, and the mean of their gradients makes
+  the same update as the full batch (up to float rounding, and to dropout masks, which
+  differ per micro-batch).
+
+  Raises:
+    ConfigError: k does not divide the global batch (checked at trace time).
+  """
   accum = config.train.grad_accum_steps
+  _check_accumulation(inputs_BxT.shape[0], accum)
   rng = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
   lam = optim.lambda_schedule(config.gates)(state.step)
@@ -110,9 +129,21 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
   }
+  if config.train.skip_nonfinite_steps:
+    # Decided on device, so skipping costs no host sync. The memory restarts empty:
+    # the hidden states of a step that overflowed may hold the overflow themselves.
+    variables, opt_state, memory = _where_finite(
+        metrics, (variables, opt_state, memory),
+        (state.variables, state.opt_state, jax.tree.map(jnp.zeros_like, memory)))
   new_state = state.replace(step=state.step + 1, variables=variables, opt_state=opt_state,
                             memory=memory)
   return new_state, metrics
+
+
+def _where_finite(metrics, new, fallback):
+  """`new` if the step's loss and gradient norm are finite, else `fallback`."""
+  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+  return jax.tree.map(lambda n, f: jnp.where(finite, n, f), new, fallback)
 
 
 def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
