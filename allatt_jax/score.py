@@ -1,0 +1,149 @@
+r"""Scores a text file with a trained model: per-token log-probabilities, ppl or bpc.
+
+  python -m allatt_jax.score --checkpoint=DIR --text_file=FILE [--out=FILE.jsonl]
+
+DIR is a run's workdir (baseline or pruning run; gated models use their
+deterministic gates) or an exported model. The text is tokenised with the run's
+dataset vocabulary and read as one row, segment by segment, with the Transformer-XL
+memory carried across the whole file (the eval seq_len and mem_len of the run's
+config), exactly as `evaluate` reads a split: every token after the first, which is
+context only, is scored once. Prints a JSON summary; with --out, writes one JSON line
+per scored token: {"position": i, "token": ..., "log_prob": ln p(token_i | token_<i)}.
+"""
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+from typing import Any
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from allatt_jax import checkpointing
+from allatt_jax import data as data_lib
+from allatt_jax import errors
+from allatt_jax import evaluate
+from allatt_jax import model as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  """A trained model ready for inference, with its dataset's vocabulary."""
+  config: ml_collections.ConfigDict      # the run config (eval lengths, dataset)
+  lm: model_lib.TransformerLM
+  variables: Any                         # on the default device
+  corpus: data_lib.Corpus
+
+
+def load(checkpoint) -> LoadedModel:
+  """The model of a run workdir or an exported model, and its dataset's vocabulary.
+
+  Raises:
+    CheckpointError: no model in `checkpoint`, or one whose vocabulary size is not
+      its dataset's.
+    DataError: the run's dataset cannot be loaded.
+  """
+  config, variables = checkpointing.load_model(checkpoint)
+  lm = model_lib.TransformerLM(model_lib.model_config(config))
+  corpus = data_lib.load_corpus(config.data.name, config.data.data_dir,
+                                config.data.manual_dir)
+  if corpus.vocab_size != lm.cfg.vocab_size:
+    raise errors.CheckpointError(
+        f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "
+        f"dataset {config.data.name!r} has {corpus.vocab_size} types; the checkpoint "
+        "does not belong to this dataset (check data.name / data.data_dir in its "
+        "config.json).")
+  return LoadedModel(config, lm, jax.device_put(variables), corpus)
+
+
+@functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
+def _segment_nll(variables, memory, inputs_1xT, targets_1xT, *, lm):
+  nll_1xT, memory, _ = lm.apply(variables, inputs_1xT, targets_1xT, memory)
+  return nll_1xT, memory
+
+
+def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, *,
+                    seq_len: int, mem_len: int) -> np.ndarray:
+  """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats.
+
+  One row read in segments of `seq_len` with `mem_len` positions of memory, batched
+  like `evaluate.Evaluator` with a batch of one, so the mean of the negated values is
+  that evaluator's NLL.
+  """
+  memory = model_lib.init_memory(lm.cfg, 1, mem_len)
+  nll_segments, weight_segments = [], []
+  for inputs, targets, weights in data_lib.eval_batches(tokens, 1, seq_len):
+    nll_1xT, memory = _segment_nll(variables, memory, inputs, targets, lm=lm)
+    nll_segments.append(nll_1xT)
+    weight_segments.append(weights)
+  # One transfer at the end keeps the device busy instead of syncing per segment.
+  nll = np.asarray(jnp.concatenate(nll_segments, axis=1)).ravel()
+  return -nll[np.concatenate(weight_segments, axis=1).ravel() > 0].astype(np.float64)
+
+
+def score_text(model: LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
+  """(summary, token ids, log-probabilities of ids[1:]) of `text`.
+
+  Raises:
+    DataError: the text has fewer than two tokens of the vocabulary.
+  """
+  ids, skipped = model.corpus.encode(text)
+  if len(ids) < 2:
+    raise errors.DataError(
+        f"The text has {len(ids)} token(s) in the vocabulary of dataset "
+        f"{model.corpus.name!r}; scoring needs at least 2 (the first one is context "
+        "only).")
+  e = model.config.eval
+  log_probs = token_log_probs(model.lm, model.variables, ids, seq_len=e.seq_len,
+                              mem_len=e.mem_len)
+  nll = float(-log_probs.mean())
+  metric = model.corpus.metric
+  skipped_key = "unk" if model.corpus.level == "word" else "dropped_chars"
+  summary = {"tokens": len(log_probs), metric: evaluate.metric_value(nll, metric),
+             "nll": nll, skipped_key: skipped}
+  return summary, ids, log_probs
+
+
+def write_token_log_probs(path, vocab, ids: np.ndarray, log_probs: np.ndarray) -> None:
+  """JSON lines {"position", "token", "log_prob"} for positions 1 .. N-1."""
+  with open(path, "w", encoding="utf-8") as f:
+    for position, (token_id, log_prob) in enumerate(zip(ids[1:], log_probs), start=1):
+      f.write(json.dumps({"position": position, "token": vocab[token_id],
+                          "log_prob": float(log_prob)}, ensure_ascii=False) + "\n")
+
+
+def read_text(path) -> str:
+  try:
+    return pathlib.Path(path).read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError) as e:
+    raise errors.DataError(f"Cannot read the text file {path}: {e}") from e
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
+  with errors.reported_to_user():
+    model = load(_CHECKPOINT.value)
+    summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
+    if _OUT.value:
+      write_token_log_probs(_OUT.value, model.corpus.vocab, ids, log_probs)
+  json.dump({"file": _TEXT_FILE.value, "checkpoint": _CHECKPOINT.value, **summary},
+            sys.stdout, indent=2)
+  print()
+
+
+if __name__ == "__main__":
+  _CHECKPOINT = flags.DEFINE_string(
+      "checkpoint", None, "A run's workdir or an exported model folder.")
+  _TEXT_FILE = flags.DEFINE_string("text_file", None, "UTF-8 text to score.")
+  _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
+                             "(JSON lines); none written without it.")
+  flags.mark_flags_as_required(["checkpoint", "text_file"])
+  app.run(main)
