@@ -10,6 +10,7 @@ the Transformer-XL attention (N = 0). Scores follow Transformer-XL (Dai et al. 2
 Keys are [memory (S slots), current segment (T)], so K = S + T. Relative distances
 run over 0..K-1 and are looked up with the usual rel_shift trick.
 """
+import functools
 import math
 
 import flax.linen as nn
@@ -21,18 +22,25 @@ from allatt_jax import gates as gates_lib
 _NEG_INF = -1e30
 
 
-def rel_shift(x_BxHxTxK: jax.Array) -> jax.Array:
+def rel_shift(x_BxHxTxK1: jax.Array) -> jax.Array:
   """Re-indexes scores against a descending position table into query-key layout.
 
-  Input column m holds the score against relative distance K-1-m. Query i sits at
-  key position S+i = K-T+i, so its score for key j lives in column j + T-1-i. The
-  pad-reshape trick realigns every row with one reshape instead of a gather; entries
-  for future keys (j > S+i) become garbage, which the causal mask removes.
+  Input: scores against relative distances K-1 .. 0 in columns 1..K, after a column
+  of zeros (scores against a zero first row of the position table, so that the
+  Transformer-XL pad is free). Query i sits at key position S+i = K-T+i, so its score
+  for key j lives in column 1 + j + T-1-i. Dropping the first T entries of each
+  flattened (T, K+1) block realigns every row at once; entries for future keys
+  (j > S+i) become garbage, which the causal mask removes.
   """
-  *lead, t, k = x_BxHxTxK.shape
-  x = jnp.pad(x_BxHxTxK, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])
-  x = x.reshape(*lead, k + 1, t)[..., 1:, :]
-  return x.reshape(*lead, t, k)
+  *lead, t, k1 = x_BxHxTxK1.shape
+  return x_BxHxTxK1.reshape(*lead, t * k1)[..., t:].reshape(*lead, t, k1 - 1)
+
+
+def _rel_unshift(g_BxHxTxK: jax.Array) -> jax.Array:
+  """The transpose of `rel_shift`: cotangents back onto the padded (T, K+1) layout."""
+  *lead, t, k = g_BxHxTxK.shape
+  flat = jnp.pad(g_BxHxTxK.reshape(*lead, t * k), [(0, 0)] * len(lead) + [(t, 0)])
+  return flat.reshape(*lead, t, k + 1)
 
 
 def attention_mask(seq_len: int, mem_len: int, mem_valid: jax.Array,
@@ -57,6 +65,149 @@ def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
   inv_freq = 1.0 / (10000 ** (jnp.arange(0, d_model, 2, dtype=jnp.float32) / d_model))
   angles = pos_K[:, None] * inv_freq[None, :]
   return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def _threefry2x32(k0, k1, x0, x1):
+  """Threefry-2x32 with 20 rounds (Salmon et al. 2011), the hash behind jax.random.
+
+  Written out rather than through jax.random: on CPU, jax lowers threefry to a rolled
+  loop whose every iteration writes the full array, which made dropout on the
+  (B, H, T, N) attention weights cost more than the attention itself. Unrolled, XLA
+  fuses the hash into the elementwise pass that uses the bits.
+  """
+  rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+  x0, x1 = x0 + ks[0], x1 + ks[1]
+  for i in range(5):
+    for rot in rotations[i % 2]:
+      x0 = x0 + x1
+      x1 = x0 ^ ((x1 << rot) | (x1 >> (32 - rot)))
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+  return x0, x1
+
+
+def _keep_mask(key_2, shape, rate: float) -> jax.Array:
+  """Bernoulli(1 - rate) dropout mask hashed from each element's position.
+
+  The mask is a pure function of the key and the shape, so the backward pass
+  recomputes it instead of keeping it. Counters are (index along the first axis,
+  flat index within it), unique up to 2^32 elements per slice of that axis.
+  """
+  hi = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+  lo = jnp.zeros(shape, jnp.uint32)
+  for axis in range(1, len(shape)):
+    lo = lo * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+  b0, b1 = _threefry2x32(key_2[0], key_2[1], hi, lo)
+  return (b0 ^ b1) >= jnp.uint32(int(rate * 2.0 ** 32))
+
+
+def _dropped(p, keep, rate):
+  return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
+
+
+def _keep_masks(keys_2x2, ctx_shape, pers_shape, rate):
+  if not rate:
+    return None, None
+  return (_keep_mask(keys_2x2[0], ctx_shape, rate),
+          None if pers_shape is None else _keep_mask(keys_2x2[1], pers_shape, rate))
+
+
+def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
+  """Softmax over [context keys, persistent slots] without concatenating the two."""
+  f32 = jnp.float32
+  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=f32)
+  position = rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad, preferred_element_type=f32))
+  ctx_HxBxTxK = jnp.where(mask_TxK, content + position, _NEG_INF)
+  top = ctx_HxBxTxK.max(-1, keepdims=True)
+  if pk is not None:
+    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qu, pk, preferred_element_type=f32)
+    top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
+  e_ctx = jnp.exp(ctx_HxBxTxK - top)
+  norm = e_ctx.sum(-1, keepdims=True)
+  if pk is not None:
+    e_pers = jnp.exp(pers_HxBxTxN - top)
+    norm = norm + e_pers.sum(-1, keepdims=True)
+  inv_norm = 1.0 / norm
+  return e_ctx * inv_norm, None if pk is None else e_pers * inv_norm
+
+
+def _weighted_values(p_ctx, p_pers, v, pv, keep_ctx, keep_pers, rate):
+  dtype = v.dtype
+  out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
+  if pv is not None:
+    out += jnp.einsum("hbtn,hnd->hbtd", _dropped(p_pers, keep_pers, rate).astype(dtype), pv)
+  return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+  """Relative attention with persistent slots on head-major arrays.
+
+  Args:
+    rate: attention dropout rate (0 = none).
+    qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
+    k, v: (H, B, K, dh) context keys and values.
+    r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
+      zero row (see `rel_shift`).
+    pk, pv: (H, N, dh) persistent keys and values, or None.
+    mask_TxK: which keys each query may see.
+    keys_2x2: uint32 key words of the context and persistent dropout masks.
+
+  Returns:
+    (H, B, T, dh) attention outputs.
+
+  Head-major so that every (.., T, K) and (.., T, N) array is produced by a matmul in
+  its natural layout and is consumed by the next matmul without a transpose; the
+  backward pass is written out below for the same reason (autodiff's matmuls
+  transposed the (B, H, T, N) persistent weights, the largest arrays of the step).
+  """
+  return _attend_fwd(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2)[0]
+
+
+def _attend_fwd(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+  p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx.shape,
+                                    None if p_pers is None else p_pers.shape, rate)
+  out = _weighted_values(p_ctx, p_pers, v, pv, keep_ctx, keep_pers, rate)
+  return out, (qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
+
+
+def _attend_bwd(rate, residuals, dout):
+  qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
+  f32, dtype = jnp.float32, dout.dtype
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx.shape,
+                                    None if p_pers is None else p_pers.shape, rate)
+  # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
+  # which avoids one more pass over the weights.
+  delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
+
+  def grad_logits(p, dp_dropped, keep):
+    return (p * (_dropped(dp_dropped, keep, rate) - delta)).astype(dtype)
+
+  # Each product contracts a large weights array over its natural row-major axes;
+  # the (.., dh, X) results are transposed afterwards, being small.
+  dv = jnp.einsum("hbtd,hbtk->hbdk", dout,
+                  _dropped(p_ctx, keep_ctx, rate).astype(dtype)).swapaxes(-1, -2)
+  dlog_ctx = grad_logits(p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v,
+                                           preferred_element_type=f32), keep_ctx)
+  dqu = jnp.einsum("hbtk,hbkd->hbtd", dlog_ctx, k, preferred_element_type=f32)
+  dk = jnp.einsum("hbtd,hbtk->hbdk", qu, dlog_ctx).swapaxes(-1, -2)
+  dpos = _rel_unshift(dlog_ctx)
+  dqv = jnp.einsum("hbtk,hkd->hbtd", dpos, r_pad)
+  dr_pad = jnp.einsum("hbtd,hbtk->hdk", qv, dpos).swapaxes(-1, -2)
+  dpk = dpv = None
+  if pk is not None:
+    dpv = jnp.einsum("hbtd,hbtn->hdn", dout,
+                     _dropped(p_pers, keep_pers, rate).astype(dtype)).swapaxes(-1, -2)
+    dlog_pers = grad_logits(p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv,
+                                               preferred_element_type=f32), keep_pers)
+    dqu += jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk, preferred_element_type=f32)
+    dpk = jnp.einsum("hbtd,hbtn->hdn", qu, dlog_pers).swapaxes(-1, -2)
+  return (dqu.astype(dtype), dqv, dk, dv, dr_pad, dpk, dpv, None, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 class Projection(nn.Module):
@@ -114,33 +265,26 @@ class RelativeAttention(nn.Module):
     v_HxDh = self.param("position_bias", bias_init, (h, dh)).astype(self.dtype)
 
     scale = 1.0 / math.sqrt(dh)
-    qu = (q + u_HxDh) * scale
-    qv = (q + v_HxDh) * scale
-    f32 = jnp.float32
-    content = jnp.einsum("bthd,bkhd->bhtk", qu, k, preferred_element_type=f32)
-    position = rel_shift(jnp.einsum("bthd,khd->bhtk", qv, r_KxHxDh,
-                                    preferred_element_type=f32))
-    ctx_BxHxTxK = jnp.where(mask_TxK, content + position, _NEG_INF)
-
+    head_major = lambda x: jnp.moveaxis(x, 2, 0)
+    qu = head_major((q + u_HxDh) * scale)
+    qv = head_major((q + v_HxDh) * scale)
+    r_pad = jnp.pad(jnp.moveaxis(r_KxHxDh, 1, 0), [(0, 0), (1, 0), (0, 0)])
+    pk = pv = None
     if self.num_persistent:
       pk, pv = self._persistent_vectors(h, dh)
-      pers_BxHxTxN = jnp.einsum("bthd,hnd->bhtn", qu, pk, preferred_element_type=f32)
-      # One softmax over [context, persistent] without concatenating the two.
-      top = jnp.maximum(ctx_BxHxTxK.max(-1, keepdims=True),
-                        pers_BxHxTxN.max(-1, keepdims=True))
-      e_ctx = jnp.exp(ctx_BxHxTxK - top)
-      e_pers = jnp.exp(pers_BxHxTxN - top)
-      norm = e_ctx.sum(-1, keepdims=True) + e_pers.sum(-1, keepdims=True)
-      p_ctx, p_pers = e_ctx / norm, e_pers / norm
-    else:
-      p_ctx = jax.nn.softmax(ctx_BxHxTxK, axis=-1)
-
-    dropout = nn.Dropout(self.dropout_attn)
-    p_ctx = dropout(p_ctx, deterministic=deterministic).astype(self.dtype)
-    out_BxTxHxDh = jnp.einsum("bhtk,bkhd->bthd", p_ctx, v)
-    if self.num_persistent:
-      p_pers = dropout(p_pers, deterministic=deterministic).astype(self.dtype)
-      out_BxTxHxDh += jnp.einsum("bhtn,hnd->bthd", p_pers, pv)
+    rate = 0.0 if deterministic else self.dropout_attn
+    if not 0.0 <= rate < 1.0:
+      raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
+    keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
+                else None)
+    out_HxBxTxDh = _attend(rate, qu, qv, head_major(k), head_major(v), r_pad, pk, pv,
+                           mask_TxK, keys_2x2)
+    if self.is_mutable_collection("intermediates"):
+      # For head analysis (experiments/heuristics.py) only: a train or eval step never
+      # makes this collection mutable, so it never pays for the extra weights.
+      self.sow("intermediates", "attention_probs",
+               _attention_weights(qu, qv, head_major(k), r_pad, pk, mask_TxK))
+    out_BxTxHxDh = jnp.moveaxis(out_HxBxTxDh, 0, 2)
 
     stats = {}
     if self.has_variable("gates", "logits") or (self.is_initializing() and self.gated):
