@@ -39,7 +39,7 @@ class Evaluator:
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
-    process, count = jax.process_index(), jax.process_count()
+    process, count = sharding.process_rows(self.mesh)
     batch_sharding = sharding.batch_sharding(self.mesh)
     memory = jax.device_put(model_lib.init_memory(self.lm.cfg, self.batch_size, self.mem_len),
                             sharding.memory_sharding(self.mesh))

@@ -9,6 +9,7 @@ import contextlib
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -71,3 +72,25 @@ def memory_sharding(mesh):
 
 def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def process_rows(mesh, process_index: int | None = None) -> tuple[int, int]:
+  """(i, n): this process supplies rows [i*B/n, (i+1)*B/n) of every global batch.
+
+  Those are the rows its devices hold under `batch_sharding`. When the 'data' axis
+  runs across processes in order this is (process_index, process_count); processes
+  whose devices differ only along 'model' (a model axis spanning hosts) share rows.
+  """
+  process_index = jax.process_index() if process_index is None else process_index
+  axis = mesh.axis_names.index("data")
+  shards = sorted({index[axis] for index, device in np.ndenumerate(mesh.devices)
+                   if device.process_index == process_index})
+  if not shards:
+    raise ConfigError(f"The mesh has no device of process {process_index}.")
+  first, count, num_shards = shards[0], len(shards), mesh.shape["data"]
+  if shards != list(range(first, first + count)) or first % count or num_shards % count:
+    raise ConfigError(
+        f"The mesh gives process {process_index} the batch shards {shards} of "
+        f"{num_shards}, not one aligned block, so it cannot read a contiguous slice "
+        "of the batch; choose config.mesh sizes that keep each host's devices together.")
+  return first // count, num_shards // count

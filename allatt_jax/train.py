@@ -115,8 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   abstract_state, state_sharding = run.abstract_state()
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
   stream = data_lib.SegmentStream(run.corpus.splits["train"], train_cfg.batch_size,
-                                  train_cfg.seq_len, jax.process_index(),
-                                  jax.process_count())
+                                  train_cfg.seq_len, *sharding.process_rows(run.mesh))
   if (latest := checkpoints.latest_step()) is not None:
     logging.info("Resuming from step %d in %s", latest, checkpoints.directory)
     state, data_state = checkpoints.restore(latest, abstract_state)
