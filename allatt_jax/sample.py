@@ -111,10 +111,9 @@ def sample_text(model: score.LoadedModel, prompt: str, num_tokens: int, *,
   """
   ids, skipped = model.corpus.encode(prompt)
   if not len(ids):
-    raise errors.DataError(
-        f"The prompt {prompt!r} has no token in the vocabulary of dataset "
-        f"{model.corpus.name!r}" + (" (lower-case letters and spaces)." if model.corpus.level == "char"
-                        else "."))
+    hint = " (lower-case letters and spaces)" if model.corpus.level == "char" else ""
+    raise errors.DataError(f"The prompt {prompt!r} has no token in the vocabulary of "
+                           f"dataset {model.corpus.name!r}{hint}.")
   e = model.config.eval
   sampler = Sampler(model.lm, seq_len=e.seq_len, mem_len=e.mem_len,
                     temperature=temperature, top_k=top_k)
