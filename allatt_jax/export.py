@@ -24,6 +24,7 @@ from allatt_jax import checkpointing
 from allatt_jax import errors
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import validation
 
 EXPORT_DIR = "export"
 
@@ -164,11 +165,8 @@ def export_run(workdir, out_dir=None) -> pathlib.Path:
   takes a checkpoint can load it.
   """
   workdir = pathlib.Path(workdir)
+  validation.check_export(workdir)
   config = checkpointing.load_config(workdir)
-  if not config.gates.enabled:
-    raise errors.CheckpointError(
-        f"{workdir} is a baseline run (gates.enabled=False): it has no head gates, so "
-        "there is nothing to prune. Export a pruning run's workdir instead.")
   variables = checkpointing.restore_variables(workdir)
   pruned_cfg, params = prune_variables(model_lib.model_config(config), variables)
   exported = config.copy_and_resolve_references()

@@ -29,7 +29,7 @@ from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import sharding
 from allatt_jax import steps
-from allatt_jax.errors import CheckpointError
+from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 
 GATE_HISTORY_FILE = "gate_history.jsonl"
@@ -73,15 +73,11 @@ class Run:
     return state
 
   def _start_from_baseline(self, state, state_sharding):
-    """Baseline params into a fresh state; gates stay at their init, optimizer fresh."""
+    """Baseline params into a fresh state; gates stay at their init, optimizer fresh.
+
+    `validation.check_run` has checked that the baseline's shapes fit the config.
+    """
     baseline = checkpointing.restore_variables(self.config.init_from)["params"]
-    expected = jax.tree.map(lambda a: a.shape, state.variables["params"])
-    found = jax.tree.map(lambda a: a.shape, baseline)
-    if expected != found:
-      raise CheckpointError(
-          f"init_from={self.config.init_from} holds parameters of another shape than "
-          f"config.model describes (expected {_short(expected)}, found {_short(found)}). "
-          "Use the same model section as the baseline run.")
     variables = {**state.variables, "params": baseline}
     with sharding.activate(self.mesh):
       fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=self.optimizer.init(v)),
@@ -94,19 +90,18 @@ class Run:
                               seq_len=e.seq_len, mem_len=e.mem_len)
 
 
-def _short(shapes) -> str:
-  text = str(shapes)
-  return text if len(text) < 300 else text[:300] + "..."
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir`; returns the final metrics."""
   # --- Setup.
   workdir = pathlib.Path(workdir)
+  validation.check_run(config, workdir)
   run = Run(config)
+  vocabulary = checkpointing.vocabulary_fingerprint(run.corpus.name, run.corpus.vocab)
+  validation.check_vocabulary(vocabulary, workdir, config.init_from)
   is_main = jax.process_index() == 0
   if is_main:
     checkpointing.save_config(workdir, config)
+    checkpointing.save_vocabulary(workdir, vocabulary)
   writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len

@@ -1,0 +1,299 @@
+"""Checks of a run's config and inputs, made before any data is loaded or code compiled.
+
+`check_run` is the first thing `train.train_and_evaluate` does, `check_vocabulary` the
+first once the dataset is loaded, and `check_export` guards an export. A failed check
+raises one error (see errors.py) that says what is wrong, where (the config key, flag
+or file) and how to fix it, instead of a trace-time or orbax traceback minutes later.
+"""
+import functools
+import json
+import pathlib
+import tempfile
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from allatt_jax import checkpointing
+from allatt_jax import data as data_lib
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+from allatt_jax import sharding
+from allatt_jax import steps
+from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
+from allatt_jax.errors import DataError
+
+REL_POS = ("learned", "sinusoidal")
+
+# Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
+_MINIMUM = {
+    "model.vocab_size": 1, "model.num_layers": 1, "model.d_model": 1,
+    "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
+    "model.max_relative_len": 0,
+    "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
+    "gates.freeze_step": 0,
+    "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
+    "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,
+    "train.weight_decay": 0, "train.grad_clip": 0, "train.log_every_steps": 1,
+    "eval.batch_size": 1, "eval.seq_len": 1, "eval.mem_len": 0, "eval.every_steps": 0,
+    "eval.max_batches": 0,
+    "checkpoint.every_steps": 1, "checkpoint.keep": 1,
+}
+_WHY_NOT_NEGATIVE = {
+    "gates.lam": "a negative λ rewards open heads instead of penalising them",
+    "train.learning_rate": "a negative learning rate climbs the loss",
+    "train.final_learning_rate": "a negative learning rate climbs the loss",
+    "gates.learning_rate": "a negative learning rate climbs the loss",
+}
+_PARAMS_PREFIX = "variables/params/"
+
+
+def check_run(config: ml_collections.ConfigDict, workdir) -> None:
+  """All checks that need neither the dataset nor a compiled step.
+
+  Raises:
+    ConfigError: an inconsistent or out-of-range config, or an unwritable workdir.
+    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
+      `workdir` holds a checkpoint of a run with other shapes than this config gives.
+  """
+  _check_ranges(config)
+  _check_names(config)
+  _check_model(config)
+  _check_lengths(config)
+  _check_mesh(config)
+  _check_workdir(pathlib.Path(workdir))
+  state_shapes = functools.cache(lambda: _state_shapes(config))
+  _check_resume(config, pathlib.Path(workdir), state_shapes)
+  if config.init_from:
+    _check_init_from(config, state_shapes)
+
+
+def _value(config, key):
+  section, name = key.split(".")
+  return config[section][name]
+
+
+def _check_ranges(config):
+  for key, minimum in _MINIMUM.items():
+    value = _value(config, key)
+    if value is not None and value < minimum:
+      why = _WHY_NOT_NEGATIVE.get(key, f"it must be at least {minimum}")
+      raise ConfigError(f"config.{key}={value} is out of range: {why}. "
+                        f"Set --config.{key} to a value >= {minimum}.")
+  gates, train = config.gates, config.train
+  if gates.enabled and gates.freeze_step > train.num_steps:
+    raise ConfigError(
+        f"config.gates.freeze_step={gates.freeze_step} is beyond "
+        f"config.train.num_steps={train.num_steps}: the gates would never freeze and "
+        "the run would end without its fine-tuning phase. Set gates.freeze_step <= "
+        "train.num_steps (the paper freezes at 20%: 16K of 80K steps).")
+
+
+def _check_names(config):
+  for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
+                       ("model.rel_pos", REL_POS)):
+    if _value(config, key) not in choices:
+      raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
+                        f"{', '.join(map(repr, choices))}.")
+  try:
+    floating = jnp.issubdtype(jnp.dtype(config.model.dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ConfigError(f"config.model.dtype={config.model.dtype!r} is not a float dtype; "
+                      "use 'float32', or 'bfloat16' on accelerators.")
+
+
+def _check_model(config):
+  m = config.model
+  if m.d_model % m.num_heads:
+    divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0]
+    raise ConfigError(
+        f"config.model.d_model={m.d_model} is not divisible by config.model.num_heads="
+        f"{m.num_heads}: every head gets d_model / num_heads dimensions. Choose a "
+        f"multiple of {m.num_heads} for d_model, or num_heads among {divisors}.")
+  if m.heads_per_layer is not None and (
+      len(m.heads_per_layer) != m.num_layers
+      or not all(0 <= h <= m.num_heads for h in m.heads_per_layer)):
+    raise ConfigError(
+        f"config.model.heads_per_layer={tuple(m.heads_per_layer)} needs one count in "
+        f"[0, num_heads={m.num_heads}] per layer (num_layers={m.num_layers}).")
+  if m.kind == "txl" and m.d_ff < 1:
+    raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
+                      "sub-layer; set it (the paper's TXL uses 4 * d_model).")
+
+
+def _check_lengths(config):
+  if config.model.rel_pos != "learned":
+    return
+  table = model_lib.model_config(config).max_relative_len
+  for section in ("train", "eval"):
+    s = config[section]
+    if s.seq_len + s.mem_len > table:
+      raise ConfigError(
+          f"config.model.max_relative_len={table} is shorter than config.{section}."
+          f"seq_len + config.{section}.mem_len = {s.seq_len + s.mem_len}: the learned "
+          "relative position table needs an entry for every distance. Set "
+          f"model.max_relative_len >= {s.seq_len + s.mem_len} (0 sizes it from train "
+          "and eval), or use model.rel_pos='sinusoidal'.")
+
+
+def _check_mesh(config):
+  data, model = sharding.mesh_shape(config.mesh, jax.device_count())
+  where = (f"the data-parallel size ({data}: config.mesh.data={config.mesh.data} on "
+           f"{jax.device_count()} devices)")
+  for section in ("train", "eval"):
+    batch = config[section].batch_size
+    if batch % data:
+      raise ConfigError(
+          f"config.{section}.batch_size={batch} is not divisible by {where}: each "
+          f"data shard holds batch / {data} rows. Use a multiple of {data}, or change "
+          "config.mesh.")
+  m = config.model
+  heads = sorted({m.num_heads, *(h for h in (m.heads_per_layer or ()) if h)})
+  widths = [("config.model.num_heads / heads_per_layer", h) for h in heads]
+  if m.kind == "txl":
+    widths.append(("config.model.d_ff", m.d_ff))
+  for key, width in widths:
+    if width % model:
+      raise ConfigError(
+          f"{key}: {width} is not divisible by the model-parallel size "
+          f"(config.mesh.model={model}), which splits heads and the feed-forward width "
+          f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
+
+
+def _check_workdir(workdir: pathlib.Path):
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-test-"):
+      pass
+  except OSError as e:
+    raise ConfigError(
+        f"--workdir {workdir} is not writable ({e.strerror or e}); checkpoints and logs "
+        "go there. Choose a folder you can write to.") from None
+
+
+def _state_shapes(config) -> dict[str, tuple[int, ...]]:
+  """Shapes of the train state this config makes, by path, from tracing only."""
+  lm = model_lib.TransformerLM(model_lib.model_config(config))
+  init = functools.partial(steps.init_state, lm, optim.make_optimizer(config), config)
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  return checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract))
+
+
+def _latest_step(workdir) -> int | None:
+  if not (pathlib.Path(workdir) / "checkpoints").is_dir():
+    return None
+  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
+  try:
+    return checkpoints.latest_step()
+  finally:
+    checkpoints.close()
+
+
+def _saved_shapes(workdir, step: int) -> dict[str, tuple[int, ...]]:
+  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
+  try:
+    return checkpoints.state_shapes(step)
+  finally:
+    checkpoints.close()
+
+
+def _check_resume(config, workdir: pathlib.Path, state_shapes):
+  if (step := _latest_step(workdir)) is None:
+    return
+  found = _saved_shapes(workdir, step)
+  if found == state_shapes():
+    return
+  saved = workdir / checkpointing.CONFIG_FILE
+  changed = (_config_differences(checkpointing.load_config(workdir), config)
+             if saved.is_file() else "unknown (no config.json)")
+  raise CheckpointError(
+      f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
+      f"other shapes than this config gives ({_shape_differences(state_shapes(), found)})."
+      f" Config keys changed since that run: {changed}. To resume it, rerun with its "
+      f"config ({saved}); to train this config, use a new --workdir.")
+
+
+def _check_init_from(config, state_shapes):
+  source = pathlib.Path(config.init_from)
+  if not source.is_dir():
+    raise CheckpointError(
+        f"config.init_from={source} does not exist or is not a folder; set it to the "
+        "--workdir of the finished baseline run to start from.")
+  saved = checkpointing.load_config(source)
+  step = checkpointing.latest_finished_step(source)
+  if saved.model.vocab_size != config.model.vocab_size:
+    raise CheckpointError(
+        f"config.init_from={source} was trained with a vocabulary of "
+        f"{saved.model.vocab_size} tokens (dataset {saved.data.name!r}), this run has "
+        f"{config.model.vocab_size} (dataset {config.data.name!r}). Use the baseline's "
+        "dataset and model.vocab_size, or a baseline trained on this dataset.")
+  expected = {k: v for k, v in state_shapes().items() if k.startswith(_PARAMS_PREFIX)}
+  found = {k: v for k, v in _saved_shapes(source, step).items()
+           if k.startswith(_PARAMS_PREFIX)}
+  if expected != found:
+    raise CheckpointError(
+        f"config.init_from={source} holds parameters of other shapes than config.model "
+        f"gives ({_shape_differences(expected, found)}). config.model keys that differ "
+        f"from the baseline's: {_config_differences(saved, config, ('model',))}. Use the "
+        "baseline's model section (and train/eval lengths, which size the relative "
+        "position table unless model.max_relative_len is set).")
+
+
+def check_vocabulary(fingerprint: dict, workdir, init_from: str = "") -> None:
+  """Raises DataError if the loaded dataset's vocabulary is not the one the resumed run
+  (a checkpoint in `workdir`) or the `init_from` baseline was trained with."""
+  sources = ([(f"the run in --workdir {workdir}", workdir)]
+             if _latest_step(workdir) is not None else [])
+  if init_from:
+    sources.append((f"config.init_from={init_from}", init_from))
+  for who, directory in sources:
+    saved = checkpointing.load_vocabulary(directory)
+    if saved is not None and saved != fingerprint:
+      raise DataError(
+          f"The vocabulary of dataset {fingerprint['dataset']!r} ({fingerprint['size']} "
+          f"tokens, sha256 {fingerprint['sha256'][:12]}) is not the one {who} was "
+          f"trained with ({saved['dataset']!r}, {saved['size']} tokens, sha256 "
+          f"{saved['sha256'][:12]}): token ids would mean other tokens. Use the same "
+          "dataset files as that run (config.data.name, config.data.manual_dir).")
+
+
+def check_export(workdir) -> None:
+  """Raises CheckpointError unless `workdir` is a pruning run with a finished checkpoint."""
+  config = checkpointing.load_config(workdir)
+  if not config.gates.enabled:
+    raise CheckpointError(
+        f"{workdir} is a baseline run (gates.enabled=False): it has no head gates, so "
+        "there is nothing to prune. Export a pruning run's workdir instead.")
+  checkpointing.latest_finished_step(workdir)
+
+
+def _shape_differences(expected: dict, found: dict, limit: int = 5) -> str:
+  # Parameters first: their names say most about what changed.
+  order = lambda keys: sorted(keys, key=lambda k: (not k.startswith(_PARAMS_PREFIX), k))
+  lines = [f"{k}: saved {found[k]}, now {expected[k]}"
+           for k in order(expected.keys() & found.keys()) if expected[k] != found[k]]
+  lines += [f"{k}: only now" for k in order(expected.keys() - found.keys())]
+  lines += [f"{k}: only saved" for k in order(found.keys() - expected.keys())]
+  more = f"; {len(lines) - limit} more" if len(lines) > limit else ""
+  return "; ".join(lines[:limit]) + more
+
+
+def _config_differences(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                        sections=None, limit: int = 8) -> str:
+  """'key: old -> new' for every leaf that differs (in `sections`, or everywhere)."""
+  def flat(c):
+    leaves = {}
+    for name, section in json.loads(c.to_json_best_effort()).items():
+      if sections is None or name in sections:
+        leaves.update({f"{name}.{k}": v for k, v in section.items()}
+                      if isinstance(section, dict) else {name: section})
+    return leaves
+  old, new = flat(saved), flat(config)
+  lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+           if old.get(k) != new.get(k)]
+  more = f"; {len(lines) - limit} more" if len(lines) > limit else ""
+  return ("; ".join(lines[:limit]) + more) or "none"

@@ -1,0 +1,284 @@
+"""Bad configs, checkpoints and data fail early with one clear error each."""
+import functools
+import json
+import lzma
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import data_fixtures
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import data as data_lib
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+from allatt_jax import steps
+from allatt_jax import train
+from allatt_jax import validation
+from allatt_jax.data import tokenization
+from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
+from allatt_jax.errors import DataError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEXT8_VOCABULARY = checkpointing.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
+
+
+def tiny_config(**sections):
+  """configs/demo.py:tiny as a single run; `sections` update config sections."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.data.name = "text8"
+  for name, values in sections.items():
+    if isinstance(values, dict):
+      config[name].update(values)
+    else:
+      config[name] = values
+  return config
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+  """A baseline workdir with a step-1 checkpoint (made without training)."""
+  workdir = tmp_path_factory.mktemp("baseline")
+  config = tiny_config()
+  lm = model_lib.TransformerLM(model_lib.model_config(config))
+  init = functools.partial(steps.init_state, lm, optim.make_optimizer(config), config)
+  state = jax.jit(init)(jax.random.key(0))
+  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False)
+  checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
+  checkpoints.close()
+  checkpointing.save_config(workdir, config)
+  checkpointing.save_vocabulary(workdir, TEXT8_VOCABULARY)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def text8_dirs(tmp_path_factory):
+  """(manual_dir, data_dir) of a small text8 file, encoded once."""
+  root = tmp_path_factory.mktemp("text8")
+  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
+  data_lib.load_corpus("text8", str(root / "data"), str(root / "raw"))
+  return str(root / "raw"), str(root / "data")
+
+
+def _fewer_devices(monkeypatch, count):
+  """Pretends to run on `count` devices: the mesh checks only need the number."""
+  monkeypatch.setattr(jax, "device_count", lambda: count)
+
+
+# The config checks, each with the key it names and the fix it proposes.
+
+@pytest.mark.parametrize("sections,devices,match", [
+    (dict(model=dict(d_model=30)), 1,
+     r"model.d_model=30 is not divisible by config.model.num_heads=4.*multiple of 4"),
+    (dict(train=dict(batch_size=6), mesh=dict(data=4, model=1)), 4,
+     r"train.batch_size=6 is not divisible by the data-parallel size \(4.*multiple of 4"),
+    (dict(eval=dict(batch_size=2), mesh=dict(data=4, model=1)), 4,
+     r"eval.batch_size=2 is not divisible by the data-parallel size"),
+    (dict(model=dict(num_heads=2, d_model=32), mesh=dict(data=1, model=4)), 4,
+     r"num_heads / heads_per_layer: 2 is not divisible by the model-parallel size "
+     r"\(config.mesh.model=4\)"),
+    (dict(model=dict(heads_per_layer=(4, 3)), mesh=dict(data=2, model=2)), 4,
+     r"heads_per_layer: 3 is not divisible by the model-parallel size"),
+    (dict(data=dict(name="wikitext5")), 1, r"data.name='wikitext5' is unknown.*'text8'"),
+    (dict(model=dict(kind="lstm")), 1, r"model.kind='lstm' is unknown.*'allatt', 'txl'"),
+    (dict(gates=dict(enabled=True, freeze_step=50)), 1,
+     r"gates.freeze_step=50 is beyond config.train.num_steps=30.*freeze_step <= "),
+    (dict(gates=dict(lam=-0.01)), 1, r"gates.lam=-0.01 is out of range: a negative λ"),
+    (dict(train=dict(learning_rate=-1e-3)), 1,
+     r"train.learning_rate=-0.001 is out of range: a negative learning rate"),
+    (dict(model=dict(max_relative_len=20)), 1,
+     r"max_relative_len=20 is shorter than config.train.seq_len \+ config.train.mem_len = 32"),
+    (dict(model=dict(max_relative_len=32), eval=dict(seq_len=32)), 1,
+     r"max_relative_len=32 is shorter than config.eval.seq_len \+ config.eval.mem_len = 48"
+     r".*max_relative_len >= 48"),
+    (dict(checkpoint=dict(every_steps=0)), 1, r"checkpoint.every_steps=0 is out of range"),
+])
+def test_bad_config_is_named(tmp_path, monkeypatch, sections, devices, match):
+  config = tiny_config(**sections)
+  _fewer_devices(monkeypatch, devices)
+  with pytest.raises(ConfigError, match=match):
+    validation.check_run(config, tmp_path)
+
+
+def test_valid_config_passes(tmp_path):
+  validation.check_run(tiny_config(), tmp_path / "new" / "run")
+
+
+def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
+  """Without the check, the model's own trace-time ValueError would come after loading
+  the dataset and building the state."""
+  def no_data(*args):
+    raise AssertionError("the dataset was loaded before the config was checked")
+  monkeypatch.setattr(data_lib, "load_corpus", no_data)
+  config = tiny_config(model=dict(max_relative_len=20))
+  with pytest.raises(ConfigError, match="max_relative_len=20"):
+    train.train_and_evaluate(config, tmp_path)
+
+
+def test_unwritable_workdir(tmp_path):
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ConfigError, match=r"--workdir .*a_file/run is not writable"):
+    validation.check_run(tiny_config(), tmp_path / "a_file" / "run")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_workdir(tmp_path):
+  tmp_path.chmod(0o500)
+  try:
+    with pytest.raises(ConfigError, match="is not writable"):
+      validation.check_run(tiny_config(), tmp_path)
+  finally:
+    tmp_path.chmod(0o700)
+
+
+# init_from: the baseline a pruning run starts from.
+
+def test_init_from_baseline_passes(baseline, tmp_path):
+  config = tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
+  validation.check_run(config, tmp_path)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda tmp, base: tmp / "missing", r"init_from=.*missing does not exist"),
+    (lambda tmp, base: _with_file(tmp, "notes.txt", ""), r"has no config.json"),
+    (lambda tmp, base: _with_file(tmp, "config.json", "{not json"),
+     r"config.json is unreadable"),
+    (lambda tmp, base: _copy_without(base, tmp, "checkpoints"), r"No checkpoint in"),
+])
+def test_missing_or_unreadable_init_from(baseline, tmp_path, make, match):
+  config = tiny_config(gates=dict(enabled=True, freeze_step=15),
+                       init_from=str(make(tmp_path / "src", baseline)))
+  with pytest.raises(CheckpointError, match=match):
+    validation.check_run(config, tmp_path / "run")
+
+
+def _with_file(directory, name, text):
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / name).write_text(text)
+  return directory
+
+
+def _copy_without(source, target, name):
+  shutil.copytree(source, target, ignore=shutil.ignore_patterns(name))
+  return target
+
+
+def test_init_from_of_other_shapes(baseline, tmp_path):
+  config = tiny_config(model=dict(num_persistent=8), gates=dict(enabled=True, freeze_step=15),
+                       init_from=str(baseline))
+  with pytest.raises(CheckpointError, match=(
+      r"other shapes than config.model gives \(.*persistent_key: saved \(4, 16, 8\), "
+      r"now \(4, 8, 8\).*model.num_persistent: 16 -> 8")):
+    validation.check_run(config, tmp_path)
+
+
+def test_init_from_with_another_vocabulary_size(baseline, tmp_path):
+  config = tiny_config(model=dict(vocab_size=256), data=dict(name="enwik8"),
+                       gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
+  with pytest.raises(CheckpointError, match=(
+      r"vocabulary of 27 tokens \(dataset 'text8'\), this run has 256 \(dataset 'enwik8'\)")):
+    validation.check_run(config, tmp_path)
+
+
+# Resuming a workdir with a config that changes the state's shapes.
+
+def test_resume_with_shape_changing_config(baseline, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  config = tiny_config(model=dict(num_heads=2), train=dict(num_steps=60))
+  with pytest.raises(CheckpointError) as error:
+    validation.check_run(config, workdir)
+  message = str(error.value)
+  for part in ("holds a checkpoint (step 1)",
+               "layer_0/attention/key/kernel: saved (32, 4, 8), now (32, 2, 16)",
+               "model.num_heads: 4 -> 2", "train.num_steps: 30 -> 60", "use a new --workdir"):
+    assert part in message
+  # A change that keeps the shapes (a longer run) resumes.
+  validation.check_run(tiny_config(train=dict(num_steps=60)), workdir)
+
+
+# Vocabulary of the data vs the checkpoint's.
+
+def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs):
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  other = checkpointing.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET[::-1])
+  checkpointing.save_vocabulary(workdir, other)
+  manual_dir, data_dir = text8_dirs
+  config = tiny_config(data=dict(manual_dir=manual_dir, data_dir=data_dir))
+  with pytest.raises(DataError, match=(
+      r"vocabulary of dataset 'text8' \(27 tokens.*is not the one the run in --workdir .* "
+      r"was trained with.*token ids would mean other tokens")):
+    train.train_and_evaluate(config, workdir)
+
+
+def test_vocabulary_differs_from_init_from(baseline, tmp_path):
+  other = checkpointing.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
+  with pytest.raises(DataError, match=r"is not the one config.init_from=.* was trained with"):
+    validation.check_vocabulary(other, tmp_path, str(baseline))
+  validation.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline))
+
+
+# Export.
+
+def test_export_of_a_run_without_gates(baseline):
+  with pytest.raises(CheckpointError, match="baseline run .* no head gates"):
+    validation.check_export(baseline)
+
+
+def _cli(module, *flags):
+  return subprocess.run(
+      [sys.executable, "-m", module, *flags], capture_output=True, text=True, timeout=300,
+      cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"})
+
+
+def test_export_cli_reports_a_run_without_gates(baseline):
+  result = _cli("allatt_jax.export", f"--workdir={baseline}")
+  assert result.returncode == 2, result.stderr
+  assert "error: " in result.stderr and "no head gates" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_train_cli_reports_a_bad_config(tmp_path):
+  result = _cli("allatt_jax.main", "--config=configs/demo.py:tiny", f"--workdir={tmp_path}",
+                "--config.model.d_model=30")
+  assert result.returncode == 2, result.stderr
+  assert "error: config.model.d_model=30 is not divisible" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+# Data files: the gaps tests/test_data.py leaves.
+
+def test_empty_text8_file(tmp_path):
+  data_fixtures.write_text8(tmp_path / "raw", "")
+  with pytest.raises(DataError, match=r"'text8': .*text8 is empty"):
+    data_lib.load_corpus("text8", str(tmp_path / "data"), str(tmp_path / "raw"))
+
+
+def test_truncated_xz_corpus(tmp_path):
+  (tmp_path / "raw").mkdir()
+  (tmp_path / "raw" / "wikitext_chars.txt.xz").write_bytes(
+      lzma.compress(b"some text " * 100)[:40])
+  with pytest.raises(DataError, match="is not a valid .xz file"):
+    data_lib.load_corpus("wikitext_chars", str(tmp_path / "data"), str(tmp_path / "raw"))
+
+
+def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
+  manual_dir, data_dir = text8_dirs
+  data_dir = shutil.copytree(data_dir, tmp_path / "data")
+  cache = data_dir / "allatt_encoded" / "text8"
+  expected = json.loads((cache / "vocab.json").read_text())
+  train_npy = (cache / "train.npy").read_bytes()
+  (cache / "train.npy").write_bytes(train_npy[:len(train_npy) // 2])  # a cut-off write
+  corpus = data_lib.load_corpus("text8", str(data_dir), manual_dir)
+  assert list(corpus.vocab) == expected
+  assert len(corpus.splits["train"]) == 18000
+  assert (cache / "train.npy").read_bytes() == train_npy
