@@ -104,9 +104,10 @@ def score_text(model: LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndar
                               mem_len=e.mem_len)
   nll = float(-log_probs.mean())
   metric = model.corpus.metric
-  skipped_key = "unk" if model.corpus.level == "word" else "dropped_chars"
   summary = {"tokens": len(log_probs), metric: evaluate.metric_value(nll, metric),
-             "nll": nll, skipped_key: skipped}
+             "nll": nll}
+  if model.corpus.level == "word":
+    summary["unk"] = skipped
   return summary, ids, log_probs
 
 

@@ -56,14 +56,15 @@ class Corpus:
   def encode(self, text: str) -> tuple[np.ndarray, int]:
     """Ids of `text` tokenised like the splits, and how many tokens were unknown.
 
-    Words: each newline is an <eos>; unknown words become <unk>. Characters:
-    unknown characters (e.g. capitals in text8) are dropped. Bytes: UTF-8.
+    Words: each newline is an <eos>; unknown words become <unk>. Characters: the
+    text is cleaned as text8 was (lower case, digits spelled out, everything else a
+    space), so nothing is unknown. Bytes: UTF-8.
     """
     if self.level == 'word':
       return tokenization.encode_words(text, self._index)
     if self.level == 'byte':
       return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32), 0
-    ids = [self._index.get(c, -1) for c in text]
+    ids = [self._index.get(c, -1) for c in tokenization.clean_text8_style(text)]
     known = np.array([i for i in ids if i >= 0], dtype=np.int32)
     return known, len(ids) - len(known)
 

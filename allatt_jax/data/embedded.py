@@ -13,26 +13,12 @@ The result is one line of a-z and spaces, split 90/5/5 by characters when loaded
 """
 import lzma
 import pathlib
-import re
-import unicodedata
 
 from allatt_jax.data import specs
+from allatt_jax.data.tokenization import clean_text8_style
 from allatt_jax.errors import DataError
 
 RAW_FILES = ('wiki.valid.raw', 'wiki.test.raw')
-_DIGIT_WORDS = ('zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven',
-                'eight', 'nine')
-_DIGIT = re.compile(r'[0-9]')
-_NOT_LETTER = re.compile(r'[^a-z]+')
-
-
-def clean_text8_style(text: str) -> str:
-  decomposed = unicodedata.normalize('NFKD', text)
-  text = ''.join(c for c in decomposed if not unicodedata.combining(c)).casefold()
-  text = _DIGIT.sub(lambda digit: f' {_DIGIT_WORDS[int(digit.group())]} ', text)
-  return _NOT_LETTER.sub(' ', text).strip()
-
-
 def make_embedded_corpus(raw_dir, out_path=None) -> pathlib.Path:
   """Writes the cleaned, xz-compressed corpus; returns its path."""
   raw_dir = pathlib.Path(raw_dir).expanduser()

@@ -6,6 +6,8 @@ Characters: the text8 alphabet (space and a-z). Bytes: id = byte value.
 """
 from collections.abc import Iterable, Mapping
 import itertools
+import re
+import unicodedata
 
 import numpy as np
 
@@ -14,6 +16,18 @@ from allatt_jax.errors import DataError
 EOS = '<eos>'
 UNK = '<unk>'
 TEXT8_ALPHABET = ' abcdefghijklmnopqrstuvwxyz'
+_DIGIT_WORDS = ('zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven',
+                'eight', 'nine')
+_DIGIT = re.compile(r'[0-9]')
+_NOT_LETTER = re.compile(r'[^a-z]+')
+
+
+def clean_text8_style(text: str) -> str:
+  """Text as text8 was made (see data/embedded.py): a-z and single spaces."""
+  decomposed = unicodedata.normalize('NFKD', text)
+  text = ''.join(c for c in decomposed if not unicodedata.combining(c)).casefold()
+  text = _DIGIT.sub(lambda digit: f' {_DIGIT_WORDS[int(digit.group())]} ', text)
+  return _NOT_LETTER.sub(' ', text).strip()
 
 
 class _FirstSeenIds(dict):
