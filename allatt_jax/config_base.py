@@ -68,6 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
       grad_accum_steps=1,
       seed=0,
       log_every_steps=50,
+      # A step whose loss or gradient is NaN/inf stops the run (False), or is skipped:
+      # its update is dropped, the memory restarts, and `nonfinite_steps` counts it.
+      skip_nonfinite_steps=False,
   ))
 
   c.eval = ml_collections.ConfigDict(dict(

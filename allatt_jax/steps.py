@@ -129,9 +129,21 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
   }
+  if config.train.skip_nonfinite_steps:
+    # Decided on device, so skipping costs no host sync. The memory restarts empty:
+    # the hidden states of a step that overflowed may hold the overflow themselves.
+    variables, opt_state, memory = _where_finite(
+        metrics, (variables, opt_state, memory),
+        (state.variables, state.opt_state, jax.tree.map(jnp.zeros_like, memory)))
   new_state = state.replace(step=state.step + 1, variables=variables, opt_state=opt_state,
                             memory=memory)
   return new_state, metrics
+
+
+def _where_finite(metrics, new, fallback):
+  """`new` if the step's loss and gradient norm are finite, else `fallback`."""
+  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+  return jax.tree.map(lambda n, f: jnp.where(finite, n, f), new, fallback)
 
 
 def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,

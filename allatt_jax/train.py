@@ -31,6 +31,8 @@ from allatt_jax import sharding
 from allatt_jax import steps
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
+from allatt_jax.errors import Preempted
+from allatt_jax.errors import TrainingError
 
 GATE_HISTORY_FILE = "gate_history.jsonl"
 
@@ -130,42 +132,69 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   progress = tqdm.tqdm(total=train_cfg.num_steps, initial=int(state.step),
                        disable=not (is_main and sys.stdout.isatty()), dynamic_ncols=True)
 
-  # --- Train loop.
+  # --- Train loop. Metrics stay on device until a log, evaluation or save reads them,
+  # so checking them for NaN/inf adds no host sync of its own.
   shape = (train_cfg.batch_size, train_cfg.seq_len)
   pending, interval_start = [], time.perf_counter()
-  for step in range(int(state.step), train_cfg.num_steps):
-    inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
-    sample = gated and step < config.gates.freeze_step
-    with sharding.activate(run.mesh):
-      state, metrics = step_fns[sample](state, inputs, targets)
-    pending.append(metrics)
-    done = step + 1
-    report_progress(done)
-    progress.update(1)
+  try:
+    with checkpointing.PreemptionWatch(checkpoints) as preemption:
+      for step in range(int(state.step), train_cfg.num_steps):
+        inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
+        sample = gated and step < config.gates.freeze_step
+        with sharding.activate(run.mesh):
+          state, metrics = step_fns[sample](state, inputs, targets)
+        pending.append(metrics)
+        done = step + 1
+        report_progress(done)
+        progress.update(1)
 
-    if done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps:
-      summary = _summarise(pending, run.corpus.metric)
-      elapsed = time.perf_counter() - interval_start
-      summary["tokens_per_s"] = len(pending) * tokens_per_step / elapsed
-      writer.write_scalars(done, summary)
-      progress.set_postfix(loss=f"{summary['nll']:.3f}")
-      if gated and is_main:
-        _append_gate_history(workdir, done, state.variables["gates"], run.lm.cfg)
-      pending, interval_start = [], time.perf_counter()
+        log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
+        evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
+        save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
+        preempted = preemption.reached(done)
+        if log or evaluate_now or save or preempted:
+          pending = jax.device_get(pending)
+          nonfinite = _nonfinite_steps(pending, done)
+          if nonfinite and not train_cfg.skip_nonfinite_steps:
+            raise _nonfinite_error(*nonfinite[0], checkpoints)
 
-    if config.eval.every_steps and done % config.eval.every_steps == 0:
-      results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus, ("valid",),
-                                         config.eval.max_batches)
-      writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
-      interval_start = time.perf_counter()
+        if log:
+          summary = _summarise(_without_steps(pending, done, nonfinite) or pending,
+                               run.corpus.metric)
+          if train_cfg.skip_nonfinite_steps:
+            summary["nonfinite_steps"] = len(nonfinite)
+            if nonfinite:
+              logging.warning("Skipped the updates of steps %s: non-finite loss or "
+                              "gradient.", [s for s, _, _ in nonfinite])
+          elapsed = time.perf_counter() - interval_start
+          summary["tokens_per_s"] = len(pending) * tokens_per_step / elapsed
+          writer.write_scalars(done, summary)
+          progress.set_postfix(loss=f"{summary['nll']:.3f}")
+          if gated and is_main:
+            _append_gate_history(workdir, done, state.variables["gates"], run.lm.cfg)
+          pending, interval_start = [], time.perf_counter()
 
-    if done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps:
-      checkpoints.save(done, state, stream.get_state(), force=True)
-  progress.close()
+        if evaluate_now:
+          results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus,
+                                             ("valid",), config.eval.max_batches)
+          writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
+          interval_start = time.perf_counter()
+
+        if save or preempted:
+          checkpoints.save(done, state, stream.get_state(), force=True)
+        if preempted:
+          checkpoints.wait()
+          raise Preempted(
+              f"Preempted: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+              f"{checkpoints.directory}. Rerun the same command to resume.")
+  finally:
+    progress.close()
+    writer.flush()
+    # Whatever stopped the loop, the save in flight completes (or never counts).
+    checkpoints.wait()
+    checkpoints.close()
 
   # --- Final evaluation.
-  checkpoints.wait()
-  checkpoints.close()
   results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus)
   writer.write_scalars(train_cfg.num_steps, {f"final/{k}": v for k, v in results.items()})
   writer.flush()
@@ -194,6 +223,38 @@ def _export_and_evaluate(workdir, run: Run) -> dict:
 def _layer_gates(gates, num_layers):
   """Each layer's gate variables (None for a layer without heads)."""
   return [gates.get(f"layer_{i}") for i in range(num_layers)]
+
+
+def _nonfinite_steps(fetched, last_step: int) -> list[tuple[int, str, float]]:
+  """(step, metric, value) of each step whose loss or gradient norm is NaN or inf.
+
+  `fetched` holds the host metrics of the steps up to `last_step`, in order.
+  """
+  found = []
+  for step, metrics in enumerate(fetched, last_step - len(fetched) + 1):
+    bad = [key for key in ("loss", "grad_norm") if not np.isfinite(metrics[key])]
+    if bad:
+      found.append((step, bad[0], float(metrics[bad[0]])))
+  return found
+
+
+def _without_steps(fetched, last_step: int, nonfinite) -> list:
+  skip = {step for step, _, _ in nonfinite}
+  return [m for step, m in enumerate(fetched, last_step - len(fetched) + 1)
+          if step not in skip]
+
+
+def _nonfinite_error(step: int, metric: str, value: float,
+                     checkpoints: checkpointing.RunCheckpoints) -> TrainingError:
+  checkpoints.wait()
+  last = checkpoints.latest_step()
+  kept = (f"The last checkpoint, step {last}, predates it and is kept; a rerun resumes "
+          "from it" if last is not None else "No checkpoint was saved before it")
+  return TrainingError(
+      f"Non-finite {metric} ({value}) at step {step}: training stopped. {kept}, and "
+      "would diverge the same way. Lower train.learning_rate, raise "
+      "train.warmup_steps or set train.grad_clip; or set "
+      "train.skip_nonfinite_steps=True to drop such steps' updates and go on.")
 
 
 def _summarise(pending, metric: str) -> dict[str, float]:

@@ -1,0 +1,306 @@
+"""Preemption, crashes and divergence: runs stop cleanly and resume bit for bit.
+
+The interrupted runs are real `python -m allatt_jax.main` processes sent SIGTERM or
+SIGKILL; they must end exactly where an uninterrupted run (in this process) ends.
+"""
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from clu import metric_writers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import data_fixtures
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import data as data_lib
+from allatt_jax import errors
+from allatt_jax import steps
+from allatt_jax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25
+
+# A tiny pruning run: gates sampled until FREEZE_STEP, dropout on, so the RNG, the λ
+# warm-up, the freeze, the memory and the data position all matter for the result.
+CONFIG_FILE = """
+from allatt_jax import config_base
+
+
+def get_config(arg=None):
+  c = config_base.load({demo!r}, "tiny")
+  with c.unlocked():
+    del c["pipeline"]
+  c.data.update(dict(name="text8", manual_dir={manual_dir!r}, data_dir={data_dir!r}))
+  c.model.dropout = 0.1
+  c.train.update(dict(num_steps={num_steps}, log_every_steps=1))
+  c.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=20, freeze_step={freeze},
+                      learning_rate=0.05))
+  c.eval.every_steps = 0
+  c.checkpoint.update(dict(every_steps={every}, keep=3))
+  return c
+"""
+STEP_LOGGED = re.compile(r"\] \[(\d+)\] ")     # clu's logging writer: "[step] key=value"
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+  """(config file, its config): the run every test here interrupts."""
+  root = tmp_path_factory.mktemp("reliability")
+  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
+  data_lib.load_corpus("text8", str(root / "data"), str(root / "raw"))  # encoded once
+  path = root / "tiny_prune.py"
+  path.write_text(CONFIG_FILE.format(
+      demo=str(ROOT / "configs" / "demo.py"), manual_dir=str(root / "raw"),
+      data_dir=str(root / "data"), num_steps=NUM_STEPS, freeze=FREEZE_STEP,
+      every=CHECKPOINT_EVERY))
+  return path, config_base.load(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_config, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  train.train_and_evaluate(run_config[1], workdir)
+  return saved_state(workdir, NUM_STEPS)
+
+
+def saved_state(workdir, step):
+  """Everything a checkpoint holds, as host arrays: state (step, params, gates,
+  optimizer state, memory) and the data position."""
+  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
+  try:
+    restored = checkpoints.restore_items(step, state=ocp.args.StandardRestore(),
+                                         data=ocp.args.JsonRestore())
+  finally:
+    checkpoints.close()
+  return {"state": jax.tree.map(np.asarray, restored.state), "data": dict(restored.data)}
+
+
+def assert_bit_identical(a, b):
+  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    x, y = np.asarray(x), np.asarray(y)
+    assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), (
+        jax.tree_util.keystr(path))
+
+
+class Run:
+  """One `python -m allatt_jax.main` process (or `command`) on a workdir, logging to a file."""
+
+  def __init__(self, config_path, workdir, log, command=("-m", "allatt_jax.main")):
+    self.log = log
+    # The processes share compiled steps through JAX's persistent cache, to save time;
+    # the in-process reference compiles its own, so the comparison covers both.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(pathlib.Path(config_path).parent / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    with open(log, "w") as out:
+      self.process = subprocess.Popen(
+          [sys.executable, *command, f"--config={config_path}", f"--workdir={workdir}"],
+          stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+  def output(self) -> str:
+    return self.log.read_text()
+
+  def wait_until(self, done, what, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not done():
+      if self.process.poll() is not None:
+        raise AssertionError(f"exited ({self.process.returncode}) before {what}:\n"
+                             + self.output()[-3000:])
+      if time.monotonic() > deadline:
+        self.process.kill()
+        raise AssertionError(f"no {what} in {timeout}s:\n" + self.output()[-3000:])
+      time.sleep(0.05)
+
+  def wait_for_step(self, step):
+    self.wait_until(lambda: any(int(s) >= step for s in STEP_LOGGED.findall(self.output())),
+                    f"step {step}")
+
+  def stop(self, signum) -> int:
+    self.process.send_signal(signum)
+    return self.process.wait(timeout=120)
+
+
+def preempted_at(output) -> int:
+  match = re.search(rf"Preempted: saved a checkpoint at step (\d+) of {NUM_STEPS} in ", output)
+  assert match, output[-3000:]
+  assert "Traceback" not in output
+  return int(match.group(1))
+
+
+def resumed_from(output) -> int:
+  return int(re.search(r"Resuming from step (\d+)", output).group(1))
+
+
+def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_path):
+  config_path, config = run_config
+  workdir = tmp_path / "run"
+
+  # 1. SIGTERM before the gate freeze: saves the current step, exits with 143.
+  first = Run(config_path, workdir, tmp_path / "first.log")
+  first.wait_for_step(20)
+  assert first.stop(signal.SIGTERM) == errors.PREEMPTED_EXIT_STATUS
+  stopped = preempted_at(first.output())
+  assert 20 <= stopped < FREEZE_STEP, "the first interruption should precede the freeze"
+  assert checkpointing.latest_finished_step(workdir) == stopped
+
+  # 2. SIGKILL after the freeze, between checkpoints: the steps since the last
+  # checkpoint are lost and must be replayed identically.
+  second = Run(config_path, workdir, tmp_path / "second.log")
+  second.wait_for_step(FREEZE_STEP + 30)
+  assert second.stop(signal.SIGKILL) == -signal.SIGKILL
+  assert resumed_from(second.output()) == stopped
+  killed_after = max(int(s) for s in STEP_LOGGED.findall(second.output()))
+  last_saved = checkpointing.latest_finished_step(workdir)   # the save in flight may be lost
+  assert FREEZE_STEP <= last_saved < killed_after
+
+  # 3. SIGTERM again, later on.
+  third = Run(config_path, workdir, tmp_path / "third.log")
+  third.wait_for_step(FREEZE_STEP + 100)
+  assert third.stop(signal.SIGTERM) == errors.PREEMPTED_EXIT_STATUS
+  assert resumed_from(third.output()) == last_saved
+  assert FREEZE_STEP + 100 <= preempted_at(third.output()) < NUM_STEPS
+
+  # 4. The same command finishes the run.
+  train.train_and_evaluate(config, workdir)
+  assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
+
+
+def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, uninterrupted,
+                                                                   tmp_path):
+  config_path, config = run_config
+  workdir, marker = tmp_path / "run", tmp_path / "stalled"
+  stalled = 2 * CHECKPOINT_EVERY
+  run = Run(config_path, workdir, tmp_path / "run.log",
+            command=(str(ROOT / "tests" / "slow_save_worker.py"), str(stalled), str(marker)))
+  run.wait_until(marker.exists, f"the save of step {stalled}")
+  assert run.stop(signal.SIGKILL) == -signal.SIGKILL
+
+  half_written = workdir / "checkpoints" / f"{stalled}.orbax-checkpoint-tmp"
+  assert half_written.is_dir() and not (workdir / "checkpoints" / str(stalled)).exists()
+  assert checkpointing.latest_finished_step(workdir) == CHECKPOINT_EVERY
+  checkpointing.restore_variables(workdir)           # readers skip it too
+
+  train.train_and_evaluate(config, workdir)
+  assert not half_written.exists()
+  assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
+
+
+# Non-finite losses and gradients.
+
+POISONED_STEP = 5
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+  """Step POISONED_STEP's forward pass reads NaN memory, so its loss and gradient are NaN."""
+  real_step = steps.train_step
+
+  def train_step(state, inputs, targets, **kwargs):
+    poison = jnp.where(state.step + 1 == POISONED_STEP, jnp.nan, 1.0)
+    memory = {**state.memory, "hidden": state.memory["hidden"] * poison}
+    return real_step(state.replace(memory=memory), inputs, targets, **kwargs)
+
+  monkeypatch.setattr(steps, "train_step", train_step)
+
+
+class RecordingWriter(metric_writers.LoggingWriter):
+  scalars = {}
+
+  def write_scalars(self, step, scalars):
+    RecordingWriter.scalars.setdefault(step, {}).update(scalars)
+    super().write_scalars(step, scalars)
+
+
+def short_config(run_config, **train_overrides):
+  config = run_config[1].copy_and_resolve_references()
+  config.gates.enabled = False
+  config.train.update({**dict(num_steps=8, log_every_steps=4), **train_overrides})
+  config.checkpoint.update(dict(every_steps=2, keep=10))
+  return config
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
+    run_config, poisoned, tmp_path):
+  with pytest.raises(errors.TrainingError, match=(
+      rf"Non-finite loss \(nan\) at step {POISONED_STEP}: training stopped. The last "
+      r"checkpoint, step 4, predates it.*skip_nonfinite_steps=True")):
+    train.train_and_evaluate(short_config(run_config), tmp_path)
+  assert checkpointing.latest_finished_step(tmp_path) == 4
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(checkpointing.restore_variables(
+      tmp_path)))
+
+
+def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, poisoned,
+                                                               tmp_path, monkeypatch):
+  monkeypatch.setattr(metric_writers, "create_default_writer",
+                      lambda *args, **kwargs: RecordingWriter())
+  RecordingWriter.scalars = {}
+  config = short_config(run_config, skip_nonfinite_steps=True, log_every_steps=2)
+  config.checkpoint.every_steps = 1
+  train.train_and_evaluate(config, tmp_path)
+
+  before, skipped, after, last = (saved_state(tmp_path, s)["state"] for s in
+                                  (POISONED_STEP - 1, POISONED_STEP, POISONED_STEP + 1, 8))
+  assert_bit_identical(skipped["variables"], before["variables"])
+  assert_bit_identical(skipped["opt_state"], before["opt_state"])
+  assert skipped["step"] == POISONED_STEP
+  assert skipped["memory"]["length"] == 0 and not skipped["memory"]["hidden"].any()
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["variables"]),
+                                                      jax.tree.leaves(skipped["variables"])))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(last))
+  counts = {step: s["nonfinite_steps"] for step, s in RecordingWriter.scalars.items()
+            if "nonfinite_steps" in s}
+  assert counts == {2: 0, 4: 0, 6: 1, 8: 0}
+  assert np.isfinite(RecordingWriter.scalars[6]["loss"])   # the mean of the finite step
+
+
+def test_nonfinite_gradient_is_named():
+  metrics = [{"loss": np.float32(2.0), "grad_norm": np.float32(1.0)},
+             {"loss": np.float32(2.0), "grad_norm": np.float32(np.inf)},
+             {"loss": np.float32(np.nan), "grad_norm": np.float32(np.nan)}]
+  assert train._nonfinite_steps(metrics, 12) == [(11, "grad_norm", np.inf),
+                                                 (12, "loss", pytest.approx(np.nan,
+                                                                            nan_ok=True))]
+
+
+# Several hosts: orbax's preemption sync point, not a Python signal handler.
+
+def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
+  calls = []
+
+  class Manager:
+    def reached_preemption(self, step):
+      calls.append(step)
+      return step == 7
+
+  class Checkpoints:
+    manager = Manager()
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  before = signal.getsignal(signal.SIGTERM)
+  with checkpointing.PreemptionWatch(Checkpoints()) as watch:
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert [watch.reached(step) for step in (6, 7)] == [False, True]
+  assert calls == [6, 7]
+
+
+def test_one_process_catches_sigterm_between_steps():
+  before = signal.getsignal(signal.SIGTERM)
+  with checkpointing.PreemptionWatch(None) as watch:
+    assert not watch.reached(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watch.reached(2)
+  assert signal.getsignal(signal.SIGTERM) is before
