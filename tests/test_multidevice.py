@@ -1,0 +1,98 @@
+"""Sharded training on 8 fake CPU devices matches one device; heads and batch are split.
+
+The 8-device half runs in a subprocess (tests/multidevice_worker.py), since JAX fixes
+its device count when first imported; the one-device reference runs here meanwhile.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from allatt_jax import checkpointing
+from allatt_jax import data as data_lib
+from allatt_jax import export
+
+import multidevice_worker as worker
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Sharded reductions add in another order: float32 round-off, compounded over steps.
+RTOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """(8-device results, one-device losses and parameter digests)."""
+  out_dir = tmp_path_factory.mktemp("multidevice")
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  data_lib.load_corpus("wikitext_chars", data_dir)     # prepared once, before both read it
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  log = out_dir / "worker.log"
+  with open(log, "w") as log_file:
+    child = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "multidevice_worker.py"), str(out_dir), data_dir],
+        env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+      state, losses, _ = worker.train_steps(worker.test_config(data_dir))
+      child.wait(timeout=540)
+    finally:
+      child.kill()
+  assert child.returncode == 0, log.read_text()[-5000:]
+  assert jax.device_count() == 1
+  result = json.loads((out_dir / "result.json").read_text())
+  return out_dir, result, {"losses": losses, "params": worker.param_digest(state)}
+
+
+@pytest.mark.parametrize("mesh", worker.MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_sharded_steps_match_one_device(runs, mesh):
+  _, result, reference = runs
+  sharded = result[f"{mesh[0]}x{mesh[1]}"]
+  np.testing.assert_allclose(sharded["losses"], reference["losses"], rtol=RTOL)
+  assert sharded["params"].keys() == reference["params"].keys()
+  for name, digest in reference["params"].items():
+    np.testing.assert_allclose(sharded["params"][name], digest, rtol=1e-4, atol=1e-5,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("mesh", worker.MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_heads_split_over_model_and_rows_over_data(runs, mesh):
+  data, model = mesh
+  placed = runs[1][f"{mesh[0]}x{mesh[1]}"]["placements"]
+  expected = {
+      # name: (partition spec, per-device shape)
+      "query_kernel": ([None, "model", None], [32, 4 // model, 8]),
+      "out_kernel": (["model", None, None], [4 // model, 8, 32]),
+      "persistent_key": (["model", None, None], [4 // model, 16, 8]),
+      "gate_logits": (["model"], [4 // model]),
+      "query_kernel_adam_mu": ([None, "model", None], [32, 4 // model, 8]),
+      "embedding": ([None, None], [27, 32]),
+      "memory_hidden": ([None, "data"], [2, 8 // data, 16, 32]),
+      "batch": (["data"], [8 // data, 16]),
+  }
+  for name, (spec, shard_shape) in expected.items():
+    # Trailing unsharded axes may be left out of a spec.
+    got = placed[name]["spec"]
+    assert got + [None] * (len(spec) - len(got)) == spec, (name, got)
+    assert placed[name]["shard_shape"] == shard_shape, (name, placed[name])
+
+
+def test_pruning_run_exports_from_sharded_checkpoint(runs, tmp_path):
+  out_dir, result, _ = runs
+  run = result["pruning_run"]
+  # The export made on the (4, 2) mesh scores like the gated model it came from.
+  assert run["export"]["valid"] == pytest.approx(run["valid"], rel=1e-5)
+  assert run["export"]["test"] == pytest.approx(run["test"], rel=1e-5)
+  assert sum(run["export"]["heads_per_layer"]) < 8, "some heads should be removed"
+  # The 8-device checkpoint also exports here, on one device, to the same model.
+  here = export.export_run(out_dir / "pruning_run", tmp_path / "export")
+  config, variables = checkpointing.load_model(here)
+  there_config, there = checkpointing.load_model(out_dir / "pruning_run" / "export")
+  assert list(config.model.heads_per_layer) == run["export"]["heads_per_layer"]
+  assert config.to_dict() == there_config.to_dict()
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(there)):
+    np.testing.assert_array_equal(a, b)
