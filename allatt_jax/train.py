@@ -37,6 +37,22 @@ from allatt_jax.errors import TrainingError
 GATE_HISTORY_FILE = "gate_history.jsonl"
 
 
+def abstract_state(lm: model_lib.TransformerLM, optimizer, config: ml_collections.ConfigDict,
+                   mesh):
+  """Shapes, dtypes and shardings of the train state, without allocating it.
+
+  Returns (state of jax.ShapeDtypeStructs carrying their shardings, state shardings).
+  """
+  init = functools.partial(steps.init_state, lm, optimizer, config, boxed=True)
+  with sharding.activate(mesh):
+    boxed = jax.eval_shape(init, jax.random.key(0))
+  shardings = sharding.logical_shardings(mesh, boxed)
+  shardings = shardings.replace(memory=sharding.memory_sharding(mesh))
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      nn.unbox(boxed), shardings), shardings
+
+
 class Run:
   """Everything a run needs besides its state: corpus, mesh, model, optimizer."""
 
@@ -54,16 +70,7 @@ class Run:
     self.optimizer = optim.make_optimizer(config)
 
   def abstract_state(self):
-    """Shapes, dtypes and shardings of the train state, without allocating it."""
-    init = functools.partial(steps.init_state, self.lm, self.optimizer, self.config,
-                             boxed=True)
-    with sharding.activate(self.mesh):
-      boxed = jax.eval_shape(init, jax.random.key(0))
-    shardings = sharding.logical_shardings(self.mesh, boxed)
-    shardings = shardings.replace(memory=sharding.memory_sharding(self.mesh))
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nn.unbox(boxed), shardings), shardings
+    return abstract_state(self.lm, self.optimizer, self.config, self.mesh)
 
   def new_state(self, state_sharding):
     init = functools.partial(steps.init_state, self.lm, self.optimizer, self.config)

@@ -1,0 +1,158 @@
+r"""Compiles a config's train step for a large mesh without running it or allocating state.
+
+  python -m allatt_jax.compile_check --config=configs/wt103_base.py --devices=32 --mesh=8,4
+
+Lowers and compiles the sharded train step for `--devices` fake CPU devices arranged as
+a (data, model) mesh, from abstract shapes only (`jax.eval_shape`: no parameter is
+materialised), so a sharding mistake (an axis that does not divide, a constraint that
+cannot hold) shows up in a minute on a laptop instead of on a reserved pod. Prints
+the compile time and the per-device memory XLA plans for the step (arguments =
+state and batch shards, outputs, temporaries) and its FLOPs.
+
+The figures are for XLA:CPU; a TPU or GPU compile fuses and lays out differently, so
+treat the memory as a sanity check of the sharding (does each device hold 1/model of
+the heads?), not as an exact HBM budget. With `--devices` the process re-executes
+itself with XLA_FLAGS=--xla_force_host_platform_device_count, which must be set
+before JAX starts.
+"""
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_flags
+
+from allatt_jax import errors
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+from allatt_jax import sharding
+from allatt_jax import steps
+from allatt_jax import train
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_GIB = 2**30
+
+
+@dataclasses.dataclass
+class Report:
+  """What compiling one train step took and what it plans per device."""
+  config: str
+  devices: int
+  mesh: tuple[int, int]
+  gated: bool
+  params: int                       # global parameter count
+  state_bytes_per_device: int       # from the shardings: what each device stores
+  lower_s: float
+  compile_s: float
+  memory: dict[str, int]            # XLA's per-device plan (memory_analysis)
+  flops_per_device: float
+
+  def summary(self) -> str:
+    m = self.memory
+    lines = [
+        f"{self.config}: train step for {self.devices} devices, mesh data={self.mesh[0]} x "
+        f"model={self.mesh[1]} ({'gated' if self.gated else 'baseline'})",
+        f"  parameters            {self.params:,}",
+        f"  lower / compile       {self.lower_s:.1f} s / {self.compile_s:.1f} s",
+        f"  state per device      {self.state_bytes_per_device / _GIB:.3f} GiB (from shardings)",
+        "  XLA plan per device:  arguments {:.3f} GiB, outputs {:.3f} GiB, temporaries "
+        "{:.3f} GiB, aliased {:.3f} GiB".format(
+            *(m[k] / _GIB for k in ("argument", "output", "temp", "alias"))),
+        "  total per device      {:.3f} GiB (arguments + outputs + temporaries - "
+        "aliased)".format((m["argument"] + m["output"] + m["temp"] - m["alias"]) / _GIB),
+        f"  FLOPs per device      {self.flops_per_device:.3e} per step",
+    ]
+    return "\n".join(lines)
+
+
+def _shard_bytes(abstract) -> int:
+  return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+             for a in jax.tree.leaves(abstract))
+
+
+def check(config: ml_collections.ConfigDict, mesh_shape: tuple[int, int],
+          name: str = "") -> Report:
+  """Lowers and compiles the train step of `config` on a mesh of the current devices."""
+  config = config.copy_and_resolve_references()
+  config.mesh.data, config.mesh.model = mesh_shape
+  mesh = sharding.make_mesh(config.mesh)
+  lm = model_lib.TransformerLM(model_lib.model_config(config))
+  optimizer = optim.make_optimizer(config)
+  abstract, state_sharding = train.abstract_state(lm, optimizer, config, mesh)
+  batch = sharding.batch_sharding(mesh)
+  gated = "gates" in abstract.variables
+  # A pruning run starts with sampled gates: that step is the one that runs first.
+  step = steps.jit_train_step(lm, optimizer, config, state_sharding, batch,
+                              sharding.replicated(mesh), sample_gates=gated)
+  t = config.train
+  tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=batch)
+  with sharding.activate(mesh):
+    start = time.perf_counter()
+    lowered = step.lower(abstract, tokens, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+  stats = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return Report(
+      config=name, devices=mesh.size, mesh=tuple(mesh_shape), gated=gated,
+      params=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.variables["params"])),
+      state_bytes_per_device=_shard_bytes(abstract),
+      lower_s=lowered_at - start, compile_s=compiled_at - lowered_at,
+      memory={key: int(getattr(stats, f"{key}_size_in_bytes"))
+              for key in ("argument", "output", "temp", "alias")}
+      | {"peak": int(getattr(stats, "peak_memory_in_bytes", 0))},
+      flops_per_device=float((cost or {}).get("flops", 0.0)))
+
+
+def _mesh_shape(text: str, devices: int) -> tuple[int, int]:
+  try:
+    data, model = (int(x) for x in text.split(","))
+  except ValueError:
+    raise errors.ConfigError(f"--mesh={text!r}: expected DATA,MODEL, e.g. 8,4.") from None
+  return sharding.mesh_shape(ml_collections.ConfigDict(dict(data=data, model=model)), devices)
+
+
+def _reexec_with_devices(devices: int) -> None:
+  """Restarts this command with `devices` fake CPU devices (JAX reads the flag once)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}={devices}".strip()
+  os.execve(sys.executable, [sys.executable, "-m", "allatt_jax.compile_check", *sys.argv[1:]],
+            env)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  wanted = _DEVICES.value
+  if wanted and f"{_DEVICE_COUNT_FLAG}={wanted}" not in os.environ.get("XLA_FLAGS", ""):
+    _reexec_with_devices(wanted)
+  with errors.reported_to_user():
+    devices = jax.device_count()
+    if wanted and devices != wanted:
+      raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
+    mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
+    report = check(_CONFIG.value, mesh,
+                   name=config_flags.get_config_filename(flags.FLAGS["config"]))
+  print(report.summary())
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(dataclasses.asdict(report), f, indent=2)
+
+
+if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (path.py:arg).")
+  _DEVICES = flags.DEFINE_integer(
+      "devices", 0, "Fake CPU devices to compile for (default: the devices JAX sees).")
+  _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL mesh sizes; -1 fills (default: all data).")
+  _JSON = flags.DEFINE_string("json", "", "Also write the report to this JSON file.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
