@@ -87,14 +87,15 @@ def _threefry2x32(k0, k1, x0, x1):
   return x0, x1
 
 
-def _keep_mask(key_2, shape, rate: float) -> jax.Array:
+def _keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
   """Bernoulli(1 - rate) dropout mask hashed from each element's position.
 
-  The mask is a pure function of the key and the shape, so the backward pass
-  recomputes it instead of keeping it. Counters are (index along the first axis,
-  flat index within it), unique up to 2^32 elements per slice of that axis.
+  The mask is a pure function of the key and of each element's (head, flat index
+  within the head) counter, so the backward pass recomputes it instead of keeping
+  it, and a loop over blocks of heads draws the same mask as one pass over all.
+  Counters are unique up to 2^32 elements per head.
   """
-  hi = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+  hi = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_head, jnp.uint32)
   lo = jnp.zeros(shape, jnp.uint32)
   for axis in range(1, len(shape)):
     lo = lo * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
@@ -106,11 +107,11 @@ def _dropped(p, keep, rate):
   return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
 
 
-def _keep_masks(keys_2x2, ctx_shape, pers_shape, rate):
+def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
   if not rate:
     return None, None
-  return (_keep_mask(keys_2x2[0], ctx_shape, rate),
-          None if pers_shape is None else _keep_mask(keys_2x2[1], pers_shape, rate))
+  return (_keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
+          None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
 
 
 def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
@@ -132,52 +133,23 @@ def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
   return e_ctx * inv_norm, None if pk is None else e_pers * inv_norm
 
 
-def _weighted_values(p_ctx, p_pers, v, pv, keep_ctx, keep_pers, rate):
+def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk, pv):
+  """Outputs and softmax weights of one block of heads."""
+  p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   dtype = v.dtype
   out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
   if pv is not None:
     out += jnp.einsum("hbtn,hnd->hbtd", _dropped(p_pers, keep_pers, rate).astype(dtype), pv)
-  return out
+  return out, p_ctx, p_pers
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
-  """Relative attention with persistent slots on head-major arrays.
-
-  Args:
-    rate: attention dropout rate (0 = none).
-    qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
-    k, v: (H, B, K, dh) context keys and values.
-    r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
-      zero row (see `rel_shift`).
-    pk, pv: (H, N, dh) persistent keys and values, or None.
-    mask_TxK: which keys each query may see.
-    keys_2x2: uint32 key words of the context and persistent dropout masks.
-
-  Returns:
-    (H, B, T, dh) attention outputs.
-
-  Head-major so that every (.., T, K) and (.., T, N) array is produced by a matmul in
-  its natural layout and is consumed by the next matmul without a transpose; the
-  backward pass is written out below for the same reason (autodiff's matmuls
-  transposed the (B, H, T, N) persistent weights, the largest arrays of the step).
-  """
-  return _attend_fwd(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2)[0]
-
-
-def _attend_fwd(rate, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
-  p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx.shape,
-                                    None if p_pers is None else p_pers.shape, rate)
-  out = _weighted_values(p_ctx, p_pers, v, pv, keep_ctx, keep_pers, rate)
-  return out, (qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
-
-
-def _attend_bwd(rate, residuals, dout):
-  qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
+def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk, pv,
+                    p_ctx, p_pers, out, dout):
+  """Gradients of one block of heads' inputs (see `_attend`)."""
+  del mask_TxK   # The saved weights are zero wherever the mask is off.
   f32, dtype = jnp.float32, dout.dtype
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx.shape,
-                                    None if p_pers is None else p_pers.shape, rate)
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
@@ -204,10 +176,72 @@ def _attend_bwd(rate, residuals, dout):
                                                preferred_element_type=f32), keep_pers)
     dqu += jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk, preferred_element_type=f32)
     dpk = jnp.einsum("hbtd,hbtn->hdn", qu, dlog_pers).swapaxes(-1, -2)
-  return (dqu.astype(dtype), dqv, dk, dv, dr_pad, dpk, dpv, None, None)
+  return dqu.astype(dtype), dqv, dk, dv, dr_pad, dpk, dpv
+
+
+def _over_head_blocks(fn, block: int, *arrays_H):
+  """fn(first_head, *arrays) over blocks of `block` heads (axis 0), one after another.
+
+  A loop keeps each block's (B, T, K + N) intermediates in cache, where one pass
+  over all heads streams every elementwise pass through memory. None entries pass
+  through.
+  """
+  num_heads = arrays_H[0].shape[0]
+  if block >= num_heads:
+    return fn(0, *arrays_H)
+  split = lambda x: None if x is None else x.reshape(num_heads // block, block, *x.shape[1:])
+  merge = lambda x: None if x is None else x.reshape(num_heads, *x.shape[2:])
+  outputs = jax.lax.map(lambda xs: fn(xs[0] * block, *xs[1:]),
+                        (jnp.arange(num_heads // block), *map(split, arrays_H)))
+  return jax.tree.map(merge, outputs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+  """Relative attention with persistent slots on head-major arrays.
+
+  Args:
+    rate: attention dropout rate (0 = none).
+    head_block: heads per step of the loop over heads (it must divide H).
+    qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
+    k, v: (H, B, K, dh) context keys and values.
+    r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
+      zero row (see `rel_shift`).
+    pk, pv: (H, N, dh) persistent keys and values, or None.
+    mask_TxK: which keys each query may see.
+    keys_2x2: uint32 key words of the context and persistent dropout masks.
+
+  Returns:
+    (H, B, T, dh) attention outputs.
+
+  Head-major so that every (.., T, K) and (.., T, N) array is produced by a matmul in
+  its natural layout and is consumed by the next matmul without a transpose; the
+  backward pass is written out for the same reason (autodiff's matmuls transposed
+  the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
+  softmax weights are kept for the backward pass.
+  """
+  return _attend_fwd(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2)[0]
+
+
+def _attend_fwd(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+  block_fn = functools.partial(_block_forward, rate, mask_TxK, keys_2x2)
+  out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, k, v, r_pad, pk, pv)
+  return out, (qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
+
+
+def _attend_bwd(rate, head_block, residuals, dout):
+  *inputs, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
+  block_fn = functools.partial(_block_backward, rate, mask_TxK, keys_2x2)
+  grads = _over_head_blocks(block_fn, head_block, *inputs, p_ctx, p_pers, out, dout)
+  return (*grads, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+  """The largest divisor of n not above limit (pruned layers have any head count)."""
+  return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 class Projection(nn.Module):
@@ -240,6 +274,7 @@ class RelativeAttention(nn.Module):
   head_dim: int
   num_persistent: int = 0
   dropout_attn: float = 0.0
+  head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   gated: bool = False
   gate: gates_lib.GateConfig = gates_lib.GateConfig()
   dtype: jnp.dtype = jnp.float32
@@ -277,8 +312,8 @@ class RelativeAttention(nn.Module):
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
-    out_HxBxTxDh = _attend(rate, qu, qv, head_major(k), head_major(v), r_pad, pk, pv,
-                           mask_TxK, keys_2x2)
+    out_HxBxTxDh = _attend(rate, _divisor_at_most(h, self.head_block or h), qu, qv,
+                           head_major(k), head_major(v), r_pad, pk, pv, mask_TxK, keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.

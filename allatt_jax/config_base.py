@@ -25,6 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
       rel_pos="learned",           # or 'sinusoidal'
       max_relative_len=0,          # learned table length; 0 = train.seq_len + train.mem_len
       same_length=False,
+      head_block=0,                # heads per step of the attention loop; 1 is fastest on CPU
       dropout=0.1,
       dropout_attn=0.2,
       dropout_emb=0.1,

@@ -39,6 +39,10 @@ class ModelConfig:
   rel_pos: str = "learned"           # 'learned' (shared table) or 'sinusoidal'
   max_relative_len: int = 0          # learned table length, at least T + S of any use
   same_length: bool = False
+  # Heads per step of the attention core's loop over heads; 0 = all heads in one step.
+  # 1 keeps each head's softmax weights in cache: fastest on CPU. Keep 0 when heads are
+  # sharded over devices (mesh.model > 1), where a loop would serialise the shards.
+  head_block: int = 0
   dropout: float = 0.0               # hidden activations
   dropout_attn: float = 0.0          # attention weights
   dropout_emb: float = 0.0           # embeddings and relative positions
@@ -120,9 +124,10 @@ class Layer(nn.Module):
       attn_out, stats = attention.RelativeAttention(
           num_heads=self.num_heads, head_dim=cfg.head_dim,
           num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
-          dropout_attn=cfg.dropout_attn, gated=cfg.gated, gate=cfg.gate, dtype=dtype,
-          name="attention")(norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK,
-                            deterministic=deterministic, sample_gates=sample_gates)
+          dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, gated=cfg.gated,
+          gate=cfg.gate, dtype=dtype, name="attention")(
+              norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,
+              sample_gates=sample_gates)
       x_BxTxD = x_BxTxD + drop(attn_out, deterministic=deterministic)
     if cfg.kind == "txl":
       ff_out = FeedForward(cfg.d_ff, cfg.dropout, dtype, name="feed_forward")(

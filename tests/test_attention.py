@@ -1,6 +1,4 @@
-"""Attention core: the hand-written backward pass, the dropout hash, bf16."""
-import functools
-
+"""Attention core: the hand-written backward pass, the loop over heads, the dropout hash."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,18 +15,19 @@ def test_threefry_matches_jax():
   np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
 
 
-def test_keep_mask_rate_and_keys():
+def test_keep_mask_rate_keys_and_head_offset():
   shape = (4, 3, 64, 96)
   keys = jnp.array([[1, 2], [3, 4]], jnp.uint32)
-  a = attention._keep_mask(keys[0], shape, 0.2)
-  b = attention._keep_mask(keys[1], shape, 0.2)
+  a = attention._keep_mask(keys[0], shape, 0.2, 0)
+  b = attention._keep_mask(keys[1], shape, 0.2, 0)
   assert abs(float(a.mean()) - 0.8) < 0.01
   assert 0.6 < float((a == b).mean()) < 0.7   # independent masks agree on 0.8² + 0.2²
-  np.testing.assert_array_equal(a, attention._keep_mask(keys[0], shape, 0.2))
-  assert bool(attention._keep_mask(keys[0], shape, 0.0).all())
+  # Heads 2.. drawn as a block starting at head 2 get the same mask.
+  np.testing.assert_array_equal(a[2:], attention._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
+  assert bool(attention._keep_mask(keys[0], shape, 0.0, 0).all())
 
 
-def _inputs(num_persistent, dtype=jnp.float32, h=3, b=2, t=5, s=4, dh=8):
+def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
   k = s + t
   rng = iter(jax.random.split(jax.random.key(0), 8))
   normal = lambda shape: jax.random.normal(next(rng), shape).astype(dtype)
@@ -42,13 +41,18 @@ def _inputs(num_persistent, dtype=jnp.float32, h=3, b=2, t=5, s=4, dh=8):
   return args, mask, normal((h, b, t, dh))
 
 
+KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
+
+
 @pytest.mark.parametrize("num_persistent", [0, 6])
 @pytest.mark.parametrize("rate", [0.0, 0.3])
-def test_custom_backward_matches_autodiff(num_persistent, rate):
+@pytest.mark.parametrize("head_block", [4, 1])
+def test_custom_backward_matches_autodiff(num_persistent, rate, head_block):
+  """Values and gradients equal autodiff of the all-heads forward, for any head block."""
   args, mask, dout = _inputs(num_persistent)
-  keys = jnp.array([[5, 6], [7, 8]], jnp.uint32) if rate else None
-  custom = lambda *a: attention._attend(rate, *a, mask, keys)
-  plain = lambda *a: attention._attend_fwd(rate, *a, mask, keys)[0]
+  keys = KEYS if rate else None
+  custom = lambda *a: attention._attend(rate, head_block, *a, mask, keys)
+  plain = lambda *a: attention._attend_fwd(rate, 4, *a, mask, keys)[0]
   out, custom_vjp = jax.vjp(custom, *args)
   expected_out, plain_vjp = jax.vjp(plain, *args)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
@@ -61,8 +65,7 @@ def test_custom_backward_matches_autodiff(num_persistent, rate):
 
 def test_dropout_zeroes_weights_and_rescales():
   args, mask, _ = _inputs(6)
-  keys = jnp.array([[5, 6], [7, 8]], jnp.uint32)
-  # With v = one-hot rows, the outputs are the (dropped) weights themselves.
+  # With one-hot value rows, the outputs are the (dropped) weights themselves.
   qu, qv, k, _, r_pad, pk, _ = args
   h, b, kk, dh = k.shape
   n = pk.shape[1]
@@ -70,12 +73,10 @@ def test_dropout_zeroes_weights_and_rescales():
   v = jnp.broadcast_to(eye[:kk], (h, b, kk, kk + n))
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
-  weights = functools.partial(attention._attend, 0.5, wide(qu), wide(qv), wide(k))
-  dropped = weights(v, wide(r_pad), wide(pk), pv, mask, keys)
-  full = attention._attend(0.0, wide(qu), wide(qv), wide(k), v, wide(r_pad), wide(pk),
-                           pv, mask, None)
-  dropped, full = np.asarray(dropped), np.asarray(full)
-  np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # all weights, ctx + persistent
+  inputs = (wide(qu), wide(qv), wide(k), v, wide(r_pad), wide(pk), pv, mask)
+  dropped = np.asarray(attention._attend(0.5, 1, *inputs, KEYS))
+  full = np.asarray(attention._attend(0.0, 1, *inputs, None))
+  np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
   kept = dropped != 0
   assert 0.4 < kept[full != 0].mean() < 0.6
   np.testing.assert_allclose(dropped[kept], 2 * full[kept], rtol=1e-5)
@@ -84,7 +85,7 @@ def test_dropout_zeroes_weights_and_rescales():
 def test_bfloat16_core_close_to_float32():
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(attention._attend(0.0, *a, mask, None).astype(jnp.float32)
+  loss = lambda *a: jnp.sum(attention._attend(0.0, 2, *a, mask, None).astype(jnp.float32)
                             * dout)
   grads32 = jax.grad(loss, argnums=range(7))(*args32)
   grads16 = jax.grad(loss, argnums=range(7))(*args16)
@@ -92,3 +93,7 @@ def test_bfloat16_core_close_to_float32():
     assert g16.dtype == jnp.bfloat16
     scale = float(jnp.abs(g32).max())
     np.testing.assert_allclose(g16.astype(jnp.float32), g32, atol=0.05 * scale)
+
+
+def test_head_block_divides_any_head_count():
+  assert [attention._divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]
