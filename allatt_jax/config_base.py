@@ -26,6 +26,8 @@ def base_config() -> ml_collections.ConfigDict:
       max_relative_len=0,          # learned table length; 0 = train.seq_len + train.mem_len
       same_length=False,
       head_block=0,                # heads per step of the attention loop; 1 is fastest on CPU
+      scan_layers=False,           # one lax.scan over uniform layers: flat compile time
+      remat=False,                 # recompute layer activations in the backward pass
       dropout=0.1,
       dropout_attn=0.2,
       dropout_emb=0.1,
@@ -48,6 +50,12 @@ def base_config() -> ml_collections.ConfigDict:
       # Peak learning rate of the gate logits; None = train.learning_rate (the paper).
       # Short runs need more: LAMB moves a logit by about 1-2 x lr per step.
       learning_rate=ml_collections.FieldReference(None, field_type=float),
+      # A budget instead of λ (budget.py; at most one, lam=0): a Lagrangian controller
+      # prunes to this head sparsity, non-embedding parameter count or MACs per token.
+      target_sparsity=ml_collections.FieldReference(None, field_type=float),
+      target_params=ml_collections.FieldReference(None, field_type=int),
+      target_macs=ml_collections.FieldReference(None, field_type=float),
+      lagrangian_lr=1e-3,          # ascent rate of the controller's multipliers
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from allatt_jax import budget
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax.errors import ConfigError
@@ -35,7 +36,7 @@ def init_state(lm: model_lib.TransformerLM, optimizer, config, rng, *, boxed=Fal
   variables = lm.init({"params": rng}, tokens_BxT, tokens_BxT, memory)
   if not boxed:
     variables = nn.unbox(variables)
-  variables = flax.core.unfreeze(variables)
+  variables = budget.add_multipliers(config, flax.core.unfreeze(variables))
   return TrainState(step=jnp.zeros((), jnp.int32), variables=variables,
                     opt_state=optimizer.init(variables), memory=memory)
 
@@ -84,6 +85,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   rng = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
   lam = optim.lambda_schedule(config.gates)(state.step)
+  penalty = budget.penalty_fn(config, state.step, lam)
 
   def loss_fn(variables, inputs, targets, memory, micro_index):
     nll_BxT, new_memory, stats = lm.apply(
@@ -92,7 +94,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
         rngs={"gates": gates_rng, "dropout": jax.random.fold_in(dropout_rng, micro_index)})
     nll = nll_BxT.mean()
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
-    return nll + lam * l0, (nll, l0, new_memory, stats)
+    return nll + penalty(variables, l0), (nll, l0, new_memory, stats)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if accum == 1:
@@ -128,6 +130,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "learning_rate": optim.learning_rate_schedule(config.train)(state.step),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
+      **budget.metrics(config, state.variables, state.step),
   }
   if config.train.skip_nonfinite_steps:
     # Decided on device, so skipping costs no host sync. The memory restarts empty:
