@@ -1,0 +1,56 @@
+r"""Runs experiment suites and writes their tables and figures into the workdir.
+
+  python -m allatt_jax.experiments --suite=lambda_sweep --config=configs/exp_chars.py \
+      --workdir=/tmp/exp_chars
+
+Writes WORKDIR/<suite>.md and the suite's PNGs; runs live in WORKDIR/runs/. A rerun
+reuses finished runs and resumes unfinished ones, so several suites (or `all`) can
+share one workdir and the runs they have in common.
+"""
+import pathlib
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from allatt_jax import errors
+from allatt_jax.experiments import runs
+from allatt_jax.experiments import suites
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config (e.g. configs/exp_chars.py).", lock_config=False)
+_SUITE = flags.DEFINE_enum("suite", None, [*suites.SUITES, "all"], "Which suite to run.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, tables and figures go.")
+flags.mark_flags_as_required(["config", "suite", "workdir"])
+
+
+def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
+  """Runs one suite and writes WORKDIR/<name>.md."""
+  start = time.perf_counter()
+  report = suites.SUITES[name](experiment)
+  elapsed = time.perf_counter() - start
+  compute = sum({r.name: r.wall_s for r in report.records}.values())
+  figures = "".join(f"\n\n![{pathlib.Path(f).stem}]({pathlib.Path(f).name})"
+                    for f in report.figures)
+  text = (f"## Suite `{name}`\n\n{report.markdown}{figures}\n\n"
+          f"Wall time of this invocation: {elapsed / 60:.1f} min; of its "
+          f"{len({r.name for r in report.records})} runs when they were made: "
+          f"{compute / 60:.1f} min.\n")
+  (experiment.workdir / f"{name}.md").write_text(text)
+  return report
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  with errors.reported_to_user():
+    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value)
+    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+    for name in names:
+      run_suite(name, experiment)
+      print((experiment.workdir / f"{name}.md").read_text())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,256 @@
+"""The runs behind the experiment suites, each an ordinary run in WORKDIR/runs/<name>.
+
+An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus an
+`experiments` section that says how every other run differs from the baseline:
+
+  baseline            the config itself
+  continued           the baseline trained on for the pruning run's steps and learning
+                      rate, without gates: the unpruned reference a pruned model is
+                      compared with (pruning runs train longer than the baseline)
+  l0                  a pruning run from the baseline (the paper's method) at some λ,
+                      seed and ablation variant; scored as its exported model
+  txl                 a Transformer-XL baseline of some width, baseline recipe
+  heuristic           a head mask from `heuristics.prune_mask` on the baseline, the
+                      masked model as a 0-step run (`<name>_masked`, scored as it is),
+                      then fine-tuned like `continued`, from it
+  budget              a pruning run with a budget target instead of λ (budget.py)
+
+A run whose folder holds results.json is finished and is read back instead of rerun;
+an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`).
+"""
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from allatt_jax import budget
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import costs
+from allatt_jax import data as data_lib
+from allatt_jax import evaluate
+from allatt_jax import model as model_lib
+from allatt_jax import sharding
+from allatt_jax import train
+from allatt_jax.experiments import heuristics
+
+RESULTS_FILE = "results.json"
+SUMMARY_FILE = "experiment.json"
+MASK_FILE = "mask.json"
+
+# Ablation variants of the paper's Table 3: which of the three techniques are off.
+ABLATIONS = {
+    "full": {},
+    "no_warmup": {"l0_warmup_steps": 0},
+    "no_init": {"init": 0.0},
+    "no_scaling": {"scale_output": False},
+    "vanilla": {"l0_warmup_steps": 0, "init": 0.0, "scale_output": False},
+}
+
+
+@dataclasses.dataclass
+class Record:
+  """What the suites tabulate about one finished run."""
+  name: str
+  kind: str                  # baseline | continued | l0 | txl | heuristic | budget
+  metric: str                # 'bpc' or 'ppl'
+  valid: float
+  test: float
+  heads_per_layer: list[int]
+  params_non_embedding: int
+  macs_per_token: float      # non-embedding, at the eval lengths
+  d_model: int
+  wall_s: float              # the run's wall time, training and evaluation
+  extra: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def heads(self) -> int:
+    return sum(self.heads_per_layer)
+
+
+class Experiment:
+  """Creates, runs or reads back the runs of one experiment config and workdir."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir):
+    self.config = config
+    self.settings = config.experiments
+    self.workdir = pathlib.Path(workdir)
+    self.base = config.copy_and_resolve_references()
+    with self.base.unlocked():
+      del self.base["experiments"]
+
+  # --- Run configs.
+
+  def run_dir(self, name: str) -> pathlib.Path:
+    return self.workdir / "runs" / name
+
+  def _continued_config(self, seed: int) -> ml_collections.ConfigDict:
+    c = self.base.copy_and_resolve_references()
+    c.train.update(self.settings.prune_train.to_dict())
+    c.train.seed = seed
+    c.init_from = str(self.run_dir("baseline"))
+    return c
+
+  def _l0_config(self, seed: int, **gates) -> ml_collections.ConfigDict:
+    c = self._continued_config(seed)
+    c.gates.update(self.settings.prune_gates.to_dict())
+    c.gates.update(gates)
+    return c
+
+  # --- Runs.
+
+  def baseline(self) -> Record:
+    return self._run("baseline", "baseline", self.base)
+
+  def continued(self, seed: int = 0) -> Record:
+    self.baseline()
+    return self._run(f"continued_s{seed}", "continued", self._continued_config(seed))
+
+  def l0(self, lam: float, seed: int = 0, variant: str = "full") -> Record:
+    self.baseline()
+    config = self._l0_config(seed, lam=lam, **ABLATIONS[variant])
+    record = self._run(f"l0_lam{lam:g}_{variant}_s{seed}", "l0", config)
+    record.extra.update(lam=lam, seed=seed, variant=variant)
+    return record
+
+  def txl(self, width: int) -> Record:
+    config = config_base.as_txl(self.base.copy_and_resolve_references(), width)
+    return self._run(f"txl_d{width}", "txl", config)
+
+  def budget(self, key: str, fraction: float, seed: int = 0) -> Record:
+    """A budget run; params and MAC budgets are fractions of the unpruned model's."""
+    self.baseline()
+    value = fraction
+    if key != "target_sparsity":
+      e = self.base.eval
+      full, _ = budget.head_cost(model_lib.model_config(self.base), key,
+                                 (e.seq_len, e.mem_len, e.batch_size))
+      value = int(fraction * full) if key == "target_params" else fraction * full
+    config = self._l0_config(seed, lam=0.0, **{key: value})
+    record = self._run(f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}",
+                       "budget", config)
+    record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
+                        target_heads=budget.target_open_heads(config))
+    return record
+
+  def heuristic(self, method: str, num_remove: int, seed: int = 0) -> tuple[Record, Record]:
+    """(masked model as it is, masked model fine-tuned) for one method and size."""
+    self.baseline()
+    name = f"{method}_r{num_remove}_s{seed}"
+    masked_dir = self.run_dir(f"{name}_masked")
+    if not (masked_dir / RESULTS_FILE).is_file():
+      self._save_masked(masked_dir, method, num_remove, seed)
+    masked_config = checkpointing.load_config(masked_dir)
+    masked = self._record(f"{name}_masked", "heuristic", masked_config,
+                          json.loads((masked_dir / RESULTS_FILE).read_text()))
+    config = self._continued_config(seed)
+    config.model.heads_per_layer = masked_config.model.heads_per_layer
+    config.init_from = str(masked_dir)
+    tuned = self._run(name, "heuristic", config)
+    for record in (masked, tuned):
+      record.extra.update(method=method, removed=num_remove, seed=seed)
+    return masked, tuned
+
+  # --- Machinery.
+
+  def _run(self, name: str, kind: str, config: ml_collections.ConfigDict) -> Record:
+    workdir = self.run_dir(name)
+    if not (workdir / RESULTS_FILE).is_file():
+      logging.info("Experiment run %s in %s", name, workdir)
+      start = time.perf_counter()
+      train.train_and_evaluate(config, workdir)
+      _update_json(workdir / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
+    results = json.loads((workdir / RESULTS_FILE).read_text())
+    if "export" in results:
+      exported = checkpointing.load_config(results["export"]["directory"])
+      return self._record(name, kind, exported,
+                          {**results["export"], "metric": results["metric"]},
+                          gated_test=results["test"])
+    return self._record(name, kind, config, results)
+
+  def _record(self, name, kind, config, results, **extra) -> Record:
+    cfg = model_lib.model_config(config)
+    e = config.eval
+    return Record(
+        name=name, kind=kind, metric=results["metric"],
+        valid=results["valid"], test=results["test"],
+        heads_per_layer=list(cfg.layer_heads),
+        params_non_embedding=costs.param_counts(cfg)["params_non_embedding"],
+        macs_per_token=costs.macs_per_token(
+            cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],
+        d_model=cfg.d_model,
+        wall_s=_read_json(self.run_dir(name) / SUMMARY_FILE).get("wall_s", 0.0), extra=extra)
+
+  def _save_masked(self, directory: pathlib.Path, method: str, num_remove: int,
+                   seed: int) -> None:
+    """The masked baseline as a finished 0-step run: checkpoint, config, its scores.
+
+    A run folder (rather than an exported model) so that the fine-tuning run starts
+    from it through the ordinary `init_from`. What an interrupted call left is redone.
+    """
+    shutil.rmtree(directory, ignore_errors=True)
+    start = time.perf_counter()
+    base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
+    run = train.Run(self.base)
+    train_cfg = self.base.train
+    segments = heuristics.Segments.from_tokens(
+        run.corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
+        train_cfg.mem_len, self.settings.importance_batches)
+    mask = heuristics.prune_mask(
+        method, run.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
+        michel_step_fraction=self.settings.michel_step_fraction)
+    pruned_cfg, params = heuristics.apply_mask(run.lm.cfg, variables["params"], mask)
+
+    config = base_config.copy_and_resolve_references()
+    config.model.heads_per_layer = pruned_cfg.heads_per_layer
+    masked_run = train.Run(config)
+    _save_state(directory, masked_run, params)
+    checkpointing.save_vocabulary(directory, checkpointing.vocabulary_fingerprint(
+        run.corpus.name, run.corpus.vocab))
+    checkpointing.save_config(directory, config)
+    (directory / MASK_FILE).write_text(json.dumps(
+        {"method": method, "removed": num_remove, "seed": seed,
+         "mask": [m.astype(int).tolist() for m in mask]}))
+    results = evaluate.evaluate_splits(masked_run.evaluator(), {"params": params},
+                                       masked_run.corpus)
+    results["metric"] = masked_run.corpus.metric
+    _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
+    (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+
+
+def _save_state(directory: pathlib.Path, run: train.Run, params) -> None:
+  """A step-0 checkpoint of `run` whose parameters are `params` (fresh optimizer)."""
+  _, shardings = run.abstract_state()
+  state = run.new_state(shardings)
+  variables = jax.device_put({**state.variables, "params": params}, shardings.variables)
+  with sharding.activate(run.mesh):
+    opt_state = jax.jit(run.optimizer.init, out_shardings=shardings.opt_state)(variables)
+  state = state.replace(variables=variables, opt_state=opt_state)
+  train_cfg = run.config.train
+  stream = data_lib.SegmentStream(run.corpus.splits["train"], train_cfg.batch_size,
+                                  train_cfg.seq_len, *sharding.process_rows(run.mesh))
+  checkpoints = checkpointing.RunCheckpoints(directory, keep=1)
+  try:
+    checkpoints.save(0, state, stream.get_state(), force=True)
+    checkpoints.wait()
+  finally:
+    checkpoints.close()
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _update_json(path: pathlib.Path, values: dict) -> None:
+  path.write_text(json.dumps({**_read_json(path), **values}, indent=2))
+
+
+def mean_std(values) -> tuple[float, float]:
+  values = np.asarray(list(values), np.float64)
+  return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0

@@ -1,0 +1,261 @@
+"""The experiment suites: which runs each needs, and its table and figures.
+
+Each suite takes an `runs.Experiment`, makes (or reads back) its runs, and returns a
+`Report`: a markdown section and the PNG files it drew into the workdir.
+
+  lambda_sweep  the paper's Tables 1/2: λ, sparsity, params w/o embedding, metric;
+                plus Fig. 1 from the cost model
+  ablation      Table 3: the change in metric when each technique is left out
+  txl_widths    Fig. 3 measured: metric vs non-embedding params, TXL of reduced
+                widths against pruned All-att
+  heuristics    L0 against each heuristic pruner (heuristics.py) at the sparsities
+                the L0 runs reached, before and after the same fine-tuning
+  budget        the Lagrangian controller (budget.py): requested vs reached budget
+"""
+import dataclasses
+import glob
+
+import numpy as np
+
+from allatt_jax import model as model_lib
+from allatt_jax.experiments import plots
+from allatt_jax.experiments import runs as runs_lib
+
+# The paper's Table 3 (WikiText-103, λ = 0.02): test perplexity change per variant.
+PAPER_ABLATION_DPPL = {"no_warmup": 0.12, "no_init": 0.61, "no_scaling": 1.25,
+                       "vanilla": 1.48}
+_TECHNIQUES = {"full": "warm-up, π=2, scaling", "no_warmup": "π=2, scaling",
+               "no_init": "warm-up, scaling", "no_scaling": "warm-up, π=2",
+               "vanilla": "none"}
+
+
+@dataclasses.dataclass
+class Report:
+  markdown: str
+  figures: list[str]
+  records: list[runs_lib.Record]
+
+
+def table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _ms(values, digits=3, sign="") -> str:
+  """Mean ± sample standard deviation (the mean alone for one value)."""
+  mean, std = runs_lib.mean_std(values)
+  text = f"{mean:{sign}.{digits}f}"
+  return f"{text} ± {std:.{digits}f}" if len(values) > 1 else text
+
+
+def _pct(x) -> str:
+  return f"{100 * x:.1f}%"
+
+
+def _sparsity(record, total) -> float:
+  return 1.0 - record.heads / total
+
+
+def _total_heads(exp) -> int:
+  return sum(model_lib.model_config(exp.base).layer_heads)
+
+
+def lambda_sweep(exp: runs_lib.Experiment) -> Report:
+  s, total = exp.settings, _total_heads(exp)
+  base = exp.baseline()
+  continued = [exp.continued(seed) for seed in s.seeds]
+  sweep = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.lambdas}
+  metric = base.metric
+  rows = [("baseline", "-", "0%", f"{base.params_non_embedding:,}", f"{base.valid:.3f}",
+           f"{base.test:.3f}", "-"),
+          ("continued", "0", "0%", f"{base.params_non_embedding:,}",
+           _ms([r.valid for r in continued]), _ms([r.test for r in continued]), "-")]
+  reference = np.mean([r.test for r in continued])
+  for lam, records in sweep.items():
+    rows.append((
+        "L0 pruned", f"{lam:g}",
+        _pct(np.mean([_sparsity(r, total) for r in records])),
+        f"{np.mean([r.params_non_embedding for r in records]):,.0f}",
+        _ms([r.valid for r in records]), _ms([r.test for r in records]),
+        f"{np.mean([r.test for r in records]) - reference:+.3f}"))
+  md = table(("model", "λ", "sparsity", "params w/o emb", f"valid {metric}",
+              f"test {metric}", "Δ test vs continued"), rows)
+  md += "\n\nHeads per layer: " + "; ".join(
+      f"λ={lam:g}: " + ", ".join("/".join(map(str, r.heads_per_layer)) for r in records)
+      for lam, records in sweep.items())
+
+  cost_file = exp.workdir / "fig1_costs.png"
+  e = exp.base.eval
+  curves = plots.cost_model_figure(model_lib.model_config(exp.base),
+                                   (e.seq_len, e.mem_len, e.batch_size), cost_file)
+  md += "\n\n" + _cost_table(curves)
+  sweep_file = exp.workdir / "lambda_sweep.png"
+  plots.xy_figure(
+      [plots.Series(f"λ={lam:g}", [100 * _sparsity(r, total) for r in records],
+                    [r.test for r in records], "o") for lam, records in sweep.items()],
+      "head sparsity (%)", f"test {metric}", "L0 pruning: sparsity and metric per λ",
+      sweep_file, hline=("continued (unpruned)", reference))
+  all_records = [base, *continued, *(r for rs in sweep.values() for r in rs)]
+  return Report(md, [str(cost_file), str(sweep_file)], all_records)
+
+
+def _cost_table(curves) -> str:
+  rows = []
+  for (size, kind), c in curves.items():
+    at_half = int(np.argmin(np.abs(c["sparsity"] - 0.5)))
+    rows.append((size, kind, _pct(c["macs"][at_half]), _pct(c["params"][at_half])))
+  return ("Cost model at 50% head sparsity (Fig. 1; uniform over layers):\n\n"
+          + table(("size", "model", "relative MACs", "relative params"), rows))
+
+
+def ablation(exp: runs_lib.Experiment) -> Report:
+  s, total = exp.settings, _total_heads(exp)
+  lam = s.ablation_lambda
+  variants = {v: [exp.l0(lam, seed, v) for seed in s.seeds] for v in runs_lib.ABLATIONS}
+  full = {r.extra["seed"]: r for r in variants["full"]}
+  metric = variants["full"][0].metric
+  rows, names, deltas, errors = [], [], [], []
+  for variant, records in variants.items():
+    delta = [r.test - full[r.extra["seed"]].test for r in records]
+    rows.append((variant, _TECHNIQUES[variant],
+                 _pct(np.mean([_sparsity(r, total) for r in records])),
+                 _ms([r.test for r in records]),
+                 "-" if variant == "full" else _ms(delta, sign="+"),
+                 f"+{PAPER_ABLATION_DPPL[variant]:.2f}" if variant in PAPER_ABLATION_DPPL
+                 else "-"))
+    if variant != "full":
+      names.append(variant)
+      deltas.append(np.mean(delta))
+      errors.append(runs_lib.mean_std(delta)[1])
+  md = table(("variant", "techniques on", "sparsity", f"test {metric}",
+              f"Δ test {metric} vs full", "paper Δ ppl (WT103, λ=0.02)"), rows)
+  out = exp.workdir / "ablation.png"
+  plots.bar_figure(names, deltas, errors, f"Δ test {metric} vs full",
+                   f"Ablation at λ={lam:g} (mean ± sd over seeds)", out)
+  return Report(md, [str(out)], [r for rs in variants.values() for r in rs])
+
+
+def txl_widths(exp: runs_lib.Experiment) -> Report:
+  s = exp.settings
+  txl = [exp.txl(width) for width in s.txl_widths]
+  base = exp.baseline()
+  continued = [exp.continued(seed) for seed in s.seeds]
+  pruned = [exp.l0(lam, seed) for lam in s.lambdas for seed in s.seeds]
+  metric = base.metric
+  rows = [(f"TXL d={r.d_model}", f"{r.params_non_embedding:,}", f"{r.macs_per_token:,.0f}",
+           f"{r.test:.3f}") for r in txl]
+  rows += [(f"All-att baseline d={base.d_model}", f"{base.params_non_embedding:,}",
+            f"{base.macs_per_token:,.0f}", f"{base.test:.3f}")]
+  rows += [(f"All-att continued (seed {r.extra.get('seed', i)})",
+            f"{r.params_non_embedding:,}", f"{r.macs_per_token:,.0f}", f"{r.test:.3f}")
+           for i, r in enumerate(continued)]
+  rows += [(f"All-att L0 λ={r.extra['lam']:g} seed {r.extra['seed']}",
+            f"{r.params_non_embedding:,}", f"{r.macs_per_token:,.0f}", f"{r.test:.3f}")
+           for r in sorted(pruned, key=lambda r: -r.params_non_embedding)]
+  md = table(("model", "params w/o emb", "MACs/token w/o emb", f"test {metric}"), rows)
+  out = exp.workdir / "fig3_params.png"
+  plots.xy_figure(
+      [plots.Series("TXL, reduced width (baseline recipe)",
+                    [r.params_non_embedding for r in txl], [r.test for r in txl], "s-"),
+       plots.Series("All-att baseline", [base.params_non_embedding], [base.test], "D"),
+       plots.Series("All-att continued", [r.params_non_embedding for r in continued],
+                    [r.test for r in continued], "^"),
+       plots.Series("All-att L0 pruned", [r.params_non_embedding for r in pruned],
+                    [r.test for r in pruned], "o")],
+      "parameters w/o embedding", f"test {metric}", "Pruned All-att vs narrower TXL",
+      out)
+  return Report(md, [str(out)], [*txl, base, *continued, *pruned])
+
+
+def heuristics(exp: runs_lib.Experiment) -> Report:
+  s, total = exp.settings, _total_heads(exp)
+  l0_runs = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.heuristic_lambdas}
+  # Each heuristic removes as many heads as the seed-0 L0 run of that λ did.
+  removals = sorted({total - rs[0].heads for rs in l0_runs.values()} - {0})
+  results = {}   # (method, removed) -> [(masked, tuned), ...] over seeds
+  for removed in removals:
+    for method in s.heuristics:
+      seeds = s.random_seeds if method == "random" else (0,)
+      results[method, removed] = [exp.heuristic(method, removed, seed) for seed in seeds]
+  metric = next(iter(l0_runs.values()))[0].metric
+  rows = []
+  for lam, records in l0_runs.items():
+    rows.append((f"L0 λ={lam:g}", ", ".join(str(total - r.heads) for r in records),
+                 "(during pruning)", _ms([r.test for r in records])))
+  for (method, removed), pairs in results.items():
+    rows.append((method, str(removed), _ms([m.test for m, _ in pairs]),
+                 _ms([t.test for _, t in pairs])))
+  md = table(("method", "heads removed", f"test {metric}, no fine-tuning",
+              f"test {metric}, fine-tuned"), rows)
+  md += (f"\n\nFine-tuning: {exp.settings.prune_train.num_steps} steps from the masked "
+         "baseline, the same steps and learning-rate schedule as an L0 pruning run "
+         "(which spends them on gate training, then fine-tuning).")
+
+  series = [plots.Series(
+      "L0", [100 * _sparsity(r, total) for rs in l0_runs.values() for r in rs],
+      [r.test for rs in l0_runs.values() for r in rs], "k*")]
+  for method, color in zip(s.heuristics, plots.COLORS):
+    for stage, style in ((1, "o-"), (0, "x:")):
+      points = [(100 * removed / total, np.mean([p[stage].test for p in pairs]))
+                for (m, removed), pairs in results.items() if m == method]
+      if points:
+        xs, ys = zip(*points)
+        series.append(plots.Series(f"{method}{'' if stage else ' (no FT)'}", list(xs),
+                                   list(ys), style, color=color))
+  out = exp.workdir / "heuristics.png"
+  plots.xy_figure(series, "head sparsity (%)", f"test {metric}",
+                  "L0 gates vs heuristic pruners (solid: fine-tuned)", out)
+  records = [r for rs in l0_runs.values() for r in rs]
+  records += [r for pairs in results.values() for pair in pairs for r in pair]
+  return Report(md, [str(out)], records)
+
+
+def budget(exp: runs_lib.Experiment) -> Report:
+  s, total = exp.settings, _total_heads(exp)
+  base = exp.baseline()
+  records = [exp.budget(key, value, seed) for key, value in s.budgets for seed in s.seeds]
+  metric = base.metric
+  rows = []
+  for r in records:
+    key, target = r.extra["target_key"], r.extra["target"]
+    reached = {"target_sparsity": _pct(_sparsity(r, total)),
+               "target_params": f"{r.params_non_embedding:,}",
+               "target_macs": f"{r.macs_per_token:,.0f}"}[key]
+    asked = _pct(target) if key == "target_sparsity" else f"{target:,.0f}"
+    rows.append((key.removeprefix("target_"), f"{r.extra['fraction']:g}", asked, reached,
+                 r.extra["target_heads"], r.heads, f"{r.heads - r.extra['target_heads']:+d}",
+                 f"{r.params_non_embedding / base.params_non_embedding:.3f}",
+                 f"{r.macs_per_token / base.macs_per_token:.3f}", f"{r.test:.3f}",
+                 r.extra["seed"]))
+  md = table(("budget", "asked (fraction)", "asked", "reached", "heads allowed",
+              "heads kept", "Δ heads", "params / baseline", "MACs / baseline",
+              f"test {metric}", "seed"), rows)
+  trajectories = {}
+  for r in records:
+    values = _scalars(exp.run_dir(r.name), ("open_controlled", "open_target"))
+    if values:
+      trajectories[r.name] = {"step": values["step"], "open": values["open_controlled"],
+                              "target": values["open_target"]}
+  out = exp.workdir / "budget.png"
+  plots.trajectories_figure(trajectories, out)
+  return Report(md, [str(out)], records)
+
+
+def _scalars(workdir, tags) -> dict[str, list]:
+  """Logged scalars of a run (its TensorBoard events), aligned on their steps."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found = {tag: {} for tag in tags}
+  for path in sorted(glob.glob(str(workdir / "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.tag in found:
+          found[value.tag][event.step] = float(tf.make_ndarray(value.tensor))
+  steps = sorted(set.intersection(*(set(v) for v in found.values())))
+  if not steps:
+    return {}
+  return {"step": steps, **{tag: [found[tag][k] for k in steps] for tag in tags}}
+
+
+SUITES = {"lambda_sweep": lambda_sweep, "ablation": ablation, "txl_widths": txl_widths,
+          "heuristics": heuristics, "budget": budget}

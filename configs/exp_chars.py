@@ -1,0 +1,68 @@
+r"""Experiment suites at CPU scale on the embedded character corpus (docs/experiments.md).
+
+The baseline is a 4-layer All-att (d=128, H=8) with N = 4d = 512 persistent vectors
+per head, so that, as in the paper, an All-att and a Transformer-XL (d_ff = 4d) of
+the same width have the same number of non-embedding parameters. It trains on
+`wikitext_chars` (shipped with the package). Every other run of a suite starts from
+it (see allatt_jax/experiments/runs.py); the `experiments` section sets them up.
+
+  python -m allatt_jax.experiments --suite=lambda_sweep --config=configs/exp_chars.py \
+      --workdir=/tmp/exp_chars
+
+Suites: lambda_sweep, ablation, txl_widths, heuristics, budget, or all of them.
+Rerunning a suite reuses its finished runs and resumes an interrupted one.
+`configs/exp_chars.py:tiny` is the seconds-per-run variant the tests use.
+"""
+import ml_collections
+
+from allatt_jax import config_base
+from allatt_jax.experiments import heuristics
+
+
+def get_config(arg=None):
+  args = config_base.parse_arg(arg, tiny=False)
+  c = config_base.base_config()
+  c.data.name = "wikitext_chars"
+  c.model.update(dict(kind="allatt", vocab_size=27, num_layers=4, d_model=128, num_heads=8,
+                      num_persistent=512, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0))
+  c.train.update(dict(batch_size=16, seq_len=32, mem_len=32, num_steps=3000,
+                      learning_rate=3e-3, final_learning_rate=1e-4, warmup_steps=100,
+                      log_every_steps=100))
+  c.eval.update(dict(batch_size=16, seq_len=32, mem_len=32, every_steps=0))
+  c.checkpoint.update(dict(every_steps=500, keep=1))
+
+  c.experiments = ml_collections.ConfigDict(dict(
+      # Pruning runs (and every fine-tuning) start from the baseline with this recipe:
+      # the paper's shape (gates trained for the first 2/3, then frozen; lower
+      # learning rate), shortened; the gates get their own, larger learning rate.
+      prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
+      prune_gates=dict(enabled=True, init=2.0, l0_warmup_steps=200, freeze_step=1000,
+                       learning_rate=0.01, lagrangian_lr=1e-3),
+      lambdas=(0.01, 0.02, 0.04, 0.08),
+      seeds=(0, 1),                    # pruning / fine-tuning seeds (one baseline)
+      ablation_lambda=0.04,
+      txl_widths=(128, 96, 80, 64),
+      heuristics=heuristics.METHODS,
+      heuristic_lambdas=(0.02, 0.08),  # heuristics prune as many heads as these L0 runs
+      random_seeds=(0, 1, 2),
+      importance_batches=32,           # training batches the heuristic scores read
+      michel_step_fraction=0.1,
+      # (budget key, value): a sparsity, or params / MACs as a fraction of the baseline's.
+      budgets=(("target_sparsity", 0.25), ("target_sparsity", 0.5),
+               ("target_params", 0.6), ("target_macs", 0.6)),
+  ))
+  if args.tiny:
+    c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))
+    c.train.update(dict(batch_size=4, seq_len=16, mem_len=16, num_steps=30, warmup_steps=5,
+                        log_every_steps=10))
+    c.eval.update(dict(batch_size=32, seq_len=16, mem_len=16))
+    c.checkpoint.every_steps = 30
+    e = c.experiments
+    e.prune_train.update(dict(num_steps=100, warmup_steps=5))
+    # Strong, early pressure so that a few tiny steps close heads.
+    e.prune_gates.update(dict(l0_warmup_steps=20, freeze_step=80, learning_rate=0.1,
+                              lagrangian_lr=0.01))
+    e.update(dict(lambdas=(0.2,), seeds=(0,), ablation_lambda=0.2, txl_widths=(16,),
+                  heuristic_lambdas=(0.2,), random_seeds=(0,), importance_batches=2,
+                  budgets=(("target_sparsity", 0.5),)))
+  return c

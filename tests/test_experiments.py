@@ -1,0 +1,212 @@
+"""Experiments: heuristic pruners, the budget controller, the suites end to end (tiny)."""
+import dataclasses
+import json
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import budget
+from allatt_jax import config_base
+from allatt_jax import costs
+from allatt_jax import model as model_lib
+from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import __main__ as cli
+from allatt_jax.experiments import heuristics
+from allatt_jax.experiments import runs as runs_lib
+from allatt_jax.experiments import suites
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VOCAB = 13
+
+
+@pytest.fixture(scope="module", params=model_lib.KINDS)
+def tiny_model(request):
+  """A perturbed (so no two heads are alike) 3-layer model and training segments."""
+  kind = request.param
+  cfg = model_lib.ModelConfig(kind=kind, vocab_size=VOCAB, num_layers=3, d_model=16,
+                              num_heads=4, num_persistent=4 if kind == "allatt" else 0,
+                              d_ff=32 if kind == "txl" else 0, max_relative_len=16)
+  lm = model_lib.TransformerLM(cfg)
+  tokens_BxT = jnp.zeros((2, 4), jnp.int32)
+  params = nn.unbox(lm.init(jax.random.key(0), tokens_BxT, tokens_BxT,
+                            model_lib.init_memory(cfg, 2, 4)))["params"]
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = treedef.unflatten([x + 0.3 * jax.random.normal(k, x.shape)
+                              for x, k in zip(leaves, keys)])
+  tokens = np.random.default_rng(0).integers(0, VOCAB, 500).astype(np.int32)
+  segments = heuristics.Segments.from_tokens(tokens, batch_size=2, seq_len=4, mem_len=4,
+                                             num_batches=3)
+  return lm, {"params": params}, segments
+
+
+@pytest.mark.parametrize("method", heuristics.METHODS)
+def test_masks_remove_exactly_the_requested_heads(tiny_model, method):
+  lm, variables, segments = tiny_model
+  for num_remove in (0, 5, 12):
+    mask = heuristics.prune_mask(method, lm, variables, segments, num_remove)
+    assert [m.shape for m in mask] == [(4,)] * 3
+    assert all(m.dtype == bool for m in mask)
+    assert sum(int(m.sum()) for m in mask) == 12 - num_remove
+
+
+def test_scores_are_finite_and_tell_heads_apart(tiny_model):
+  lm, variables, segments = tiny_model
+  metrics = heuristics.attention_metrics(lm, variables, segments)
+  for name, per_layer in metrics.items():
+    values = np.concatenate(per_layer)
+    assert np.all(np.isfinite(values)), name
+    assert np.all((values >= 0) & (values <= 1 + 1e-6)), name
+    assert np.ptp(values) > 0, name
+  for method in heuristics.METHODS:
+    scores = np.concatenate(heuristics.head_scores(method, lm, variables, segments))
+    assert np.all(np.isfinite(scores)) and len(set(scores.tolist())) == 12, method
+
+
+def test_random_masks_follow_the_seed(tiny_model):
+  lm, variables, segments = tiny_model
+  mask = lambda seed: np.concatenate(heuristics.prune_mask(
+      "random", lm, variables, segments, 6, seed=seed))
+  np.testing.assert_array_equal(mask(3), mask(3))
+  assert any(not np.array_equal(mask(0), mask(s)) for s in (1, 2, 3))
+
+
+def test_michel_gradient_matches_finite_differences(tiny_model):
+  lm, variables, segments = tiny_model
+  if lm.cfg.kind == "txl":
+    pytest.skip("ReLU kinks in TXL's feed-forward make finite differences inexact; "
+                "the mean-absolute-gradient test covers TXL.")
+  inputs, targets = segments.batches[0]
+  memory = segments.memory(lm.cfg)
+  xi = [jnp.ones(4) for _ in range(3)]
+  grads, _ = heuristics._mask_gradient(lm, variables, xi, inputs, targets, memory)
+  eps = 1e-2
+  for layer in range(3):
+    for head in range(4):
+      bump = [jnp.zeros(4).at[head].set(eps if i == layer else 0.0) for i in range(3)]
+      loss = lambda sign: heuristics.masked_loss(
+          lm, variables, [x + sign * b for x, b in zip(xi, bump)], inputs, targets,
+          memory)[0]
+      numeric = (loss(1.0) - loss(-1.0)) / (2 * eps)
+      np.testing.assert_allclose(grads[layer][head], numeric, rtol=2e-2, atol=2e-5)
+
+
+def test_michel_importance_is_the_mean_absolute_batch_gradient(tiny_model):
+  lm, variables, segments = tiny_model
+  mask = heuristics.full_mask(lm.cfg)
+  importance = heuristics.michel_importance(lm, variables, segments, mask)
+  xi, memory, expected = [jnp.ones(4)] * 3, segments.memory(lm.cfg), 0.0
+  for inputs, targets in segments.batches:
+    grads, memory = jax.grad(
+        lambda x, m: heuristics.masked_loss(lm, variables, x, inputs, targets, m),
+        has_aux=True)(xi, memory)
+    expected = expected + np.abs(np.stack(grads))
+  np.testing.assert_allclose(np.stack(importance), expected / 3, rtol=1e-5, atol=1e-7)
+  normalised = heuristics.head_scores("michel", lm, variables, segments)
+  np.testing.assert_allclose([np.linalg.norm(s) for s in normalised], 1.0, rtol=1e-6)
+
+
+def test_masked_model_equals_the_exported_one(tiny_model):
+  lm, variables, segments = tiny_model
+  mask = (np.array([True, False, True, False]), np.zeros(4, bool), np.ones(4, bool))
+  pruned_cfg, params = heuristics.apply_mask(lm.cfg, variables["params"], mask)
+  assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
+  inputs, targets = segments.batches[0]
+  masked, _ = heuristics.masked_loss(lm, variables, [jnp.asarray(m, jnp.float32)
+                                                     for m in mask],
+                                     inputs, targets, segments.memory(lm.cfg))
+  nll, _, _ = model_lib.TransformerLM(pruned_cfg).apply(
+      {"params": params}, inputs, targets, segments.memory(pruned_cfg))
+  np.testing.assert_allclose(masked, nll.mean(), rtol=1e-6)
+
+
+def budget_config(**gates):
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.gates.update({"enabled": True, "lam": 0.0, **gates})
+  return config
+
+
+def test_budgets_convert_to_the_most_heads_that_fit():
+  config = budget_config()
+  cfg = model_lib.model_config(config)
+  e = config.eval
+  for key, cost in (("target_params",
+                     lambda c: costs.param_counts(c)["params_non_embedding"]),
+                    ("target_macs", lambda c: costs.macs_per_token(
+                        c, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"])):
+    five = cost(dataclasses.replace(cfg, heads_per_layer=(3, 2)))
+    for value, heads in ((five, 5), (five - 1, 4), (five * 10, 8), (1, 0)):
+      assert budget.target_open_heads(budget_config(**{key: value})) == heads, (key, value)
+  assert budget.target_open_heads(budget_config(target_sparsity=0.25)) == 6
+
+
+@pytest.mark.parametrize("gates, match", [
+    (dict(target_sparsity=0.5, target_params=10), "at most one"),
+    (dict(target_sparsity=1.5), r"\[0, 1\]"),
+    (dict(target_sparsity=0.5, lam=0.1), "lam=0"),
+    (dict(target_macs=-3.0), "positive"),
+])
+def test_budget_config_errors(gates, match):
+  with pytest.raises(ConfigError, match=match):
+    budget.target_open_heads(budget_config(**gates))
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory, monkeypatch_module):
+  """The tiny experiment config with the fewest runs that still cover every suite."""
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
+  config.experiments.heuristics = ("michel",)
+  monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
+      k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
+  return runs_lib.Experiment(config, tmp_path_factory.mktemp("experiment"))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+  with pytest.MonkeyPatch.context() as patch:
+    yield patch
+
+
+@pytest.mark.parametrize("suite", list(suites.SUITES))
+def test_suite_writes_its_table_and_figures(experiment, suite):
+  report = cli.run_suite(suite, experiment)
+  text = (experiment.workdir / f"{suite}.md").read_text()
+  assert text.startswith(f"## Suite `{suite}`") and "|---|" in text
+  assert report.figures
+  for figure in report.figures:
+    assert pathlib.Path(figure).stat().st_size > 1000
+    assert f"({pathlib.Path(figure).name})" in text
+  for record in report.records:
+    assert np.isfinite(record.test) and record.params_non_embedding > 0
+
+
+def test_budget_run_reaches_its_target_within_one_head(experiment):
+  [record] = suites.budget(experiment).records
+  assert record.extra["target_heads"] == 4
+  assert abs(record.heads - 4) <= 1, record.heads_per_layer
+
+
+def test_finished_runs_are_reused(experiment):
+  baseline = experiment.run_dir("baseline")
+  before = (baseline / runs_lib.RESULTS_FILE).stat().st_mtime
+  report = suites.lambda_sweep(experiment)
+  assert (baseline / runs_lib.RESULTS_FILE).stat().st_mtime == before
+  assert {r.name for r in report.records} == {"baseline", "continued_s0",
+                                              "l0_lam0.2_full_s0"}
+
+
+def test_heuristic_runs_start_from_the_masked_model(experiment):
+  [masked_dir] = experiment.workdir.glob("runs/michel_r*_s0_masked")
+  removed = int(masked_dir.name.split("_")[1][1:])
+  masked, tuned = experiment.heuristic("michel", removed)   # reused, not rerun
+  mask = json.loads((masked_dir / runs_lib.MASK_FILE).read_text())["mask"]
+  assert masked.heads_per_layer == tuned.heads_per_layer == [sum(m) for m in mask]
+  assert masked.heads == 8 - removed
+  config = json.loads((experiment.run_dir(tuned.name) / "config.json").read_text())
+  assert config["init_from"] == str(masked_dir)
+  assert not config["gates"]["enabled"]
