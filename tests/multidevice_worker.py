@@ -5,8 +5,9 @@
 
 JAX fixes its device count at import, so the test runs this in a subprocess; the
 test process imports `train_steps` for the single-device reference. Writes
-OUT_DIR/result.json (losses, parameter digests and array shardings per mesh) and a
-pruning run's workdir OUT_DIR/pruning_run (trained on a (4, 2) mesh, exported).
+OUT_DIR/result.json (losses, parameter digests and array shardings per mesh) and
+OUT_DIR/pruning_run, a run workdir holding the (4, 2) mesh's sharded state as its
+checkpoint, and that checkpoint's export.
 """
 import json
 import pathlib
@@ -15,8 +16,10 @@ import sys
 import jax
 import numpy as np
 
+from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
+from allatt_jax import export
 from allatt_jax import sharding
 from allatt_jax import steps
 from allatt_jax import train
@@ -45,7 +48,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
 
 
 def train_steps(config, num_steps: int = NUM_STEPS):
-  """(state, losses, last inputs) after `num_steps` steps of sampled-gate training."""
+  """(state, losses, last inputs, stream) after `num_steps` sampled-gate steps."""
   run = train.Run(config)
   _, state_sharding = run.abstract_state()
   state = run.new_state(state_sharding)
@@ -62,7 +65,7 @@ def train_steps(config, num_steps: int = NUM_STEPS):
     with sharding.activate(run.mesh):
       state, metrics = step_fn(state, inputs, targets)
     losses.append(float(metrics["loss"]))
-  return state, losses, inputs
+  return state, losses, inputs, stream
 
 
 def param_digest(state) -> dict[str, list[float]]:
@@ -96,18 +99,28 @@ def placements(state, inputs) -> dict[str, dict]:
   }
   return {name: _placement(array) for name, array in arrays.items()}
 
+
+def save_run(workdir: pathlib.Path, config, state, stream) -> None:
+  """The state as a run's checkpoint, written as the train loop writes it."""
+  checkpointing.save_config(workdir, config)
+  checkpoints = checkpointing.RunCheckpoints(workdir)
+  checkpoints.save(int(state.step), state, stream.get_state(), force=True)
+  checkpoints.wait()
+  checkpoints.close()
+
+
 def main(out_dir: str, data_dir: str) -> None:
   out_dir = pathlib.Path(out_dir)
   assert jax.device_count() == 8, jax.devices()
   result = {}
   for mesh in MESHES:
-    state, losses, inputs = train_steps(test_config(data_dir, mesh))
+    config = test_config(data_dir, mesh)
+    state, losses, inputs, stream = train_steps(config)
     result[f"{mesh[0]}x{mesh[1]}"] = {"losses": losses, "params": param_digest(state),
                                       "placements": placements(state, inputs)}
-  config = test_config(data_dir, (4, 2))
-  config.gates.freeze_step = 2          # sampled, then deterministic gates
-  config.checkpoint.every_steps = 2
-  result["pruning_run"] = train.train_and_evaluate(config, out_dir / "pruning_run")
+    if mesh == (4, 2):
+      save_run(out_dir / "pruning_run", config, state, stream)
+      export.export_run(out_dir / "pruning_run")
   (out_dir / "result.json").write_text(json.dumps(result, indent=1))
 
 

@@ -16,6 +16,7 @@ import pytest
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import export
+from allatt_jax import model as model_lib
 
 import multidevice_worker as worker
 
@@ -38,7 +39,7 @@ def runs(tmp_path_factory):
         [sys.executable, str(REPO / "tests" / "multidevice_worker.py"), str(out_dir), data_dir],
         env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-      state, losses, _ = worker.train_steps(worker.test_config(data_dir))
+      state, losses, _, _ = worker.train_steps(worker.test_config(data_dir))
       child.wait(timeout=540)
     finally:
       child.kill()
@@ -81,18 +82,21 @@ def test_heads_split_over_model_and_rows_over_data(runs, mesh):
     assert placed[name]["shard_shape"] == shard_shape, (name, placed[name])
 
 
-def test_pruning_run_exports_from_sharded_checkpoint(runs, tmp_path):
-  out_dir, result, _ = runs
-  run = result["pruning_run"]
-  # The export made on the (4, 2) mesh scores like the gated model it came from.
-  assert run["export"]["valid"] == pytest.approx(run["valid"], rel=1e-5)
-  assert run["export"]["test"] == pytest.approx(run["test"], rel=1e-5)
-  assert sum(run["export"]["heads_per_layer"]) < 8, "some heads should be removed"
-  # The 8-device checkpoint also exports here, on one device, to the same model.
-  here = export.export_run(out_dir / "pruning_run", tmp_path / "export")
-  config, variables = checkpointing.load_model(here)
-  there_config, there = checkpointing.load_model(out_dir / "pruning_run" / "export")
-  assert list(config.model.heads_per_layer) == run["export"]["heads_per_layer"]
-  assert config.to_dict() == there_config.to_dict()
-  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(there)):
+def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
+  """The (4, 2) mesh's checkpoint, exported there and here on one device."""
+  out_dir, _, _ = runs
+  workdir = out_dir / "pruning_run"
+  there_config, there = checkpointing.load_model(workdir / "export")
+  here_config, here = checkpointing.load_model(export.export_run(workdir, tmp_path / "export"))
+  assert here_config.to_dict() == there_config.to_dict()
+  assert 0 < sum(here_config.model.heads_per_layer) < 8, "some heads should be removed"
+  for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):
     np.testing.assert_array_equal(a, b)
+  # The smaller model computes what the gated one does with deterministic gates.
+  gated_lm, here_lm = (model_lib.TransformerLM(model_lib.model_config(c))
+                       for c in (checkpointing.load_config(workdir), here_config))
+  gated_vars = checkpointing.restore_variables(workdir)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 27)
+  logp = [lm.apply(v, tokens, model_lib.init_memory(lm.cfg, 2, 16), method=lm.log_probs)[0]
+          for lm, v in ((gated_lm, gated_vars), (here_lm, here))]
+  np.testing.assert_allclose(logp[1], logp[0], atol=1e-5, rtol=0)
