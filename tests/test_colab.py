@@ -35,7 +35,7 @@ def demo_env(tmp_path_factory):
   """Tiny settings for the notebooks' parameter cells, through the kernel's environment."""
   workdir = tmp_path_factory.mktemp("colab") / "demo"
   values = {"ALLATT_DEMO_CONFIG": "tiny", "ALLATT_WORKDIR": str(workdir),
-            "ALLATT_NUM_TOKENS": "40",
+            "ALLATT_NUM_TOKENS": "40", "ALLATT_EVAL_BATCHES": "20",
             "TFDS_DATA_DIR": os.environ.get("TFDS_DATA_DIR")
                              or str(tmp_path_factory.mktemp("tfds"))}
   previous = {k: os.environ.get(k) for k in values}
