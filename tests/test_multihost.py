@@ -36,8 +36,9 @@ def get_config(arg=None):
                       log_every_steps=1))
   c.eval.update(dict(batch_size=128, seq_len=64, mem_len=32, every_steps=0))
   c.checkpoint.every_steps = 3
+  # Gates freeze where the first start stops: each start compiles one step mode.
   c.gates.update(dict(enabled=True, lam=0.01, init=0.0, l0_warmup_steps=0,
-                      freeze_step=2))
+                      freeze_step=3))
   return c
 '''
 # The LoggingWriter line of a logging step: "[step] ..., loss=..., ...".
