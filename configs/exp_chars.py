@@ -24,7 +24,8 @@ def get_config(arg=None):
   c = config_base.base_config()
   c.data.name = "wikitext_chars"
   c.model.update(dict(kind="allatt", vocab_size=27, num_layers=4, d_model=128, num_heads=8,
-                      num_persistent=512, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0))
+                      num_persistent=512, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0,
+                      head_block=1))
   c.train.update(dict(batch_size=16, seq_len=32, mem_len=32, num_steps=3000,
                       learning_rate=3e-3, final_learning_rate=1e-4, warmup_steps=100,
                       log_every_steps=100))
@@ -44,12 +45,13 @@ def get_config(arg=None):
       txl_widths=(128, 96, 80, 64),
       heuristics=heuristics.METHODS,
       heuristic_lambdas=(0.02, 0.08),  # heuristics prune as many heads as these L0 runs
-      random_seeds=(0, 1, 2),
+      random_seeds=(0, 1),
       importance_batches=32,           # training batches the heuristic scores read
       michel_step_fraction=0.1,
       # (budget key, value): a sparsity, or params / MACs as a fraction of the baseline's.
       budgets=(("target_sparsity", 0.25), ("target_sparsity", 0.5),
                ("target_params", 0.6), ("target_macs", 0.6)),
+      budget_seeds=(0,),
   ))
   if args.tiny:
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))

@@ -214,7 +214,8 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 def budget(exp: runs_lib.Experiment) -> Report:
   s, total = exp.settings, _total_heads(exp)
   base = exp.baseline()
-  records = [exp.budget(key, value, seed) for key, value in s.budgets for seed in s.seeds]
+  records = [exp.budget(key, value, seed) for key, value in s.budgets
+             for seed in s.budget_seeds]
   metric = base.metric
   rows = []
   for r in records:
