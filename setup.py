@@ -23,5 +23,9 @@ setuptools.setup(
         "numpy>=1.26",
         "matplotlib>=3.8",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        "test": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+        "tpu": ["jax[tpu]>=0.10,<0.12"],
+        "cuda": ["jax[cuda12]>=0.10,<0.12"],
+    },
 )
