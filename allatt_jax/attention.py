@@ -146,9 +146,16 @@ def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk
 
 def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk, pv,
                     p_ctx, p_pers, out, dout):
-  """Gradients of one block of heads' inputs (see `_attend`)."""
-  del mask_TxK   # The saved weights are zero wherever the mask is off.
+  """Gradients of one block of heads' inputs (see `_attend`).
+
+  p_ctx and p_pers are the saved softmax weights, or None to recompute them.
+  """
   f32, dtype = jnp.float32, dout.dtype
+  if p_ctx is None:
+    # Tied to dout, the recomputation can neither merge with the forward pass's (CSE)
+    # nor be scheduled before the backward pass reaches this layer.
+    qu, qv, k, r_pad, pk, dout = jax.lax.optimization_barrier((qu, qv, k, r_pad, pk, dout))
+    p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
   keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
@@ -196,13 +203,14 @@ def _over_head_blocks(fn, block: int, *arrays_H):
   return jax.tree.map(merge, outputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
   """Relative attention with persistent slots on head-major arrays.
 
   Args:
     rate: attention dropout rate (0 = none).
     head_block: heads per step of the loop over heads (it must divide H).
+    remat: recompute the softmax weights in the backward pass instead of keeping them.
     qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
     k, v: (H, B, K, dh) context keys and values.
     r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
@@ -218,18 +226,26 @@ def _attend(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
   its natural layout and is consumed by the next matmul without a transpose; the
   backward pass is written out for the same reason (autodiff's matmuls transposed
   the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
-  softmax weights are kept for the backward pass.
+  softmax weights (or nothing, with remat) are kept for the backward pass.
   """
-  return _attend_fwd(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2)[0]
+  return _attend_fwd(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK,
+                     keys_2x2)[0]
 
 
-def _attend_fwd(rate, head_block, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+def _attend_fwd(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
   block_fn = functools.partial(_block_forward, rate, mask_TxK, keys_2x2)
-  out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, k, v, r_pad, pk, pv)
+  if remat:   # Only the outputs leave the loop.
+    out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, k, v,
+                            r_pad, pk, pv)
+    p_ctx = p_pers = None
+  else:
+    out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, k, v, r_pad, pk,
+                                           pv)
   return out, (qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
 
 
-def _attend_bwd(rate, head_block, residuals, dout):
+def _attend_bwd(rate, head_block, remat, residuals, dout):
+  del remat   # The residuals say whether the weights were kept.
   *inputs, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
   block_fn = functools.partial(_block_backward, rate, mask_TxK, keys_2x2)
   grads = _over_head_blocks(block_fn, head_block, *inputs, p_ctx, p_pers, out, dout)
@@ -275,6 +291,7 @@ class RelativeAttention(nn.Module):
   num_persistent: int = 0
   dropout_attn: float = 0.0
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
+  remat: bool = False              # recompute the softmax weights in the backward pass
   gated: bool = False
   gate: gates_lib.GateConfig = gates_lib.GateConfig()
   dtype: jnp.dtype = jnp.float32
@@ -312,8 +329,9 @@ class RelativeAttention(nn.Module):
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
-    out_HxBxTxDh = _attend(rate, _divisor_at_most(h, self.head_block or h), qu, qv,
-                           head_major(k), head_major(v), r_pad, pk, pv, mask_TxK, keys_2x2)
+    out_HxBxTxDh = _attend(rate, _divisor_at_most(h, self.head_block or h), self.remat, qu,
+                           qv, head_major(k), head_major(v), r_pad, pk, pv, mask_TxK,
+                           keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.

@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
       max_relative_len=0,          # learned table length; 0 = train.seq_len + train.mem_len
       same_length=False,
       head_block=0,                # heads per step of the attention loop; 1 is fastest on CPU
+      remat=False,                 # recompute attention weights in the backward pass
       dropout=0.1,
       dropout_attn=0.2,
       dropout_emb=0.1,

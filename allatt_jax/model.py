@@ -43,6 +43,10 @@ class ModelConfig:
   # 1 keeps each head's softmax weights in cache: fastest on CPU. Keep 0 when heads are
   # sharded over devices (mesh.model > 1), where a loop would serialise the shards.
   head_block: int = 0
+  # Recompute the attention weights in the backward pass instead of keeping them: the
+  # (B, H, T, S+T+N) weights of every layer dominate training memory. Costs about a
+  # third more attention matmuls (the logits) and one more softmax per layer.
+  remat: bool = False
   dropout: float = 0.0               # hidden activations
   dropout_attn: float = 0.0          # attention weights
   dropout_emb: float = 0.0           # embeddings and relative positions
@@ -124,8 +128,8 @@ class Layer(nn.Module):
       attn_out, stats = attention.RelativeAttention(
           num_heads=self.num_heads, head_dim=cfg.head_dim,
           num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
-          dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, gated=cfg.gated,
-          gate=cfg.gate, dtype=dtype, name="attention")(
+          dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
+          gated=cfg.gated, gate=cfg.gate, dtype=dtype, name="attention")(
               norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,
               sample_gates=sample_gates)
       x_BxTxD = x_BxTxD + drop(attn_out, deterministic=deterministic)

@@ -46,13 +46,13 @@ KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
 
 @pytest.mark.parametrize("num_persistent", [0, 6])
 @pytest.mark.parametrize("rate", [0.0, 0.3])
-@pytest.mark.parametrize("head_block", [4, 1])
-def test_custom_backward_matches_autodiff(num_persistent, rate, head_block):
-  """Values and gradients equal autodiff of the all-heads forward, for any head block."""
+@pytest.mark.parametrize("head_block,remat", [(4, False), (1, False), (2, True)])
+def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, remat):
+  """Values and gradients equal autodiff of the all-heads forward, whatever the options."""
   args, mask, dout = _inputs(num_persistent)
   keys = KEYS if rate else None
-  custom = lambda *a: attention._attend(rate, head_block, *a, mask, keys)
-  plain = lambda *a: attention._attend_fwd(rate, 4, *a, mask, keys)[0]
+  custom = lambda *a: attention._attend(rate, head_block, remat, *a, mask, keys)
+  plain = lambda *a: attention._attend_fwd(rate, 4, False, *a, mask, keys)[0]
   out, custom_vjp = jax.vjp(custom, *args)
   expected_out, plain_vjp = jax.vjp(plain, *args)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
@@ -74,8 +74,8 @@ def test_dropout_zeroes_weights_and_rescales():
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
   inputs = (wide(qu), wide(qv), wide(k), v, wide(r_pad), wide(pk), pv, mask)
-  dropped = np.asarray(attention._attend(0.5, 1, *inputs, KEYS))
-  full = np.asarray(attention._attend(0.0, 1, *inputs, None))
+  dropped = np.asarray(attention._attend(0.5, 1, False, *inputs, KEYS))
+  full = np.asarray(attention._attend(0.0, 1, False, *inputs, None))
   np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
   kept = dropped != 0
   assert 0.4 < kept[full != 0].mean() < 0.6
@@ -85,7 +85,7 @@ def test_dropout_zeroes_weights_and_rescales():
 def test_bfloat16_core_close_to_float32():
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(attention._attend(0.0, 2, *a, mask, None).astype(jnp.float32)
+  loss = lambda *a: jnp.sum(attention._attend(0.0, 2, False, *a, mask, None).astype(jnp.float32)
                             * dout)
   grads32 = jax.grad(loss, argnums=range(7))(*args32)
   grads16 = jax.grad(loss, argnums=range(7))(*args16)
