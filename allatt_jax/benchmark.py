@@ -1,0 +1,341 @@
+r"""Throughput of a config's model: train steps, pruned models' inference, matmul peak.
+
+  python -m allatt_jax.benchmark --config=configs/bench_cpu.py --out=/tmp/bench.json
+
+Measures, on the first device and in one process:
+  * training tokens/s of the real jitted train step (`steps.jit_train_step`), for the
+    baseline and for the pruning step with sampled gates, and its achieved model
+    GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
+    forward MACs per token (`costs.macs_per_token`, attention stack and output layer);
+  * evaluation-with-memory tokens/s (`evaluate.Evaluator`) of models exported from
+    gated models of random parameters keeping each fraction of every layer's heads
+    (random heads, `export.prune_variables`), their MAC ratio to the unpruned model
+    and their speed-up against the ideal 1 / MAC ratio;
+  * GFLOP/s of one large float32 matmul, the device's practical peak;
+  * compile times, XLA's temporary buffer sizes and the process's peak memory.
+Variants are timed in interleaved rounds (the matmul in every round too) and the
+medians reported, so that a busy machine slows all of them alike; the train steps'
+fraction of the peak is also given per process CPU second, which other processes on
+the same cores stretch less than wall time. Parameters are
+random: the figures are throughputs, not model quality. The config's `benchmark`
+section (see configs/bench_cpu.py) sets steps, segments, rounds and fractions.
+"""
+import functools
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from ml_collections import config_flags
+
+from allatt_jax import costs
+from allatt_jax import evaluate
+from allatt_jax import export
+from allatt_jax import model as model_lib
+from allatt_jax import optim
+from allatt_jax import sharding
+from allatt_jax import steps
+
+
+def _median(values):
+  return float(statistics.median(values))
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  return result, time.perf_counter() - start
+
+
+class _Usage:
+  """Wall seconds, process CPU seconds (all threads) and minor page faults of a block.
+
+  CPU seconds stay meaningful when other processes share the cores and stretch the
+  wall time; page faults count fresh memory the step touched.
+  """
+
+  def __enter__(self):
+    self._wall, self._usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    return self
+
+  def __exit__(self, *exc):
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    self.wall = time.perf_counter() - self._wall
+    self.cpu = (usage.ru_utime + usage.ru_stime
+                - self._usage.ru_utime - self._usage.ru_stime)
+    self.faults = usage.ru_minflt - self._usage.ru_minflt
+
+
+class Matmul:
+  """One n x n x n float32 matmul: the device's practical peak GFLOP/s."""
+
+  def __init__(self, n: int):
+    self.n = n
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    self._args = (a, jax.random.normal(jax.random.key(1), (n, n), jnp.float32))
+    self._fn = jax.jit(jnp.matmul)
+    jax.block_until_ready(self._fn(*self._args))
+
+  def gflops(self, repeats: int = 3) -> tuple[float, float]:
+    """(GFLOP per wall second, GFLOP per CPU second) of the fastest of `repeats`."""
+    runs = []
+    for _ in range(repeats):
+      with _Usage() as usage:
+        jax.block_until_ready(self._fn(*self._args))
+      runs.append(usage)
+    best = min(runs, key=lambda u: u.wall)
+    flops = 2 * self.n ** 3 / 1e9
+    return flops / best.wall, flops / max(best.cpu, 1e-9)
+
+
+class TrainStep:
+  """The real jitted train step on a fresh state, fed one fixed random batch."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, gated: bool):
+    config = config.copy_and_resolve_references()
+    config.gates.enabled = gated
+    config.init_from = ""
+    self.config = config
+    mesh = sharding.make_mesh(config.mesh)
+    lm = model_lib.TransformerLM(model_lib.model_config(config))
+    optimizer = optim.make_optimizer(config)
+    self.lm = lm
+    # The state and its shardings as train.Run builds them.
+    with sharding.activate(mesh):
+      boxed = jax.eval_shape(functools.partial(
+          steps.init_state, lm, optimizer, config, boxed=True), jax.random.key(0))
+      state_sharding = sharding.logical_shardings(mesh, boxed).replace(
+          memory=sharding.memory_sharding(mesh))
+      self._state = jax.jit(functools.partial(steps.init_state, lm, optimizer, config),
+                            out_shardings=state_sharding)(jax.random.key(config.train.seed))
+    batch = sharding.batch_sharding(mesh)
+    train = config.train
+    tokens = np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (train.batch_size, train.seq_len + 1), dtype=np.int32)
+    self._batch = tuple(jax.device_put(a, batch) for a in (tokens[:, :-1], tokens[:, 1:]))
+    step = steps.jit_train_step(lm, optimizer, config, state_sharding, batch,
+                                sharding.replicated(mesh), sample_gates=gated)
+    self._mesh = mesh
+    start = time.perf_counter()
+    with sharding.activate(mesh):
+      self._compiled = step.lower(self._state, *self._batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self.run(1)   # the first call also allocates and warms up
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.config.train.batch_size * self.config.train.seq_len
+
+  def run(self, num_steps: int) -> _Usage:
+    """Usage of `num_steps` consecutive steps."""
+    with sharding.activate(self._mesh), _Usage() as usage:
+      for _ in range(num_steps):
+        self._state, metrics = self._compiled(self._state, *self._batch)
+      jax.block_until_ready((self._state, metrics))
+    return usage
+
+  def temp_bytes(self) -> int | None:
+    analysis = self._compiled.memory_analysis()
+    return getattr(analysis, "temp_size_in_bytes", None)
+
+
+def gated_model(config: ml_collections.ConfigDict, seed: int = 0):
+  """(config, variables) of the config's model with head gates and random parameters.
+
+  N(0, 0.02) entries of the right shapes: throughput does not depend on the values,
+  and this skips compiling the initialisers.
+  """
+  cfg = model_lib.model_config(config, gated=True, heads_per_layer=None)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  abstract = jax.eval_shape(model_lib.TransformerLM(cfg).init, jax.random.key(seed), tokens,
+                            tokens, model_lib.init_memory(cfg, 1, 1))
+  rng = np.random.default_rng(seed)
+  return cfg, jax.tree.map(lambda a: rng.normal(0.0, 0.02, a.shape).astype(a.dtype),
+                           nn.unbox(abstract))
+
+
+def pruned_model(gated_cfg, variables, heads_kept: float, seed: int = 0):
+  """(config, params) exported from a gated model keeping a fraction of every layer's heads.
+
+  Every layer keeps round(heads_kept · H) heads chosen at random; the rest get closed
+  gates and `export.prune_variables` cuts them out, as after a pruning run.
+  """
+  rng = np.random.default_rng(seed)
+  gates = {}
+  for i, heads in enumerate(gated_cfg.layer_heads):
+    open_H = np.zeros(heads, bool)
+    open_H[rng.permutation(heads)[:round(heads_kept * heads)]] = True
+    gates[f"layer_{i}"] = {"attention": {"logits": np.where(open_H, 3.0, -3.0)}}
+  return export.prune_variables(gated_cfg, {"params": variables["params"], "gates": gates})
+
+
+class Inference:
+  """Evaluation-with-memory throughput of one exported model on random tokens."""
+
+  def __init__(self, config: ml_collections.ConfigDict, gated, heads_kept: float):
+    cfg, params = pruned_model(*gated, heads_kept)
+    self.cfg = cfg
+    self.heads_kept = heads_kept
+    e = config.eval
+    self.segments = config.benchmark.eval_segments
+    self._evaluator = evaluate.Evaluator(
+        model_lib.TransformerLM(cfg), sharding.make_mesh(config.mesh),
+        batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)
+    self._variables = jax.device_put({"params": params})
+    length = e.batch_size * e.seq_len * self.segments + 1
+    self._tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, length,
+                                                     dtype=np.int32)
+    self.tokens_per_segment = e.batch_size * e.seq_len
+    # The first segment compiles the step; its time less a steady segment's is the
+    # compile time.
+    _, self._first_s = _timed(lambda: self._evaluator.score(self._variables, self._tokens, 1))
+    self.seconds = [self.run()]
+
+  def run(self) -> float:
+    """Seconds per segment over the config's number of segments."""
+    scored = self._evaluator.score(self._variables, self._tokens, self.segments)
+    return self.tokens_per_segment / scored["tokens_per_s"]
+
+  @property
+  def compile_s(self) -> float:
+    return self._first_s - min(self.seconds)
+
+
+def _rss_peak_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def _device_memory() -> dict | None:
+  stats = jax.devices()[0].memory_stats()
+  if not stats:
+    return None
+  return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def run(config: ml_collections.ConfigDict) -> dict:
+  """The benchmark report of `config` (see the module docstring)."""
+  bench, train, e = config.benchmark, config.train, config.eval
+  load_before = os.getloadavg()
+  matmul = Matmul(bench.matmul_size)
+  train_steps = {"baseline": TrainStep(config, gated=False),
+                 "gated": TrainStep(config, gated=True)}
+  gated = gated_model(config)
+  models = [Inference(config, gated, f) for f in bench.heads_kept]
+
+  peaks, usages = [], {name: [] for name in train_steps}
+  for i in range(bench.rounds):
+    order = lambda variants: variants[::-1] if i % 2 else variants   # no variant goes first
+    peaks.append(matmul.gflops())
+    for name, step in order(list(train_steps.items())):
+      usages[name].append(step.run(bench.train_steps))
+    for model in order(models):
+      model.seconds.append(model.run())
+
+  cfg = train_steps["baseline"].lm.cfg
+  peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
+  flops_per_token = 6 * costs.macs_per_token(
+      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
+  train_report = {"flops_per_token": flops_per_token}
+  for name, step in train_steps.items():
+    per_step = lambda attr: _median(getattr(u, attr) / bench.train_steps
+                                    for u in usages[name])
+    seconds, cpu_seconds = per_step("wall"), per_step("cpu")
+    tokens_per_s = step.tokens_per_step / seconds
+    gflops = flops_per_token * tokens_per_s / 1e9
+    gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
+    train_report[name] = {
+        "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": step.compile_s,
+        "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peak,
+        "cpu_s_per_step": cpu_seconds,
+        "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peak_cpu,
+        "minor_page_faults_per_step": per_step("faults"),
+        "step_s_rounds": [u.wall / bench.train_steps for u in usages[name]],
+        "xla_temp_bytes": step.temp_bytes()}
+  train_report["gated_overhead"] = (train_report["gated"]["step_s"]
+                                    / train_report["baseline"]["step_s"] - 1)
+
+  full_macs = costs.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
+  inference, full_tokens_per_s = [], None
+  for model in models:
+    macs = costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+    tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
+    full_tokens_per_s = full_tokens_per_s or tokens_per_s
+    mac_ratio = macs["macs_per_token"] / full_macs
+    speedup = tokens_per_s / full_tokens_per_s
+    inference.append({
+        "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
+        "tokens_per_s": tokens_per_s, "compile_s": model.compile_s,
+        "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
+        "speedup_fraction_of_ideal": speedup * mac_ratio})
+
+  return {
+      "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+      "num_devices": jax.device_count(), "jax_version": jax.__version__,
+      "model": {"kind": cfg.kind, "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+                "num_heads": cfg.num_heads, "num_persistent": cfg.num_persistent,
+                "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
+                "head_block": cfg.head_block, "remat": cfg.remat,
+                "batch_size": train.batch_size, "seq_len": train.seq_len,
+                "mem_len": train.mem_len},
+      "matmul": {"n": bench.matmul_size, "gflops_per_s": peak,
+                 "gflop_per_cpu_s": peak_cpu,
+                 "gflops_per_s_rounds": [p[0] for p in peaks]},
+      "train": train_report,
+      "inference": inference,
+      "memory": {"peak_rss_bytes": _rss_peak_bytes(), "device": _device_memory()},
+      "environment": {"load_average_before": load_before,
+                      "load_average_after": os.getloadavg(),
+                      "cpu_count": os.cpu_count(),
+                      **{k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "XLA_FLAGS")}},
+  }
+
+
+def summary(report: dict) -> str:
+  """A few human-readable lines of the report."""
+  t = report["train"]
+  env = report["environment"]
+  lines = [f"matmul peak {report['matmul']['gflops_per_s']:.0f} GFLOP/s "
+           f"({report['platform']}, load {env['load_average_before'][0]:.1f} before, "
+           f"{env['load_average_after'][0]:.1f} after)"]
+  for name in ("baseline", "gated"):
+    r = t[name]
+    lines.append(f"train {name:8s} {r['tokens_per_s']:9.0f} tokens/s  {r['step_s']:.3f} s/step"
+                 f"  {r['model_gflops_per_s']:.0f} GFLOP/s = "
+                 f"{r['fraction_of_matmul_peak']:.0%} of peak "
+                 f"({r['fraction_of_matmul_peak_per_cpu_s']:.0%} per CPU second)  "
+                 f"compile {r['compile_s']:.1f} s")
+  lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
+  for r in report["inference"]:
+    lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
+                 f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "
+                 f"{r['ideal_speedup']:.2f} ({r['speedup_fraction_of_ideal']:.0%})")
+  lines.append(f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  report = run(_CONFIG.value)
+  print(summary(report))
+  print(json.dumps(report, indent=2))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.",
+                                            lock_config=True)
+  _OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
