@@ -31,7 +31,7 @@ def get_config(arg=None):
   # their own learning rate because 1000 steps at 1e-3 would barely move them.
   c.pipeline = ml_collections.ConfigDict(dict(
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
-      prune_gates=dict(enabled=True, lam=0.06, l0_warmup_steps=200, freeze_step=1000,
+      prune_gates=dict(enabled=True, lam=0.05, l0_warmup_steps=200, freeze_step=1000,
                        learning_rate=0.01),
       speed_batches=100,
   ))
