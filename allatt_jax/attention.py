@@ -161,15 +161,20 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, p
   # which avoids one more pass over the weights.
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
 
-  def grad_logits(p, dp_dropped, keep):
-    return (p * (_dropped(dp_dropped, keep, rate) - delta)).astype(dtype)
+  def weight_grads(p, dp, keep):
+    """The dropped weights, and the logits' gradient p ⊙ (keep ⊙ dp / (1 - rate) - δ).
+
+    Written as p_dropped ⊙ dp - p ⊙ δ, it reads the mask only through p_dropped, which
+    the value gradient needs anyway: the mask's hash is computed once per element.
+    """
+    p_dropped = _dropped(p, keep, rate)
+    return p_dropped.astype(dtype), (p_dropped * dp - p * delta).astype(dtype)
 
   # Each product contracts a large weights array over its natural row-major axes;
   # the (.., dh, X) results are transposed afterwards, being small.
-  dv = jnp.einsum("hbtd,hbtk->hbdk", dout,
-                  _dropped(p_ctx, keep_ctx, rate).astype(dtype)).swapaxes(-1, -2)
-  dlog_ctx = grad_logits(p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v,
-                                           preferred_element_type=f32), keep_ctx)
+  pd_ctx, dlog_ctx = weight_grads(
+      p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v, preferred_element_type=f32), keep_ctx)
+  dv = jnp.einsum("hbtd,hbtk->hbdk", dout, pd_ctx).swapaxes(-1, -2)
   dqu = jnp.einsum("hbtk,hbkd->hbtd", dlog_ctx, k, preferred_element_type=f32)
   dk = jnp.einsum("hbtd,hbtk->hbdk", qu, dlog_ctx).swapaxes(-1, -2)
   dpos = _rel_unshift(dlog_ctx)
@@ -177,10 +182,9 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, p
   dr_pad = jnp.einsum("hbtd,hbtk->hdk", qv, dpos).swapaxes(-1, -2)
   dpk = dpv = None
   if pk is not None:
-    dpv = jnp.einsum("hbtd,hbtn->hdn", dout,
-                     _dropped(p_pers, keep_pers, rate).astype(dtype)).swapaxes(-1, -2)
-    dlog_pers = grad_logits(p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv,
-                                               preferred_element_type=f32), keep_pers)
+    pd_pers, dlog_pers = weight_grads(
+        p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=f32), keep_pers)
+    dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
     dqu += jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk, preferred_element_type=f32)
     dpk = jnp.einsum("hbtd,hbtn->hdn", qu, dlog_pers).swapaxes(-1, -2)
   return dqu.astype(dtype), dqv, dk, dv, dr_pad, dpk, dpv
