@@ -165,7 +165,7 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, p
     """The dropped weights, and the logits' gradient p ⊙ (keep ⊙ dp / (1 - rate) - δ).
 
     Written as p_dropped ⊙ dp - p ⊙ δ, it reads the mask only through p_dropped, which
-    the value gradient needs anyway: the mask's hash is computed once per element.
+    the value gradient needs anyway (XLA:CPU still recomputes the hash in both fusions).
     """
     p_dropped = _dropped(p, keep, rate)
     return p_dropped.astype(dtype), (p_dropped * dp - p * delta).astype(dtype)
