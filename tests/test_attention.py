@@ -7,12 +7,25 @@ import pytest
 from allatt_jax import attention
 
 
-def test_threefry_matches_jax():
+def test_threefry_matches_jax_at_20_rounds():
   key = jnp.array([0x13198A2E, 0x03707344], jnp.uint32)
   count = jnp.arange(64, dtype=jnp.uint32) * jnp.uint32(2654435761)
   expected = jax.extend.random.threefry_2x32(key, count)
-  b0, b1 = attention._threefry2x32(key[0], key[1], count[:32], count[32:])
+  b0, b1 = attention._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
   np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
+
+
+def test_dropout_hash_bits_are_balanced_and_uncorrelated():
+  # The rounds dropout uses, on the consecutive counters a mask hashes.
+  n = 1 << 16
+  lo = jnp.arange(n, dtype=jnp.uint32)
+  b0, b1 = attention._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
+  words = np.asarray(b0 ^ b1)
+  bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+  np.testing.assert_allclose(bits.mean(0), 0.5, atol=0.01)   # ~5 sd of 1/sqrt(4n)
+  keep = (words >= np.uint32(0.2 * 2**32)).astype(np.float64)
+  assert abs(np.corrcoef(keep[:-1], keep[1:])[0, 1]) < 0.02
+  assert abs(np.corrcoef(keep[:-64], keep[64:])[0, 1]) < 0.02
 
 
 def test_keep_mask_rate_keys_and_head_offset():
