@@ -18,7 +18,10 @@ medians reported, so that a busy machine slows all of them alike; the train step
 fraction of the peak is also given per process CPU second, which other processes on
 the same cores stretch less than wall time. Parameters are
 random: the figures are throughputs, not model quality. The config's `benchmark`
-section (see configs/bench_cpu.py) sets steps, segments, rounds and fractions.
+section (see configs/bench_cpu.py) sets steps, segments, rounds and fractions; any
+run config works too, with `SETTINGS` (e.g. configs/wt103_base.py on an accelerator).
+The matmul runs in the model's compute dtype (float32 on CPU, bfloat16 for the
+accelerator configs), so its rate is the peak that dtype reaches on the device.
 """
 import functools
 import json
@@ -44,6 +47,23 @@ from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import sharding
 from allatt_jax import steps
+
+
+# Benchmark settings for configs without a `benchmark` section.
+SETTINGS = ml_collections.ConfigDict(dict(
+    train_steps=5,               # timed steps per train-step variant and round
+    eval_segments=5,             # timed segments per exported model and round
+    rounds=5,                    # variants alternate within a round; medians reported
+    heads_kept=(1.0, 0.75, 0.5, 0.25),
+    matmul_size=2048,            # n of the n x n x n matmul taken as the peak
+))
+
+
+def settings(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config's `benchmark` section over `SETTINGS`."""
+  merged = SETTINGS.copy_and_resolve_references()
+  merged.update(config.get("benchmark", {}))
+  return merged
 
 
 def _median(values):
@@ -76,12 +96,12 @@ class _Usage:
 
 
 class Matmul:
-  """One n x n x n float32 matmul: the device's practical peak GFLOP/s."""
+  """One n x n x n matmul: the device's practical peak GFLOP/s in that dtype."""
 
-  def __init__(self, n: int):
+  def __init__(self, n: int, dtype=jnp.float32):
     self.n = n
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    self._args = (a, jax.random.normal(jax.random.key(1), (n, n), jnp.float32))
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    self._args = (a, jax.random.normal(jax.random.key(1), (n, n), dtype))
     self._fn = jax.jit(jnp.matmul)
     jax.block_until_ready(self._fn(*self._args))
 
@@ -186,7 +206,7 @@ class Inference:
     self.cfg = cfg
     self.heads_kept = heads_kept
     e = config.eval
-    self.segments = config.benchmark.eval_segments
+    self.segments = settings(config).eval_segments
     self._evaluator = evaluate.Evaluator(
         model_lib.TransformerLM(cfg), sharding.make_mesh(config.mesh),
         batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)
@@ -223,9 +243,9 @@ def _device_memory() -> dict | None:
 
 def run(config: ml_collections.ConfigDict) -> dict:
   """The benchmark report of `config` (see the module docstring)."""
-  bench, train, e = config.benchmark, config.train, config.eval
+  bench, train, e = settings(config), config.train, config.eval
   load_before = os.getloadavg()
-  matmul = Matmul(bench.matmul_size)
+  matmul = Matmul(bench.matmul_size, jnp.dtype(config.model.dtype))
   train_steps = {"baseline": TrainStep(config, gated=False),
                  "gated": TrainStep(config, gated=True)}
   gated = gated_model(config)
@@ -287,7 +307,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
                 "head_block": cfg.head_block, "remat": cfg.remat,
                 "batch_size": train.batch_size, "seq_len": train.seq_len,
                 "mem_len": train.mem_len},
-      "matmul": {"n": bench.matmul_size, "gflops_per_s": peak,
+      "matmul": {"n": bench.matmul_size, "dtype": config.model.dtype, "gflops_per_s": peak,
                  "gflop_per_cpu_s": peak_cpu,
                  "gflops_per_s_rounds": [p[0] for p in peaks]},
       "train": train_report,
@@ -320,6 +340,10 @@ def summary(report: dict) -> str:
                  f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "
                  f"{r['ideal_speedup']:.2f} ({r['speedup_fraction_of_ideal']:.0%})")
   lines.append(f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB")
+  if report["platform"] == "cpu" and "hugetlb" not in (env["GLIBC_TUNABLES"] or ""):
+    lines.append(f"({t['baseline']['minor_page_faults_per_step']:,.0f} page faults per train "
+                 "step: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 backs XLA's buffers with huge "
+                 "pages, see docs/performance.md)")
   return "\n".join(lines)
 
 

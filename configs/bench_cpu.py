@@ -12,8 +12,7 @@ layer is 1.5% of the MACs here) rather than the softmax.
 
 `configs/bench_cpu.py:tiny` is a seconds-long variant for tests.
 """
-import ml_collections
-
+from allatt_jax import benchmark
 from allatt_jax import config_base
 
 
@@ -26,13 +25,8 @@ def get_config(arg=None):
   c.train.update(dict(batch_size=8, seq_len=192, mem_len=192))
   c.eval.update(dict(batch_size=8, seq_len=192, mem_len=192))
   c.gates.update(dict(lam=0.015, l0_warmup_steps=4000, freeze_step=16_000))
-  c.benchmark = ml_collections.ConfigDict(dict(
-      train_steps=5,               # timed steps per train-step variant and round
-      eval_segments=5,             # timed segments per exported model and round
-      rounds=3,                    # variants alternate within a round; medians reported
-      heads_kept=(1.0, 0.75, 0.5, 0.25),
-      matmul_size=2048,            # n of the n x n x n f32 matmul taken as the peak
-  ))
+  # In the config so that --config.benchmark.rounds=... and the like can override them.
+  c.benchmark = benchmark.SETTINGS.copy_and_resolve_references()
   if args.tiny:
     c.model.update(dict(d_model=32, num_heads=4, num_persistent=16))
     c.train.update(dict(batch_size=2, seq_len=8, mem_len=8))
