@@ -220,6 +220,10 @@ class Inference:
     _, self._first_s = _timed(lambda: self._evaluator.score(self._variables, self._tokens, 1))
     self.seconds = [self.run()]
 
+  def warm(self) -> None:
+    """One untimed segment, so that a round times the steady state (see `run`)."""
+    self._evaluator.score(self._variables, self._tokens, 1)
+
   def run(self) -> float:
     """Seconds per segment over the config's number of segments."""
     scored = self._evaluator.score(self._variables, self._tokens, self.segments)
@@ -251,13 +255,19 @@ def run(config: ml_collections.ConfigDict) -> dict:
   gated = gated_model(config)
   models = [Inference(config, gated, f) for f in bench.heads_kept]
 
+  # Each variant's first step in a round runs untimed: after another executable has
+  # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
+  # `first_step_in_round_s`), which back-to-back training steps never do.
   peaks, usages = [], {name: [] for name in train_steps}
+  first_steps = {name: [] for name in train_steps}
   for i in range(bench.rounds):
     order = lambda variants: variants[::-1] if i % 2 else variants   # no variant goes first
     peaks.append(matmul.gflops())
     for name, step in order(list(train_steps.items())):
+      first_steps[name].append(step.run(1).wall)
       usages[name].append(step.run(bench.train_steps))
     for model in order(models):
+      model.warm()
       model.seconds.append(model.run())
 
   cfg = train_steps["baseline"].lm.cfg
@@ -274,6 +284,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
     gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
     train_report[name] = {
         "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": step.compile_s,
+        "first_step_in_round_s": _median(first_steps[name]),
         "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peak,
         "cpu_s_per_step": cpu_seconds,
         "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peak_cpu,
