@@ -9,14 +9,17 @@ manager deletes such leftovers.
 
 An exported model is a folder with `config.json` (its run config, model section
 describing the smaller model) and `params/`: loadable without the training run.
+
+Every location goes through `run_path`, so a workdir may be a local folder or a
+bucket (gs://...), which multi-host runs on Cloud TPU need.
 """
 import hashlib
 import json
-import pathlib
 import signal
 import threading
 
 from absl import logging
+from etils import epath
 import flax
 import jax
 from jax.experimental import multihost_utils
@@ -30,14 +33,22 @@ CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 
 
-def _write_atomically(path: pathlib.Path, text: str) -> None:
+def run_path(path) -> epath.Path:
+  """A workdir, export or checkpoint location: a URL (gs://...) as given, a local path
+  made absolute (orbax wants absolute paths; pathlib would mangle a URL)."""
+  if "://" in str(path):
+    return epath.Path(path)
+  return epath.Path(path).absolute()
+
+
+def _write_atomically(path: epath.Path, text: str) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(path.suffix + ".tmp")
   tmp.write_text(text)
   tmp.replace(path)
 
 
-def _read_json(path: pathlib.Path):
+def _read_json(path: epath.Path):
   try:
     return json.loads(path.read_text())
   except (OSError, ValueError) as e:
@@ -46,12 +57,12 @@ def _read_json(path: pathlib.Path):
 
 
 def save_config(directory, config: ml_collections.ConfigDict) -> None:
-  _write_atomically(pathlib.Path(directory) / CONFIG_FILE,
+  _write_atomically(run_path(directory) / CONFIG_FILE,
                     config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def load_config(directory) -> ml_collections.ConfigDict:
-  path = pathlib.Path(directory) / CONFIG_FILE
+  path = run_path(directory) / CONFIG_FILE
   if not path.is_file():
     raise CheckpointError(
         f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
@@ -66,13 +77,13 @@ def vocabulary_fingerprint(name: str, vocab) -> dict:
 
 
 def save_vocabulary(directory, fingerprint: dict) -> None:
-  _write_atomically(pathlib.Path(directory) / VOCABULARY_FILE,
+  _write_atomically(run_path(directory) / VOCABULARY_FILE,
                     json.dumps(fingerprint, indent=2, sort_keys=True))
 
 
 def load_vocabulary(directory) -> dict | None:
   """The vocabulary fingerprint a run saved, or None (runs from before it was saved)."""
-  path = pathlib.Path(directory) / VOCABULARY_FILE
+  path = run_path(directory) / VOCABULARY_FILE
   return _read_json(path) if path.is_file() else None
 
 
@@ -85,7 +96,7 @@ class RunCheckpoints:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    self.directory = run_path(workdir) / "checkpoints"
     self.manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -219,7 +230,7 @@ def restore_variables(workdir, step: int | None = None) -> dict:
 
 def save_model(directory, config: ml_collections.ConfigDict, params) -> None:
   """A standalone model: its config and parameters (no optimizer, no gates)."""
-  directory = pathlib.Path(directory).absolute()
+  directory = run_path(directory)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory / "params", params, force=True)
   # In a multi-process run one process writes the file, and the others, which read
@@ -232,7 +243,7 @@ def save_model(directory, config: ml_collections.ConfigDict, params) -> None:
 
 def load_model(directory):
   """(run config, variables) of an exported model or of a run's latest checkpoint."""
-  directory = pathlib.Path(directory).absolute()
+  directory = run_path(directory)
   config = load_config(directory)
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:

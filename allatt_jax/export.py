@@ -10,10 +10,10 @@ equal the gated model's deterministic outputs, in hard (g ∈ {0, 1}) and soft
 attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward.
 """
 import dataclasses
-import pathlib
 
 from absl import app
 from absl import flags
+from etils import epath
 import flax.linen as nn
 from flax import traverse_util
 import jax
@@ -157,14 +157,14 @@ def _check_matches_init(cfg: model_lib.ModelConfig, params) -> None:
         + "; ".join(problems))
 
 
-def export_run(workdir, out_dir=None) -> pathlib.Path:
+def export_run(workdir, out_dir=None) -> epath.Path:
   """Exports a pruning run's latest checkpoint as a standalone smaller model.
 
   The export's config.json is the run's config describing the smaller model (per-layer
   head counts, no gates, no init_from), so `checkpointing.load_model` and every CLI that
   takes a checkpoint can load it.
   """
-  workdir = pathlib.Path(workdir)
+  workdir = checkpointing.run_path(workdir)
   validation.check_export(workdir)
   config = checkpointing.load_config(workdir)
   variables = checkpointing.restore_variables(workdir)
@@ -174,7 +174,7 @@ def export_run(workdir, out_dir=None) -> pathlib.Path:
   exported.model.max_relative_len = pruned_cfg.max_relative_len
   exported.gates.enabled = False
   exported.init_from = ""
-  out_dir = pathlib.Path(out_dir) if out_dir else workdir / EXPORT_DIR
+  out_dir = checkpointing.run_path(out_dir) if out_dir else workdir / EXPORT_DIR
   checkpointing.save_model(out_dir, exported, params)
   return out_dir
 

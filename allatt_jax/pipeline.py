@@ -7,8 +7,8 @@ subfolder of the workdir, so a rerun resumes whatever was not finished.
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
 import json
-import pathlib
 
+from etils import epath
 import jax
 import matplotlib
 import ml_collections
@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
 
-def stage_configs(config: ml_collections.ConfigDict, workdir: pathlib.Path):
+def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
   """(baseline config, pruning config) of a pipeline config."""
   baseline = config.copy_and_resolve_references()
   with baseline.unlocked():
@@ -37,13 +37,13 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: pathlib.Path):
 
 
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
-  workdir = pathlib.Path(workdir)
+  workdir = checkpointing.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
   baseline = train.train_and_evaluate(baseline_config, workdir / "baseline")
   pruned = train.train_and_evaluate(prune_config, workdir / "pruned")
 
   baseline_model = _load(workdir / "baseline")
-  pruned_model = _load(pathlib.Path(pruned["export"]["directory"]))
+  pruned_model = _load(pruned["export"]["directory"])
   speed = _measure_speed(baseline_config, config.pipeline.speed_batches, baseline_model,
                          pruned_model)
   report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
@@ -136,7 +136,8 @@ def summary_table(report: dict) -> str:
 
 def plot_gates(history_file, out_file, freeze_step: int) -> None:
   """One heat map per layer: each head's open probability over the pruning run."""
-  records = [json.loads(line) for line in pathlib.Path(history_file).read_text().splitlines()]
+  records = [json.loads(line)
+             for line in epath.Path(history_file).read_text().splitlines()]
   steps = [r["step"] for r in records]
   num_layers = len(records[0]["open_prob"])
   fig, axes = plt.subplots(num_layers, 1, figsize=(8, 1.2 + 0.9 * num_layers), sharex=True,
@@ -154,5 +155,6 @@ def plot_gates(history_file, out_file, freeze_step: int) -> None:
   if image is not None:
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)")
   fig.suptitle("Head gate open probabilities during pruning")
-  fig.savefig(out_file, dpi=100)
+  with epath.Path(out_file).open("wb") as f:   # matplotlib cannot write to a bucket
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)

@@ -6,7 +6,6 @@ latest checkpoint, data position and memory included.
 """
 import functools
 import json
-import pathlib
 import sys
 import time
 
@@ -102,7 +101,7 @@ class Run:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir`; returns the final metrics."""
   # --- Setup.
-  workdir = pathlib.Path(workdir)
+  workdir = checkpointing.run_path(workdir)
   validation.check_run(config, workdir)
   run = Run(config)
   vocabulary = checkpointing.vocabulary_fingerprint(run.corpus.name, run.corpus.vocab)
@@ -111,7 +110,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if is_main:
     checkpointing.save_config(workdir, config)
     checkpointing.save_vocabulary(workdir, vocabulary)
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  writer = metric_writers.create_default_writer(str(workdir), just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
 
@@ -284,5 +283,5 @@ def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> No
   probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
                                                  cfg.gate)).tolist() if g else []
            for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
-  with open(pathlib.Path(workdir) / GATE_HISTORY_FILE, "a") as f:
+  with (checkpointing.run_path(workdir) / GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")

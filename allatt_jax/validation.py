@@ -7,9 +7,9 @@ or file) and how to fix it, instead of a trace-time or orbax traceback minutes l
 """
 import functools
 import json
-import pathlib
-import tempfile
+import uuid
 
+from etils import epath
 import flax
 import jax
 import jax.numpy as jnp
@@ -63,9 +63,9 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> None:
   _check_model(config)
   _check_lengths(config)
   _check_mesh(config)
-  _check_workdir(pathlib.Path(workdir))
+  _check_workdir(checkpointing.run_path(workdir))
   state_shapes = functools.cache(lambda: _state_shapes(config))
-  _check_resume(config, pathlib.Path(workdir), state_shapes)
+  _check_resume(config, checkpointing.run_path(workdir), state_shapes)
   if config.init_from:
     _check_init_from(config, state_shapes)
 
@@ -164,15 +164,17 @@ def _check_mesh(config):
           f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
 
 
-def _check_workdir(workdir: pathlib.Path):
+def _check_workdir(workdir: epath.Path):
+  probe = workdir / f".write-test-{uuid.uuid4().hex}"
   try:
     workdir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-test-"):
-      pass
-  except OSError as e:
+    probe.write_text("")
+    probe.unlink()
+  except Exception as e:  # pylint: disable=broad-except  (buckets raise their own types)
+    reason = getattr(e, "strerror", None) or e
     raise ConfigError(
-        f"--workdir {workdir} is not writable ({e.strerror or e}); checkpoints and logs "
-        "go there. Choose a folder you can write to.") from None
+        f"--workdir {workdir} is not writable ({reason}); checkpoints and logs go there. "
+        "Choose a folder you can write to.") from None
 
 
 def _state_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -184,7 +186,7 @@ def _state_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 def _latest_step(workdir) -> int | None:
-  if not (pathlib.Path(workdir) / "checkpoints").is_dir():
+  if not (checkpointing.run_path(workdir) / "checkpoints").is_dir():
     return None
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
   try:
@@ -201,7 +203,7 @@ def _saved_shapes(workdir, step: int) -> dict[str, tuple[int, ...]]:
     checkpoints.close()
 
 
-def _check_resume(config, workdir: pathlib.Path, state_shapes):
+def _check_resume(config, workdir: epath.Path, state_shapes):
   if (step := _latest_step(workdir)) is None:
     return
   found = _saved_shapes(workdir, step)
@@ -218,7 +220,7 @@ def _check_resume(config, workdir: pathlib.Path, state_shapes):
 
 
 def _check_init_from(config, state_shapes):
-  source = pathlib.Path(config.init_from)
+  source = checkpointing.run_path(config.init_from)
   if not source.is_dir():
     raise CheckpointError(
         f"config.init_from={source} does not exist or is not a folder; set it to the "

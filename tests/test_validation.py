@@ -282,3 +282,10 @@ def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
   assert list(corpus.vocab) == expected
   assert len(corpus.splits["train"]) == 18000
   assert (cache / "train.npy").read_bytes() == train_npy
+
+
+def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert str(checkpointing.run_path("gs://bucket/runs/a") / "checkpoints") == (
+      "gs://bucket/runs/a/checkpoints")
+  assert str(checkpointing.run_path("runs/a")) == str(tmp_path / "runs" / "a")
