@@ -217,11 +217,12 @@ class Inference:
     self.tokens_per_segment = e.batch_size * e.seq_len
     # The first segment compiles the step; its time less a steady segment's is the
     # compile time.
-    _, self._first_s = _timed(lambda: self._evaluator.score(self._variables, self._tokens, 1))
+    _, self._first_s = _timed(self.warm)
     self.seconds = [self.run()]
 
   def warm(self) -> None:
-    """One untimed segment, so that a round times the steady state (see `run`)."""
+    """One segment: the first call compiles the step; later ones, untimed, let a round
+    time the steady state (see `run`)."""
     self._evaluator.score(self._variables, self._tokens, 1)
 
   def run(self) -> float:
