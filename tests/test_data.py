@@ -69,10 +69,13 @@ def test_text_encoding_matches_split_encoding_and_decodes_back():
 
 
 def test_char_and_byte_corpora_encode_and_decode():
-  chars = data.Corpus('c', 'char', tuple(tokenization.TEXT8_ALPHABET), {})
+  chars = data.Corpus('c', 'char', tuple(tokenization.TEXT8_ALPHABET), {}, clean='text8')
   ids, dropped = chars.encode('Hi there!\n42')   # cleaned as text8 was made
   assert chars.decode(ids) == 'hi there four two' and dropped == 0
   assert chars.metric == 'bpc'
+  as_is = data.Corpus('c', 'char', ('\n', 'H', 'i', 'é'), {})
+  ids, dropped = as_is.encode('Hié!\nH')   # characters as they are; '!' is unknown
+  assert as_is.decode(ids) == 'Hié\nH' and dropped == 1
   raw = data.Corpus('b', 'byte', tokenization.byte_vocab(), {})
   ids, _ = raw.encode('Zürich')
   assert ids.tolist() == list('Zürich'.encode('utf-8'))

@@ -1,6 +1,8 @@
 """Prepares a dataset (if needed) and prints its statistics as one JSON object.
 
   python -m allatt_jax.data --dataset=wikitext2 --manual_dir=DIR [--data_dir=DIR]
+  python -m allatt_jax.data --dataset=text_files --manual_dir=DIR --level=word \
+      [--files=train.txt,valid.txt,test.txt --min_count=1 --max_vocab=0 --clean=]
   python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
 """
 import json
@@ -22,6 +24,16 @@ _MANUAL_DIR = flags.DEFINE_string(
     'manual_dir', None, 'Folder holding the official files (else TFDS downloads).')
 _DATA_DIR = flags.DEFINE_string(
     'data_dir', None, 'TFDS data folder (default $TFDS_DATA_DIR or ~/tensorflow_datasets).')
+_LEVEL = flags.DEFINE_enum('level', '', ('',) + specs.LEVELS,
+                           'text_files: word, char or byte (default word).')
+_FILES = flags.DEFINE_string('files', specs.DEFAULT_FILES,
+                             'text_files: the train,valid,test file names.')
+_MIN_COUNT = flags.DEFINE_integer(
+    'min_count', 1, 'text_files, word level: rarer train words become <unk>.')
+_MAX_VOCAB = flags.DEFINE_integer(
+    'max_vocab', 0, 'text_files: at most this many types (0: no limit); the rest <unk>.')
+_CLEAN = flags.DEFINE_enum('clean', '', specs.CLEANING,
+                           'text_files, char level: text8 = clean as text8 was.')
 _MAKE_EMBEDDED = flags.DEFINE_string(
     'make_embedded_corpus_from', None,
     'Instead: rebuild the shipped wikitext_chars corpus from this folder of '
@@ -35,6 +47,8 @@ def stats(corpus: corpus_lib.Corpus) -> dict:
       'num_tokens': {split: int(ids.size) for split, ids in corpus.splits.items()},
       'split_rule': corpus.split_rule,
   }
+  if corpus.name == specs.TEXT_FILES_NAME and corpus.level == 'word':
+    result['most_frequent'] = list(corpus.vocab[:10])
   if tokenization.UNK in corpus.vocab:
     unk = corpus.vocab.index(tokenization.UNK)
     result['num_unk'] = {split: int(np.count_nonzero(ids == unk))
@@ -49,7 +63,10 @@ def main(argv):
       path = embedded.make_embedded_corpus(_MAKE_EMBEDDED.value)
       print(json.dumps({'written': str(path), 'bytes': path.stat().st_size}))
       return
-    corpus = corpus_lib.load_corpus(_DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value)
+    corpus = corpus_lib.load_corpus(
+        _DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value, level=_LEVEL.value,
+        files=_FILES.value, min_count=_MIN_COUNT.value, max_vocab=_MAX_VOCAB.value,
+        clean=_CLEAN.value)
   except DataError as e:
     sys.exit(f'error: {e}')
   print(json.dumps(stats(corpus)))

@@ -8,6 +8,8 @@ files and memory-map the cache; TensorFlow is not even imported.
 from collections.abc import Mapping
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import pathlib
 
@@ -40,6 +42,7 @@ class Corpus:
   vocab: tuple[str, ...]  # id -> token; for bytes a printable name per byte
   splits: Mapping[str, np.ndarray]  # 'train' / 'valid' / 'test'
   split_rule: str = 'official'  # how train/valid/test were cut, e.g. 'proportional 90/5/5'
+  clean: str = ''  # char level: 'text8' = text is cleaned as text8 was before lookup
 
   @property
   def vocab_size(self) -> int:
@@ -56,15 +59,18 @@ class Corpus:
   def encode(self, text: str) -> tuple[np.ndarray, int]:
     """Ids of `text` tokenised like the splits, and how many tokens were unknown.
 
-    Words: each newline is an <eos>; unknown words become <unk>. Characters: the
-    text is cleaned as text8 was (lower case, digits spelled out, everything else a
-    space), so nothing is unknown. Bytes: UTF-8.
+    Words: each newline is an <eos>; unknown words become <unk>. Characters: as
+    they are, or for text8-style corpora cleaned as text8 was (lower case, digits
+    spelled out, everything else a space); unknown ones are left out and counted.
+    Bytes: UTF-8.
     """
     if self.level == 'word':
       return tokenization.encode_words(text, self._index)
     if self.level == 'byte':
       return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32), 0
-    ids = [self._index.get(c, -1) for c in tokenization.clean_text8_style(text)]
+    if self.clean == 'text8':
+      text = tokenization.clean_text8_style(text)
+    ids = [self._index.get(c, -1) for c in text]
     known = np.array([i for i in ids if i >= 0], dtype=np.int32)
     return known, len(ids) - len(known)
 
@@ -84,19 +90,22 @@ def default_data_dir() -> str:
 
 
 def load_corpus(name: str, data_dir: str | None = None,
-                manual_dir: str | None = None) -> Corpus:
+                manual_dir: str | None = None, **options) -> Corpus:
   """The encoded dataset `name`, built on first use and cached under `data_dir`.
 
   Args:
     name: one of DATASETS.
     data_dir: TFDS data folder; the encoded cache goes to its `allatt_encoded/`.
     manual_dir: folder holding the official files; without it TFDS downloads them
-      (wikitext_chars needs neither: it ships with the package).
+      (wikitext_chars needs neither: it ships with the package; text_files needs it).
+    **options: text_files only: level, files, min_count, max_vocab, clean (the keys
+      of config.data; see specs.resolve).
 
   Raises:
-    DataError: unknown name, or files missing, empty, truncated or malformed.
+    DataError: unknown name or options, or files missing, empty, truncated or
+      malformed.
   """
-  spec = specs.get_spec(name)
+  spec = specs.resolve(name, **options)
   data_dir = os.path.expanduser(data_dir or default_data_dir())
   corpus = _cached_or_built(spec, data_dir, manual_dir)
   if corpus.split_rule != 'official' and spec.official_size is not None:
@@ -105,15 +114,57 @@ def load_corpus(name: str, data_dir: str | None = None,
   return corpus
 
 
+def load_run_corpus(config) -> Corpus:
+  """The corpus of a run config's `data` section, checked against its eval segments.
+
+  Raises:
+    DataError: as load_corpus, or valid/test shorter than one evaluation segment.
+  """
+  data = config.data
+  corpus = load_corpus(data.name, data.get('data_dir'), data.get('manual_dir'),
+                       **{key: data[key] for key in _OPTION_KEYS if key in data})
+  needed = config.eval.seq_len + 1
+  for split in specs.SPLITS[1:]:
+    if corpus.splits[split].size < needed:
+      raise DataError(
+          f"Dataset {data.name!r}: the {split} split has {corpus.splits[split].size} "
+          f'tokens, fewer than one evaluation segment (config.eval.seq_len + 1 = '
+          f'{needed}). Give it more text, or lower --config.eval.seq_len.')
+  return corpus
+
+
+def check_data_config(data) -> None:
+  """Raises DataError when config.data names an unknown dataset or bad options."""
+  specs.resolve(data.name, **{key: data[key] for key in _OPTION_KEYS if key in data})
+
+
+_OPTION_KEYS = ('level', 'files', 'min_count', 'max_vocab', 'clean')
+
+
 def _cached_or_built(spec, data_dir, manual_dir) -> Corpus:
   cache_dir = pathlib.Path(data_dir) / 'allatt_encoded' / spec.name
+  if spec.tfds_name:
+    from allatt_jax.data import lm1b  # pylint: disable=g-import-not-at-top
+    builder = lm1b.prepare(spec, data_dir, manual_dir)
+    return _load_cached(spec, cache_dir, builder.source_files) or _encode_and_cache(
+        spec, cache_dir, builder, builder.source_files)
+  if spec.name == specs.TEXT_FILES_NAME:
+    if manual_dir is None:
+      raise spec.not_found('no folder given')
+    # One cache (and TFDS dataset) per folder and option set: switching between
+    # them rebuilds nothing and deletes nothing.
+    key = hashlib.sha256(json.dumps(
+        [os.path.abspath(os.path.expanduser(manual_dir)), specs.options(spec)]
+    ).encode()).hexdigest()[:12]
+    cache_dir = cache_dir / key
+    data_dir = os.path.join(data_dir, 'allatt_text_files', key)
   source_dir = manual_dir or (specs.CORPUS_DIR if spec.url is None else None)
   source_files = None
   if source_dir is not None:
     paths = sources.locate(spec, source_dir)
     sources.check(spec, paths)
     source_files = sources.fingerprint(paths)
-    sources.warn_if_unofficial(spec, source_files)
+    sources.warn_if_unofficial(spec, source_files, paths)
     found = _load_cached(spec, cache_dir, source_files)
     if found is not None:
       return found
@@ -121,22 +172,26 @@ def _cached_or_built(spec, data_dir, manual_dir) -> Corpus:
   from allatt_jax.data import tfds_builders  # pylint: disable=g-import-not-at-top
   builder = tfds_builders.prepare(spec, data_dir, source_dir, source_files)
   source_files = builder.info.metadata['source_files']
-  found = _load_cached(spec, cache_dir, source_files)
-  if found is not None:
-    return found
+  return (_load_cached(spec, cache_dir, source_files)
+          or _encode_and_cache(spec, cache_dir, builder, source_files))
 
+
+def _encode_and_cache(spec, cache_dir, builder, source_files) -> Corpus:
   logging.info("Encoding dataset '%s' into %s.", spec.name, cache_dir)
   split_rule = _split_rule(spec, source_files)
   vocab, splits = _encode(spec, builder)
   cache.write(cache_dir, _fingerprint(spec, source_files, split_rule), vocab, splits)
   return _load_cached(spec, cache_dir, source_files) or Corpus(
-      spec.name, spec.level, vocab, splits, split_rule)
+      spec.name, spec.level, vocab, splits, split_rule, spec.clean)
 
 
 def _fingerprint(spec, source_files, split_rule) -> dict:
-  return {'dataset': spec.name, 'encoding_version': ENCODING_VERSION,
-          'level': spec.level, 'settings': _SETTINGS[spec.level],
-          'split_rule': split_rule, 'source_files': source_files}
+  fingerprint = {'dataset': spec.name, 'encoding_version': ENCODING_VERSION,
+                 'level': spec.level, 'settings': _SETTINGS[spec.level],
+                 'split_rule': split_rule, 'source_files': source_files}
+  if spec.name == specs.TEXT_FILES_NAME or spec.tfds_name:
+    fingerprint['options'] = {**specs.options(spec), 'add_unk': spec.add_unk}
+  return fingerprint
 
 
 def _load_cached(spec, cache_dir, source_files) -> Corpus | None:
@@ -145,10 +200,12 @@ def _load_cached(spec, cache_dir, source_files) -> Corpus | None:
   if found is None:
     return None
   vocab, splits = found
-  return Corpus(spec.name, spec.level, vocab, splits, split_rule)
+  return Corpus(spec.name, spec.level, vocab, splits, split_rule, spec.clean)
 
 
 def _split_rule(spec, source_files) -> str:
+  if spec.name == specs.TEXT_FILES_NAME:
+    return 'one file per split'
   if spec.level == 'word':
     return 'official'
   if spec.url is None:  # The shipped corpus: its size is known only once unpacked.
@@ -166,10 +223,32 @@ def _encode(spec, builder) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
     return (tokenization.byte_vocab(),
             {split: np.frombuffer(text, dtype=np.uint8).astype(np.int32)
              for split, text in data.items()})
+  if spec.name == specs.TEXT_FILES_NAME:
+    return _encode_own_chars(spec, data)
   vocab = tuple(tokenization.TEXT8_ALPHABET)
   table = tokenization.char_table(vocab)
   return vocab, {split: tokenization.encode_ascii(text, table)
                  for split, text in data.items()}
+
+
+def _encode_own_chars(spec, data: dict[str, bytes]):
+  """The user's text at char level (UTF-8, checked by sources.check)."""
+  texts = {split: text.decode('utf-8') for split, text in data.items()}
+  if spec.clean == 'text8':
+    vocab = tuple(tokenization.TEXT8_ALPHABET)
+    table = tokenization.char_table(vocab)
+    return vocab, {split: tokenization.encode_ascii(
+        tokenization.clean_text8_style(text).encode('ascii'), table)
+                   for split, text in texts.items()}
+  vocab, splits = tokenization.encode_chars(texts)
+  if spec.max_vocab and len(vocab) > spec.max_vocab:
+    raise DataError(
+        f"Dataset '{spec.name}': the text has {len(vocab)} different characters, "
+        f'more than data.max_vocab={spec.max_vocab}, and characters have no <unk> '
+        'to map the rest to. Raise or drop --config.data.max_vocab, clean the text '
+        'to a-z and space with --config.data.clean=text8, or use '
+        '--config.data.level=byte (256 values).')
+  return vocab, splits
 
 
 def _encode_words(spec, builder):
@@ -186,14 +265,18 @@ def _encode_words(spec, builder):
                         f'text ({e}).') from e
 
   vocab, train = tokenization.encode_train(line_batches('train'))
+  unknown = {'train': 0}
+  if spec.min_count > 1 or spec.max_vocab or spec.add_unk:
+    vocab, train, unknown['train'] = tokenization.limit_vocab(
+        vocab, train, spec.min_count, spec.max_vocab, spec.add_unk)
   index = {word: i for i, word in enumerate(vocab)}
-  splits, unknown = {'train': train}, {'train': 0}
+  splits = {'train': train}
   for split in specs.SPLITS[1:]:
     encoded = [tokenization.encode_lines(batch, index) for batch in line_batches(split)]
     splits[split] = np.concatenate([ids for ids, _ in encoded])
     unknown[split] = sum(count for _, count in encoded)
   for split in specs.SPLITS:
-    logging.info("Dataset '%s' %s: %d lines, %d tokens, %d words not in the train "
+    logging.info("Dataset '%s' %s: %d lines, %d tokens, %d words not in the "
                  'vocabulary mapped to %s.', spec.name, split, num_lines[split],
                  len(splits[split]), unknown[split], tokenization.UNK)
   if spec.official_train_lines not in (None, num_lines['train']):

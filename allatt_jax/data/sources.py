@@ -3,6 +3,7 @@
 Checks run before any expensive work, so a wrong folder fails in a second with a
 message that names the file and the fix.
 """
+import codecs
 import hashlib
 import lzma
 import pathlib
@@ -40,8 +41,13 @@ def check(spec: specs.DatasetSpec, paths: dict[str, pathlib.Path]) -> None:
     if path.stat().st_size == 0:
       raise DataError(f"Dataset '{spec.name}': {path} is empty. "
                       f'{spec.source_hint()}')
-    if spec.level == 'word':
+    if spec.name == specs.TEXT_FILES_NAME:
+      if spec.level != 'byte':
+        _check_utf8(spec, path)
+    elif spec.name.startswith('wikitext') and spec.level == 'word':
       _check_wikitext(spec, path)
+    elif spec.level == 'word':
+      _check_ends_with_newline(spec, path)
     elif spec.name == 'enwik8':
       _check_prefix(spec, path, b'<mediawiki', 'an XML dump starting with <mediawiki')
     elif spec.name == 'text8':
@@ -53,14 +59,39 @@ def _read_head(path: pathlib.Path) -> bytes:
     return f.read(_HEAD_BYTES)
 
 
-def _check_wikitext(spec, path):
+def _check_ends_with_newline(spec, path):
   with open(path, 'rb') as f:
-    head = f.read(_HEAD_BYTES)
     f.seek(-1, 2)
     last = f.read(1)
   if last != b'\n':
     raise DataError(f"Dataset '{spec.name}': {path} is truncated (its last line has "
                     f'no newline). {spec.source_hint()}')
+
+
+def _check_utf8(spec, path):
+  """Decodes the whole file, so a bad byte is found before any work on it."""
+  decoder = codecs.getincrementaldecoder('utf-8')()
+  offset = 0
+  with open(path, 'rb') as f:
+    while True:
+      block = f.read(_HASH_BLOCK)
+      try:
+        decoder.decode(block, final=not block)
+      except UnicodeDecodeError as e:
+        # The decoder may hold back up to 3 bytes of an unfinished character.
+        where = offset + e.start - len(e.object) + len(block)
+        raise DataError(
+            f"Dataset '{spec.name}': {path} is not UTF-8 text: byte offset {where:,} "
+            f'({e.reason}). Level {spec.level!r} reads characters; to model the raw '
+            'bytes instead, use --config.data.level=byte.') from None
+      if not block:
+        return
+      offset += len(block)
+
+
+def _check_wikitext(spec, path):
+  _check_ends_with_newline(spec, path)
+  head = _read_head(path)
   lines = [line for line in head.split(b'\n')[:-1] if line.strip()]
   if not lines or not _WIKITEXT_HEADING.match(lines[0]):
     raise DataError(f"Dataset '{spec.name}': {path} is not a WikiText file: its first "
@@ -94,9 +125,14 @@ def fingerprint(paths: dict[str, pathlib.Path]) -> dict[str, dict[str, int | str
   return result
 
 
-def warn_if_unofficial(spec: specs.DatasetSpec, sources: dict) -> None:
-  for name, sha256 in spec.official_sha256.items():
-    if sources[name]['sha256'] != sha256:
+def warn_if_unofficial(spec: specs.DatasetSpec, sources: dict,
+                       paths: dict[str, pathlib.Path]) -> None:
+  official = [(name, sources[name]['sha256'] == sha256)
+              for name, sha256 in spec.official_sha256.items()]
+  official += [(name, hashlib.md5(paths[name].read_bytes()).hexdigest() == md5)
+               for name, md5 in spec.official_md5.items()]
+  for name, same in official:
+    if not same:
       logging.warning("Dataset '%s': %s differs from the official file; results will "
                       'not be comparable with published numbers.', spec.name, name)
 

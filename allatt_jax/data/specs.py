@@ -56,6 +56,17 @@ class DatasetSpec:
   official_size: int | None = None
   official_split: tuple[int, int, int] | None = None
   proportions: tuple[int, int, int] = (90, 5, 5)
+  # MD5s published with the files, where no SHA-256 is (Penn Treebank).
+  official_md5: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  # Vocabulary: train words seen fewer than `min_count` times, and all but the
+  # `max_vocab` most frequent types (0: no limit), become <unk>; with `add_unk` the
+  # vocabulary has <unk> even when train has none, for the words of valid/test.
+  min_count: int = 1
+  max_vocab: int = 0
+  add_unk: bool = False
+  clean: str = ''  # char level: 'text8' = cleaned as text8 was, '' = characters as they are
+  cutoffs: tuple[int, ...] = ()  # published adaptive-softmax cutoffs for this vocabulary
+  tfds_name: str = ''  # prepared by TFDS's own builder of this name instead of ours
 
   @property
   def archive_name(self) -> str:
@@ -63,6 +74,14 @@ class DatasetSpec:
 
   def source_hint(self) -> str:
     """How a user provides the files, for error messages."""
+    if self.name == TEXT_FILES_NAME:
+      return ('Pass the folder holding them with --config.data.manual_dir=DIR (or '
+              '--manual_dir=DIR for `python -m allatt_jax.data`); other file names '
+              'go in --config.data.files=TRAIN,VALID,TEST.')
+    if self.tfds_name:
+      return (f'TFDS downloads {self.archive_name} (needs internet), or finds it in '
+              'the folder given with --config.data.manual_dir=DIR (--manual_dir=DIR '
+              'for `python -m allatt_jax.data`).')
     if self.url is None:
       return (f'It ships inside the package in {CORPUS_DIR}; reinstall allatt_jax, '
               'or rebuild it with `python -m allatt_jax.data '
@@ -98,6 +117,24 @@ class DatasetSpec:
     return (train, valid, total - train - valid), rule
 
 
+_PTB_CITATION = """\
+@inproceedings{mikolov2010recurrent,
+  title={Recurrent neural network based language model},
+  author={Mikolov, Tomas and Karafiat, Martin and Burget, Lukas and Cernocky, Jan
+          and Khudanpur, Sanjeev},
+  booktitle={Interspeech},
+  year={2010}
+}"""
+
+_LM1B_CITATION = """\
+@article{chelba2013one,
+  title={One Billion Word Benchmark for Measuring Progress in Statistical Language Modeling},
+  author={Chelba, Ciprian and Mikolov, Tomas and Schuster, Mike and Ge, Qi and Brants,
+          Thorsten and Koehn, Phillipp and Robinson, Tony},
+  journal={arXiv preprint arXiv:1312.3005},
+  year={2013}
+}"""
+
 WIKITEXT103 = DatasetSpec(
     name='wikitext103',
     level='word',
@@ -115,6 +152,7 @@ WIKITEXT103 = DatasetSpec(
             '56db52eb157b1ab5c89646eef70510c1eca6e12a3bfdb99f0d6b05b4eacb75b9',
     },
     official_train_lines=1_801_350,
+    cutoffs=(20_000, 40_000, 200_000),
 )
 
 WIKITEXT2 = DatasetSpec(
@@ -147,6 +185,7 @@ TEXT8 = DatasetSpec(
     citation=_MAHONEY_CITATION,
     official_size=_HUTTER_SIZE,
     official_split=_HUTTER_SPLIT,
+    clean='text8',
 )
 
 ENWIK8 = DatasetSpec(
@@ -172,10 +211,64 @@ WIKITEXT_CHARS = DatasetSpec(
                  'demos run offline. CC BY-SA 3.0.'),
     homepage=_WIKITEXT_HOMEPAGE,
     citation=_WIKITEXT_CITATION,
+    clean='text8',
+)
+
+# Mikolov's preprocessed Penn Treebank: lower case, numbers as N, the 10K most
+# frequent words kept and <unk> already in the text. 887,521 / 70,390 / 78,669
+# words, so 929,589 / 73,760 / 82,430 tokens with one <eos> per line.
+PTB = DatasetSpec(
+    name='ptb',
+    level='word',
+    files=('ptb.train.txt', 'ptb.valid.txt', 'ptb.test.txt'),
+    url='http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz',
+    archive_folder='simple-examples/data',
+    description=('Penn Treebank (Mikolov et al. 2010): 1M words of Wall Street '
+                 'Journal text, 10K-word vocabulary, <unk> in the text.'),
+    homepage='http://www.fit.vutbr.cz/~imikolov/rnnlm/',
+    citation=_PTB_CITATION,
+    official_md5={'ptb.train.txt': 'f26c4b92c5fdc7b3f8c7cdcb991d8420',
+                  'ptb.valid.txt': 'aa0affc06ff7c36e977d7cd49e3839bf',
+                  'ptb.test.txt': '8b80168b89c18661a38ef683c0dc3721'},
+    official_train_lines=42_068,
+)
+
+# One Billion Word through TFDS's own `lm1b` builder, with Transformer-XL's
+# vocabulary (train words seen at least 3 times, ~793K types) and cutoffs. TFDS
+# has no validation split: its test split (the 50 held-out files) is cut in halves,
+# the first for valid, the second for test.
+LM1B = DatasetSpec(
+    name='lm1b',
+    level='word',
+    files=(),
+    url=('http://www.statmt.org/lm-benchmark/'
+         '1-billion-word-language-modeling-benchmark-r13output.tar.gz'),
+    description='One Billion Word benchmark (Chelba et al. 2013), one sentence a line.',
+    homepage='http://www.statmt.org/lm-benchmark/',
+    citation=_LM1B_CITATION,
+    min_count=3,
+    add_unk=True,
+    cutoffs=(60_000, 100_000, 640_000),
+    tfds_name='lm1b',
+)
+
+TEXT_FILES_NAME = 'text_files'
+LEVELS = ('word', 'char', 'byte')
+CLEANING = ('', 'text8')
+DEFAULT_FILES = 'train.txt,valid.txt,test.txt'
+
+# The user's own text; `resolve` fills in level, files and vocabulary options.
+TEXT_FILES = DatasetSpec(
+    name=TEXT_FILES_NAME,
+    level='word',
+    files=tuple(DEFAULT_FILES.split(',')),
+    url=None,
+    description='Your own text: one UTF-8 file per split.',
+    add_unk=True,
 )
 
 _SPECS = {spec.name: spec for spec in
-          (WIKITEXT103, WIKITEXT2, TEXT8, ENWIK8, WIKITEXT_CHARS)}
+          (WIKITEXT103, WIKITEXT2, TEXT8, ENWIK8, WIKITEXT_CHARS, PTB, LM1B, TEXT_FILES)}
 DATASETS: tuple[str, ...] = tuple(_SPECS)
 
 
@@ -183,3 +276,67 @@ def get_spec(name: str) -> DatasetSpec:
   if name not in _SPECS:
     raise DataError(f'Unknown dataset {name!r}; choose one of {", ".join(DATASETS)}.')
   return _SPECS[name]
+
+
+def resolve(name: str, level: str = '', files: str = DEFAULT_FILES, min_count: int = 1,
+            max_vocab: int = 0, clean: str = '') -> DatasetSpec:
+  """The spec of `name` with the options of config.data (text_files only).
+
+  Raises:
+    DataError: an unknown dataset, or options it cannot take.
+  """
+  spec = get_spec(name)
+  given = {'level': level, 'files': files, 'min_count': min_count,
+           'max_vocab': max_vocab, 'clean': clean}
+  defaults = {'level': '', 'files': DEFAULT_FILES, 'min_count': 1, 'max_vocab': 0,
+              'clean': ''}
+  if name != TEXT_FILES_NAME:
+    changed = [f'data.{key}={value!r}' for key, value in given.items()
+               if value != defaults[key]]
+    if changed:
+      raise DataError(f"{', '.join(changed)} only applies to dataset "
+                      f"'{TEXT_FILES_NAME}'; dataset {name!r} is always "
+                      f'{spec.level}-level as published. Drop the option(s).')
+    return spec
+  level = level or 'word'
+  names = tuple(part.strip() for part in files.split(','))
+  problems = []
+  if level not in LEVELS:
+    problems.append(f"data.level={level!r} is not one of {', '.join(LEVELS)}")
+  if len(names) != 3 or not all(names) or len(set(names)) != 3:
+    problems.append(f'data.files={files!r} must name three different files, '
+                    'train,valid,test')
+  if clean not in CLEANING or (clean and level != 'char'):
+    problems.append(f"data.clean={clean!r}: use '' or 'text8' (char level only)")
+  if min_count < 1 or (min_count > 1 and level != 'word'):
+    problems.append(f'data.min_count={min_count}: use 1, or more at word level only')
+  if max_vocab < 0 or (level == 'word' and max_vocab == 1):
+    problems.append(f'data.max_vocab={max_vocab}: use 0 (no limit) or at least 2 '
+                    '(<eos> and <unk>)')
+  if level == 'byte' and 0 < max_vocab < 256:
+    problems.append(f'data.max_vocab={max_vocab}: bytes have no <unk> to map the '
+                    'rest to, so the vocabulary is all 256 byte values; use 0')
+  if problems:
+    raise DataError(f"Dataset '{TEXT_FILES_NAME}': " + '; '.join(problems) + '.')
+  return dataclasses.replace(spec, level=level, files=names, min_count=min_count,
+                             max_vocab=max_vocab, clean=clean)
+
+
+def options(spec: DatasetSpec) -> dict:
+  """What, besides the source files, decides a text_files encoding."""
+  return {'level': spec.level, 'files': list(spec.files), 'min_count': spec.min_count,
+          'max_vocab': spec.max_vocab, 'clean': spec.clean}
+
+
+# WikiText-103's 20K/40K/200K of 267,735 types, as fractions of the vocabulary.
+_CUTOFF_FRACTIONS = (0.075, 0.15, 0.75)
+
+
+def default_cutoffs(name: str, vocab_size: int) -> tuple[int, ...]:
+  """Adaptive input/softmax cutoffs: the published ones of dataset `name` if they fit
+  its vocabulary, else 7.5%, 15% and 75% of it (() when too small to cluster)."""
+  published = _SPECS[name].cutoffs if name in _SPECS else ()
+  if published and published[-1] < vocab_size:
+    return published
+  cutoffs = tuple(sorted({round(vocab_size * f) for f in _CUTOFF_FRACTIONS}))
+  return cutoffs if len(cutoffs) == 3 and 0 < cutoffs[0] and cutoffs[-1] < vocab_size else ()

@@ -1,7 +1,8 @@
-"""TFDS builders for wikitext103, wikitext2, text8, enwik8 and wikitext_chars.
+"""TFDS builders for wikitext103, wikitext2, ptb, text8, enwik8, wikitext_chars and
+text_files (the user's own folder; lm1b is TFDS's own builder, see lm1b.py).
 
 Importing this module registers them, so `tfds.builder('wikitext103')` works too.
-Examples are raw text: one per line for WikiText, 1 MiB chunks for the others, in
+Examples are raw text: one per line at word level, 1 MiB chunks for the others, in
 file order (`disable_shuffling`). Encoding to ids happens outside TFDS
 (`allatt_jax.data.corpus`), because a 100M-token int array is not a TFDS example.
 
@@ -23,6 +24,7 @@ import os
 import pathlib
 import socket
 import sys
+import types
 from typing import ClassVar
 import urllib.parse
 import urllib.request
@@ -65,8 +67,9 @@ class _TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     paths = sources.locate(self.SPEC, self._source_dir(dl_manager))
     sources.check(self.SPEC, paths)
     self.info.metadata['source_files'] = sources.fingerprint(paths)
-    if self.SPEC.level == 'word':
-      return {split: self._generate_examples(_lines(paths[name]))
+    if len(self.SPEC.files) == len(specs.SPLITS):  # One file per split.
+      read = _lines if self.SPEC.level == 'word' else lambda path: _chunks(path.read_bytes())
+      return {split: self._generate_examples(read(paths[name]))
               for split, name in zip(specs.SPLITS, self.SPEC.files)}
     data = sources.read_stream(self.SPEC, paths[self.SPEC.files[0]])
     parts, rule = sources.split_stream(self.SPEC, data)
@@ -87,7 +90,7 @@ class _TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         pass
     if self.SPEC.url is None:
       return specs.CORPUS_DIR
-    _check_reachable(self.SPEC)
+    check_reachable(self.SPEC)
     try:
       extracted = dl_manager.download_and_extract(self.SPEC.url)
     except Exception as e:  # Any download failure means the same to the user.
@@ -99,21 +102,25 @@ class _TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       yield number, {'text': piece}
 
   def text_batches(self, split: str) -> Iterator[list[bytes]]:
-    """The split's examples in file order, in lists of up to a few thousand.
-
-    Reads the record files a batch at a time: TFDS's own per-example reader
-    manages about 15k examples/s here, minutes for WikiText-103's 1.8M lines.
-    """
-    parse_spec = {'text': tf.io.FixedLenFeature([], tf.string)}
-    records = tf.data.TFRecordDataset(
-        [os.fspath(path) for path in self.info.splits[split].filepaths])
-    texts = records.batch(_READ_BATCH).map(
-        lambda serialized: tf.io.parse_example(serialized, parse_spec)['text'])
-    for batch in texts.as_numpy_iterator():
-      yield batch.tolist()
+    """The split's examples in file order, in lists of up to a few thousand."""
+    return read_text_batches(self.info.splits[split].filepaths)
 
 
-def _check_reachable(spec: specs.DatasetSpec) -> None:
+def read_text_batches(filepaths) -> Iterator[list[bytes]]:
+  """The 'text' of the examples in TFDS record files, in lists of a few thousand.
+
+  Reads the record files a batch at a time: TFDS's own per-example reader
+  manages about 15k examples/s here, minutes for WikiText-103's 1.8M lines.
+  """
+  parse_spec = {'text': tf.io.FixedLenFeature([], tf.string)}
+  records = tf.data.TFRecordDataset([os.fspath(path) for path in filepaths])
+  texts = records.batch(_READ_BATCH).map(
+      lambda serialized: tf.io.parse_example(serialized, parse_spec)['text'])
+  for batch in texts.as_numpy_iterator():
+    yield batch.tolist()
+
+
+def check_reachable(spec: specs.DatasetSpec) -> None:
   """Fails in seconds when offline; TFDS would retry for over three minutes."""
   if urllib.request.getproxies():  # Only the proxy knows; let TFDS try.
     return
@@ -148,6 +155,19 @@ class Wikitext2(_TextBuilder):
   MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
 
 
+class Ptb(_TextBuilder):
+  name = 'ptb'
+  SPEC = specs.PTB
+  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
+
+
+class TextFiles(_TextBuilder):
+  """The user's files; `prepare` makes a subclass holding the resolved options."""
+  name = specs.TEXT_FILES_NAME
+  SPEC = specs.TEXT_FILES
+  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
+
+
 class Text8(_TextBuilder):
   name = 'text8'
   SPEC = specs.TEXT8
@@ -167,14 +187,18 @@ class WikitextChars(_TextBuilder):
 
 
 BUILDERS = {cls.SPEC.name: cls for cls in
-            (Wikitext103, Wikitext2, Text8, Enwik8, WikitextChars)}
+            (Wikitext103, Wikitext2, Ptb, Text8, Enwik8, WikitextChars, TextFiles)}
 
 
 def prepare(spec: specs.DatasetSpec, data_dir: str, source_dir: str | None,
             expected_sources: dict | None) -> _TextBuilder:
   """A prepared builder; regenerated when it was made from other files."""
+  cls = BUILDERS[spec.name]
+  if spec != cls.SPEC:  # text_files with its options
+    cls = types.new_class(cls.__name__, (cls,), {'skip_registration': True},
+                          lambda namespace: namespace.update(SPEC=spec, __module__=__name__))
   # `text_batches` reads the record files itself.
-  builder = BUILDERS[spec.name](data_dir=data_dir, file_format='tfrecord')
+  builder = cls(data_dir=data_dir, file_format='tfrecord')
   mode = tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS
   if (builder.is_prepared() and expected_sources is not None
       and builder.info.metadata.get('source_files') != expected_sources):

@@ -61,6 +61,44 @@ def encode_train(line_batches: Iterable[Iterable[str]]) -> tuple[tuple[str, ...]
   return tuple(words[i] for i in order), new_ids[ids]
 
 
+def limit_vocab(vocab: tuple[str, ...], ids: np.ndarray, min_count: int = 1,
+                max_vocab: int = 0, add_unk: bool = False
+                ) -> tuple[tuple[str, ...], np.ndarray, int]:
+  """Maps the rare words of `encode_train`'s output to <unk>; returns the new vocab,
+  ids and how many train words became <unk>.
+
+  Words seen fewer than `min_count` times, then all but the `max_vocab` most frequent
+  types (<eos> and <unk> included), become <unk>; <eos> always stays. <unk> joins the
+  vocabulary when a word was cut or `add_unk`, and the order is frequency again, <unk>
+  counted with the words it replaced (ties: the previous order, <unk> last).
+  """
+  counts = np.bincount(ids, minlength=len(vocab))
+  frequent = [i for i, word in enumerate(vocab)
+              if word == EOS or (word != UNK and counts[i] >= min_count)]
+  needs_unk = add_unk or UNK in vocab or len(frequent) < len(vocab)
+  if max_vocab and len(frequent) > max_vocab - needs_unk:
+    # `vocab` is in descending frequency: keep the first, <eos> always.
+    eos = vocab.index(EOS)
+    frequent = [i for i in frequent if i != eos][:max_vocab - 2]
+    frequent = sorted([*frequent, eos])
+    needs_unk = True
+  if not needs_unk:
+    return vocab, ids, 0
+  keep = np.zeros(len(vocab), dtype=bool)
+  keep[frequent] = True
+  num_cut = int(counts[~keep].sum()) - (int(counts[vocab.index(UNK)]) if UNK in vocab else 0)
+  kept = np.flatnonzero(keep)
+  # Kept words in their old order, then <unk>; ids into that list.
+  remap = np.full(len(vocab), len(kept), dtype=np.int32)
+  remap[kept] = np.arange(len(kept), dtype=np.int32)
+  ids = remap[ids]
+  order = np.argsort(-np.bincount(ids, minlength=len(kept) + 1), kind='stable')
+  new_ids = np.empty(len(order), dtype=np.int32)
+  new_ids[order] = np.arange(len(order), dtype=np.int32)
+  words = [vocab[i] for i in kept] + [UNK]
+  return tuple(words[i] for i in order), new_ids[ids], num_cut
+
+
 def encode_lines(lines: Iterable[str], index: Mapping[str, int]) -> tuple[np.ndarray, int]:
   """Ids of the words of `lines`, each line ended by <eos>; and the <unk> count."""
   lookup = index.get
@@ -117,6 +155,17 @@ def encode_ascii(data: bytes, table: np.ndarray) -> np.ndarray:
     bad = data[int(np.argmax(ids < 0))]
     raise DataError(f'Character {chr(bad)!r} is outside the vocabulary.')
   return ids
+
+
+def encode_chars(texts: dict[str, str]) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
+  """Characters as they are: the vocabulary is every character of all splits (as
+  Transformer-XL builds its character vocabularies), in code-point order."""
+  code_points = {split: np.frombuffer(text.encode('utf-32-le'), dtype='<u4')
+                 for split, text in texts.items()}
+  alphabet = np.unique(np.concatenate(list(code_points.values())))
+  return (tuple(map(chr, alphabet.tolist())),
+          {split: np.searchsorted(alphabet, points).astype(np.int32)
+           for split, points in code_points.items()})
 
 
 def byte_vocab() -> tuple[str, ...]:

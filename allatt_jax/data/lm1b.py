@@ -1,0 +1,61 @@
+"""One Billion Word (lm1b) through TFDS's own `lm1b` builder.
+
+TFDS downloads the 1.8 GB archive (or takes it from `manual_dir`, where TFDS looks
+for a file of the archive's name), extracts it and writes one example per sentence.
+It has train (the 99 training files) and test (the 50 held-out files) and writes
+the sentences in an order shuffled by a hash of their keys, the same on every
+machine: the stream reads independent sentences in that order, each ended by
+<eos>. Valid is the first half of TFDS's test split, test the second half.
+"""
+import contextlib
+import pathlib
+import sys
+from collections.abc import Iterator
+
+import tensorflow_datasets as tfds
+
+from allatt_jax.data import specs
+from allatt_jax.data import tfds_builders
+
+_TFDS_TEST = 'test'
+
+
+class Lm1bText:
+  """The prepared TFDS dataset, read as the three splits of the encoder."""
+
+  def __init__(self, builder: tfds.core.DatasetBuilder):
+    self._builder = builder
+    splits = builder.info.splits
+    self._half = splits[_TFDS_TEST].num_examples // 2
+    self.source_files = {f'tfds:{builder.name}': {
+        'version': str(builder.info.version),
+        'num_examples': {name: int(splits[name].num_examples) for name in sorted(splits)},
+        'num_bytes': int(builder.info.dataset_size)}}
+
+  def text_batches(self, split: str) -> Iterator[list[bytes]]:
+    if split == 'train':
+      yield from tfds_builders.read_text_batches(self._builder.info.splits['train'].filepaths)
+      return
+    seen = 0
+    for batch in tfds_builders.read_text_batches(
+        self._builder.info.splits[_TFDS_TEST].filepaths):
+      start, seen = seen, seen + len(batch)
+      cut = min(max(self._half - start, 0), len(batch))
+      part = batch[:cut] if split == 'valid' else batch[cut:]
+      if part:
+        yield part
+
+
+def prepare(spec: specs.DatasetSpec, data_dir: str, manual_dir: str | None) -> Lm1bText:
+  """TFDS's lm1b, downloaded and prepared on first use (hours; see the README)."""
+  builder = tfds.builder(spec.tfds_name, data_dir=data_dir, file_format='tfrecord')
+  archive = manual_dir and pathlib.Path(manual_dir).expanduser() / spec.archive_name
+  if not builder.is_prepared():
+    if manual_dir and not archive.is_file():
+      raise spec.not_found(f'{spec.archive_name} missing in {manual_dir}')
+    if not manual_dir:
+      tfds_builders.check_reachable(spec)
+  config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
+  with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
+    builder.download_and_prepare(download_config=config)
+  return Lm1bText(builder)
