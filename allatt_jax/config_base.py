@@ -61,6 +61,12 @@ def base_config() -> ml_collections.ConfigDict:
       name="wikitext_chars",
       manual_dir=ml_collections.FieldReference(None, field_type=str),
       data_dir=ml_collections.FieldReference(None, field_type=str),
+      # Dataset 'text_files' only (your own folder, see the README):
+      level="",                    # 'word' (the default), 'char' or 'byte'
+      files="train.txt,valid.txt,test.txt",  # the train,valid,test files in manual_dir
+      min_count=1,                 # word level: train words seen fewer times -> <unk>
+      max_vocab=0,                 # at most this many types, the rarest -> <unk>; 0 = all
+      clean="",                    # char level: 'text8' = lower-case a-z and space only
   ))
 
   c.train = ml_collections.ConfigDict(dict(

@@ -21,6 +21,7 @@ import ml_collections
 from allatt_jax import adaptive
 from allatt_jax import attention
 from allatt_jax import gates as gates_lib
+from allatt_jax.data import specs as data_specs
 
 KINDS = ("allatt", "txl")
 
@@ -77,6 +78,9 @@ def model_config(config: ml_collections.ConfigDict, **overrides) -> ModelConfig:
   if not values.get("max_relative_len"):
     values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
                                      config.eval.seq_len + config.eval.mem_len)
+  if not values.get("cutoffs") and values.get("div_val", 1) > 1:
+    # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
+    values["cutoffs"] = data_specs.default_cutoffs(config.data.name, values["vocab_size"])
   values["gated"] = config.gates.enabled
   values["gate"] = gates_lib.GateConfig(**{
       f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})

@@ -51,8 +51,7 @@ def load(checkpoint) -> LoadedModel:
   """
   config, variables = checkpointing.load_model(checkpoint)
   lm = model_lib.TransformerLM(model_lib.model_config(config))
-  corpus = data_lib.load_corpus(config.data.name, config.data.data_dir,
-                                config.data.manual_dir)
+  corpus = data_lib.load_run_corpus(config)
   if corpus.vocab_size != lm.cfg.vocab_size:
     raise errors.CheckpointError(
         f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "

@@ -57,8 +57,7 @@ class Run:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.corpus = data_lib.load_corpus(config.data.name, config.data.data_dir,
-                                       config.data.manual_dir)
+    self.corpus = data_lib.load_run_corpus(config)
     if self.corpus.vocab_size != config.model.vocab_size:
       raise ConfigError(
           f"config.model.vocab_size is {config.model.vocab_size} but dataset "

@@ -97,6 +97,7 @@ def _check_names(config):
     if _value(config, key) not in choices:
       raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
                         f"{', '.join(map(repr, choices))}.")
+  data_lib.check_data_config(config.data)
   try:
     floating = jnp.issubdtype(jnp.dtype(config.model.dtype), jnp.floating)
   except TypeError:
