@@ -8,16 +8,27 @@ machine: the stream reads independent sentences in that order, each ended by
 <eos>. Valid is the first half of TFDS's test split, test the second half.
 """
 import contextlib
+import inspect
 import pathlib
 import sys
 from collections.abc import Iterator
 
+from etils import epath
 import tensorflow_datasets as tfds
 
 from allatt_jax.data import specs
 from allatt_jax.data import tfds_builders
 
 _TFDS_TEST = 'test'
+_TFDS_BUILDER = tfds.builder_cls('lm1b')
+
+
+class _Lm1b(_TFDS_BUILDER, skip_registration=True):
+  """TFDS's lm1b builder, unchanged but for where its checksums.tsv is looked up."""
+  name = _TFDS_BUILDER.name
+  # TFDS's own lookup through package resources needs importlib_resources, which
+  # Python >= 3.9 environments may lack; the file sits beside the builder's module.
+  code_path = epath.Path(inspect.getfile(_TFDS_BUILDER))
 
 
 class Lm1bText:
@@ -48,7 +59,7 @@ class Lm1bText:
 
 def prepare(spec: specs.DatasetSpec, data_dir: str, manual_dir: str | None) -> Lm1bText:
   """TFDS's lm1b, downloaded and prepared on first use (hours; see the README)."""
-  builder = tfds.builder(spec.tfds_name, data_dir=data_dir, file_format='tfrecord')
+  builder = _Lm1b(data_dir=data_dir, file_format='tfrecord')
   archive = manual_dir and pathlib.Path(manual_dir).expanduser() / spec.archive_name
   if not builder.is_prepared():
     if manual_dir and not archive.is_file():

@@ -1,0 +1,301 @@
+"""Your own text (text_files), Penn Treebank and One Billion Word, on corpora written here."""
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import model as model_lib
+from allatt_jax import pipeline
+from allatt_jax import score
+from allatt_jax import validation
+from allatt_jax.data import corpus as corpus_lib
+from allatt_jax.data import specs
+from allatt_jax.data import tfds_builders
+from allatt_jax.errors import DataError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = 'the cat sat on the mat\nthe dog sat\n\na cat ran\n'
+VALID = 'the bird sat\nthe cat\n'
+TEST = 'a fish ran on\n'
+
+
+def write_folder(directory: pathlib.Path, texts, names=('train.txt', 'valid.txt', 'test.txt')):
+  directory.mkdir(parents=True, exist_ok=True)
+  for name, text in zip(names, texts):
+    (directory / name).write_bytes(text if isinstance(text, bytes) else text.encode('utf-8'))
+  return directory
+
+
+def load(tmp_path, texts=(TRAIN, VALID, TEST), **options):
+  raw = write_folder(tmp_path / 'raw', texts)
+  return corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw), **options)
+
+
+def words(corpus, split):
+  return [corpus.vocab[i] for i in corpus.splits[split]]
+
+
+@pytest.fixture
+def tfds_prepares(monkeypatch):
+  """Names of the datasets TFDS is asked to prepare (it still does)."""
+  calls = []
+  real_prepare = tfds_builders.prepare
+  monkeypatch.setattr(tfds_builders, 'prepare',
+                      lambda spec, *args: calls.append(spec.name) or real_prepare(spec, *args))
+  return calls
+
+
+# Word level.
+
+def test_word_vocabulary_counts_and_unknown_words(tmp_path):
+  corpus = load(tmp_path)
+  # train counts: <eos> 4, the 3, cat 2, sat 2, then the rest once in order of appearance;
+  # <unk> is added for the words of valid/test outside the vocabulary.
+  assert corpus.vocab == ('<eos>', 'the', 'cat', 'sat', 'on', 'mat', 'dog', 'a', 'ran',
+                          '<unk>')
+  assert words(corpus, 'train') == ('the cat sat on the mat <eos> the dog sat <eos> <eos> '
+                                    'a cat ran <eos>').split()
+  assert words(corpus, 'valid') == 'the <unk> sat <eos> the cat <eos>'.split()
+  assert words(corpus, 'test') == 'a <unk> ran on <eos>'.split()
+  assert corpus.metric == 'ppl' and corpus.split_rule == 'one file per split'
+
+
+def test_min_count_and_max_vocab_map_rare_words_to_unk(tmp_path):
+  corpus = load(tmp_path / 'a', min_count=2)
+  # Seen once: on, mat, dog, a, ran (5 words) -> <unk>, now the second most frequent.
+  assert corpus.vocab == ('<unk>', '<eos>', 'the', 'cat', 'sat')
+  assert words(corpus, 'train')[:7] == 'the cat sat <unk> the <unk> <eos>'.split()
+  capped = load(tmp_path / 'b', max_vocab=4)   # <eos>, <unk> and the two most frequent
+  assert capped.vocab == ('<unk>', '<eos>', 'the', 'cat')
+  assert words(capped, 'test') == '<unk> <unk> <unk> <unk> <eos>'.split()
+
+
+def test_unk_in_the_text_is_a_word(tmp_path):
+  corpus = load(tmp_path, (' a <unk> b \n <unk> a \n', ' a c \n', ' b \n'))
+  # a, <unk> and <eos> twice each: first appearance decides, <unk> after its ties.
+  assert corpus.vocab == ('a', '<eos>', '<unk>', 'b')
+  assert words(corpus, 'valid') == ['a', '<unk>', '<eos>']
+
+
+def test_other_file_names(tmp_path):
+  raw = write_folder(tmp_path / 'raw', (TRAIN, VALID, TEST), ('a.txt', 'b.txt', 'c.txt'))
+  corpus = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw),
+                                  files='a.txt, b.txt, c.txt')
+  assert corpus.splits['test'].size == 5
+
+
+# Character and byte level.
+
+def test_characters_as_they_are(tmp_path):
+  corpus = load(tmp_path, ('Zürich\nab', 'ab\n', 'üZ'), level='char')
+  assert corpus.vocab == ('\n', 'Z', 'a', 'b', 'c', 'h', 'i', 'r', 'ü')  # code-point order
+  assert ''.join(words(corpus, 'train')) == 'Zürich\nab'
+  assert corpus.splits['test'].tolist() == [8, 1]
+  assert corpus.metric == 'bpc'
+  ids, unknown = corpus.encode('Zaq')
+  assert ids.tolist() == [1, 2] and unknown == 1
+
+
+def test_characters_cleaned_text8_style(tmp_path):
+  corpus = load(tmp_path, ('Café 42!', 'Ab\n', 'x'), level='char', clean='text8')
+  assert len(corpus.vocab) == 27
+  assert ''.join(words(corpus, 'train')) == 'cafe four two'
+  assert ''.join(words(corpus, 'valid')) == 'ab'
+
+
+def test_bytes(tmp_path):
+  corpus = load(tmp_path, (b'\xff\x00ab', 'ü'.encode('utf-8'), b'z'), level='byte')
+  assert corpus.vocab_size == 256
+  assert corpus.splits['train'].tolist() == [255, 0, 97, 98]
+  assert corpus.splits['valid'].tolist() == [0xC3, 0xBC]
+
+
+# The cache.
+
+def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_prepares):
+  load(tmp_path)
+  assert load(tmp_path).vocab_size == 10 and tfds_prepares == ['text_files']
+  changed = load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST))   # an edited file
+  assert 'zebra' in changed.vocab and len(tfds_prepares) == 2
+  chars = load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST), level='char')  # an option
+  assert chars.level == 'char' and len(tfds_prepares) == 3
+  caches = sorted((tmp_path / 'data' / 'allatt_encoded' / 'text_files').iterdir())
+  assert len(caches) == 2        # word and char, each with its own fingerprint
+  fingerprints = [json.loads((c / 'fingerprint.json').read_text()) for c in caches]
+  assert {f['options']['level'] for f in fingerprints} == {'word', 'char'}
+  load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST))   # back to word: nothing rebuilt
+  assert len(tfds_prepares) == 3
+
+
+def test_a_run_cannot_resume_with_another_option_set(tmp_path):
+  word = load(tmp_path)
+  (tmp_path / 'run' / 'checkpoints').mkdir(parents=True)
+  checkpointing.save_vocabulary(tmp_path / 'run', checkpointing.vocabulary_fingerprint(
+      word.name, word.vocab))
+  capped = load(tmp_path, max_vocab=4)
+  with pytest.raises(DataError, match="vocabulary of dataset 'text_files' .* is not the one"):
+    validation.check_vocabulary(checkpointing.vocabulary_fingerprint(
+        capped.name, capped.vocab), tmp_path / 'init', init_from=str(tmp_path / 'run'))
+  assert (tmp_path / 'run' / 'vocabulary.json').is_file()   # nothing deleted
+
+
+# Errors, before any work.
+
+def test_missing_split_file_is_named_with_its_folder(tmp_path):
+  raw = write_folder(tmp_path / 'raw', (TRAIN, VALID))
+  with pytest.raises(DataError, match=f'test.txt missing in {raw}.*data.files'):
+    corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
+  with pytest.raises(DataError, match='no folder given.*manual_dir'):
+    corpus_lib.load_corpus('text_files', str(tmp_path / 'data'))
+
+
+def test_empty_file(tmp_path):
+  with pytest.raises(DataError, match=r'valid.txt is empty'):
+    load(tmp_path, (TRAIN, '', TEST))
+
+
+def test_non_utf8_names_the_byte_offset_and_suggests_bytes(tmp_path):
+  bad = 'x' * 70_000 + 'é'
+  data = bad.encode('utf-8')[:-1] + b'\n'   # 'é' cut after its first byte
+  with pytest.raises(DataError, match=r'train.txt is not UTF-8 text: byte offset 70,000 '
+                     r".*--config.data.level=byte"):
+    load(tmp_path, (data, VALID, TEST), level='char')
+  assert load(tmp_path, (data, VALID, TEST), level='byte').splits['train'].size == 70_002
+
+
+@pytest.mark.parametrize('options, match', [
+    (dict(level='char', max_vocab=3), r'different characters, more than data.max_vocab=3'),
+])
+def test_vocabulary_over_max_vocab_without_unk(tmp_path, options, match):
+  with pytest.raises(DataError, match=match):
+    load(tmp_path, **options)
+
+
+@pytest.mark.parametrize('name, options, match', [
+    ('text_files', dict(level='byte', max_vocab=100), 'bytes have no <unk>'),
+    ('text_files', dict(level='word', max_vocab=1), 'at least 2'),
+    ('text_files', dict(level='chars'), "level='chars' is not one of"),
+    ('text_files', dict(level='char', min_count=2), 'word level only'),
+    ('text_files', dict(clean='text8'), 'char level only'),
+    ('text_files', dict(files='a.txt,b.txt'), 'three different files'),
+    ('ptb', dict(level='char'), "only applies to dataset 'text_files'"),
+])
+def test_bad_options_fail_with_the_config_check(name, options, match):
+  config = config_base.base_config()
+  config.data.update(dict(name=name, **options))
+  with pytest.raises(DataError, match=match):
+    validation._check_names(config)  # pylint: disable=protected-access
+
+
+def test_split_shorter_than_an_evaluation_segment(tmp_path):
+  config = config_base.base_config()
+  config.data.update(dict(name='text_files', data_dir=str(tmp_path / 'data'),
+                          manual_dir=str(write_folder(tmp_path / 'raw', (TRAIN, VALID, TEST)))))
+  config.eval.seq_len = 5
+  with pytest.raises(DataError, match=r'test split has 5 tokens, fewer than one evaluation '
+                     r'segment \(config.eval.seq_len \+ 1 = 6\)'):
+    corpus_lib.load_run_corpus(config)
+  config.eval.seq_len = 4
+  assert corpus_lib.load_run_corpus(config).splits['test'].size == 5
+
+
+# Adaptive cutoffs.
+
+def test_cutoffs_follow_the_vocabulary_when_not_given():
+  assert specs.default_cutoffs('lm1b', 793_471) == (60_000, 100_000, 640_000)
+  assert specs.default_cutoffs('wikitext103', 267_735) == (20_000, 40_000, 200_000)
+  assert specs.default_cutoffs('text_files', 10_000) == (750, 1500, 7500)
+  assert specs.default_cutoffs('text_files', 5) == ()
+  config = config_base.base_config()
+  config.data.name = 'text_files'
+  config.model.update(dict(vocab_size=10_000, div_val=2))
+  assert model_lib.model_config(config).cutoffs == (750, 1500, 7500)
+  config.model.cutoffs = (100,)
+  assert model_lib.model_config(config).cutoffs == (100,)
+
+
+# Penn Treebank: the official files cannot be fetched here, so the counting rule is
+# checked on lines in their format (leading space, <unk> in the text, N for numbers).
+
+def test_ptb_counts_words_plus_one_eos_per_line(tmp_path, caplog):
+  lines = {'train': [' aer banknote <unk> N \n', ' the <unk> company \n'] * 3,
+           'valid': [' the N company \n'], 'test': [' <unk> aer \n', ' the \n']}
+  raw = tmp_path / 'raw'
+  raw.mkdir()
+  for split, name in zip(specs.SPLITS, specs.PTB.files):
+    (raw / name).write_text(''.join(lines[split]))
+  corpus = corpus_lib.load_corpus('ptb', str(tmp_path / 'data'), str(raw))
+  num_words = {split: sum(len(line.split()) for line in lines[split]) for split in lines}
+  assert {split: ids.size for split, ids in corpus.splits.items()} == {
+      split: num_words[split] + len(lines[split]) for split in lines}
+  # <unk> and <eos> 6 times each (<unk> seen first), then the words 3 times each.
+  assert corpus.vocab[:3] == ('<unk>', '<eos>', 'aer')
+  assert len(corpus.vocab) == 7
+  assert 'differs from the official file' in caplog.text
+
+
+def test_ptb_official_figures_and_checksums_are_recorded():
+  assert specs.PTB.official_train_lines == 42_068
+  assert specs.PTB.files == ('ptb.train.txt', 'ptb.valid.txt', 'ptb.test.txt')
+  assert specs.PTB.archive_folder == 'simple-examples/data'
+  md5 = hashlib.md5(b'').hexdigest()
+  assert md5 not in specs.PTB.official_md5.values()
+  assert len(specs.PTB.official_md5) == 3
+
+
+# One Billion Word through TFDS's own builder, on a tiny archive in its layout.
+
+def test_lm1b_through_tfds_builder(tmp_path, monkeypatch):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  top = tmp_path / 'extracted' / '1-billion-word-language-modeling-benchmark-r13output'
+  train_dir = top / 'training-monolingual.tokenized.shuffled'
+  heldout_dir = top / 'heldout-monolingual.tokenized.shuffled'
+  train_dir.mkdir(parents=True)
+  heldout_dir.mkdir(parents=True)
+  train = ['the cat sat .', 'the dog sat .', 'a cat ran .', 'the rare bird sat .']
+  (train_dir / 'news.en-00001-of-00100').write_text('\n'.join(train[:2]) + '\n')
+  (train_dir / 'news.en-00002-of-00100').write_text('\n'.join(train[2:]) + '\n')
+  heldout = ['the cat .', 'a fish sat .', 'the dog .', 'the cat ran .']
+  (heldout_dir / 'news.en.heldout-00000-of-00050').write_text('\n'.join(heldout) + '\n')
+  monkeypatch.setattr(tfds.download.DownloadManager, 'download_and_extract',
+                      lambda self, url: tmp_path / 'extracted')
+  monkeypatch.setattr(tfds_builders, 'check_reachable', lambda spec: None)
+
+  corpus = corpus_lib.load_corpus('lm1b', str(tmp_path / 'data'))
+  # Seen 3 times or more: . 4, <eos> 4, the 3, sat 3; the 7 others -> <unk>.
+  assert corpus.vocab == ('<unk>', '.', '<eos>', 'the', 'sat')
+  sentences = ' '.join(words(corpus, 'train')).split(' <eos>')[:-1]
+  expected = [' '.join(w if w in corpus.vocab else '<unk>' for w in s.split())
+              for s in train]
+  assert sorted(s.strip() for s in sentences) == sorted(expected)  # whole, in any order
+  valid_test = [' '.join(words(corpus, split)) for split in ('valid', 'test')]
+  assert all(text.count('<eos>') == 2 for text in valid_test)    # the halves of test
+  assert corpus.splits['valid'].size + corpus.splits['test'].size == 18
+  assert corpus_lib.load_corpus('lm1b', str(tmp_path / 'data')).vocab == corpus.vocab
+
+
+# The README recipe at tiny size: stats, then baseline, pruning, export, and scoring.
+
+def test_recipe_trains_prunes_exports_and_scores(tmp_path):
+  rng = np.random.default_rng(0)
+  vocabulary = 'the a cat dog bird sat ran on mat and saw big small red'.split()
+  def text(lines):
+    return ''.join(' '.join(rng.choice(vocabulary, size=rng.integers(3, 9))) + '\n'
+                   for _ in range(lines))
+  raw = write_folder(tmp_path / 'my_text', (text(120), text(15), text(15)))
+  stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
+  config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
+  config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
+                          data_dir=str(tmp_path / 'data')))
+  config.model.vocab_size = stats.vocab_size
+  report = pipeline.run(config, tmp_path / 'run')
+  assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
+  assert np.isfinite(report['pruned']['test'])
+  model = score.load(tmp_path / 'run' / 'pruned' / 'export')
+  summary, ids, log_probs = score.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
+  assert summary['unk'] == 1 and len(log_probs) == len(ids) - 1 == 9
+  assert np.all(log_probs < 0)
