@@ -2,6 +2,30 @@
 
 Each config file starts from `base_config()` and changes what its run needs, so a
 key that exists in one config exists in all of them with the same meaning.
+
+Where each default of the recipe comes from. The paper (Shim et al. 2021) decides
+what it states; where it is silent, the released code behind its numbers decides;
+the other form stays selectable:
+
+  paper      LAMB; warm-up 4K then cosine; peak 1e-2 (baseline) / 1e-3 (pruning);
+             dropout 0.2 on attention weights, 0.1 elsewhere; hard-concrete gates with
+             straight-through hard gates, π init 2, λ warm-up, output scaling s_g
+             (`gates.scale_output`: the official code has it commented out); gates
+             frozen at 16K of 80K pruning steps.
+  official   LAMB form (`train.optimizer='lamb'`: no bias correction, eps 1e-8,
+             weight norm clamped to [0, 10]; 'optax_lamb' is optax's); gate logits at
+             10x the model's learning rate (`gates.lr_multiplier`); no weight decay on
+             LayerNorms and gates (`train.weight_decay_exclude`; we also spare biases,
+             the official code decays them); β = 1/3 (`gates.temperature`; Louizos:
+             2/3); a deterministic gate open at π >= 0 (`gates.open_at_zero`);
+             `model.same_length` with S + 1 keys per query (`model.same_length_keys`;
+             Transformer-XL: S); W_O with a bias (`model.out_bias`); LayerNorm eps
+             1e-5 (`model.layer_norm_eps`); no LayerNorm after the last layer
+             (`model.final_norm`); persistent logits q·P_K
+             (`model.persistent_content_bias`: (q + u)·P_K).
+  ours       empty memory slots at a stream's start are masked (the official model
+             attends to zero-filled slots: its first segment's scores depend on the
+             padding, ours are those of a model without memory).
 """
 import ast
 import importlib.util
@@ -24,7 +48,14 @@ def base_config() -> ml_collections.ConfigDict:
       d_ff=0,                      # feed-forward width (TXL)
       rel_pos="learned",           # or 'sinusoidal'
       max_relative_len=0,          # learned table length; 0 = train.seq_len + train.mem_len
-      same_length=False,
+      # Recipe choices the paper leaves open, as the official code makes them (the
+      # other form stays selectable; model.py documents each):
+      same_length=True,            # every query sees the same number of context keys
+      same_length_keys="mem_len+1",  # official window; 'mem_len' = Transformer-XL's
+      out_bias=True,               # W_O has a bias (official); False = none
+      layer_norm_eps=1e-5,         # official (PyTorch's); flax's default is 1e-6
+      final_norm=False,            # official: no LayerNorm after the last layer
+      persistent_content_bias=False,  # persistent logits q·P_K (official); True: (q+u)·P_K
       head_block=0,                # heads per step of the attention loop; 1 is fastest on CPU
       remat=False,                 # recompute attention weights in the backward pass
       dropout=0.1,
@@ -42,12 +73,15 @@ def base_config() -> ml_collections.ConfigDict:
       init=2.0,                    # technique 2: π = 2 (≈ 88% open); 0 for the ablation
       temperature=1.0 / 3.0,
       hard=True,                   # straight-through discrete gates
-      scale_output=True,           # technique 3: s_g = H / Σg
+      scale_output=True,           # technique 3: s_g = H / Σg (the paper; the official
+                                   # code has it commented out)
+      open_at_zero=True,           # deterministic gate open iff π >= 0 (official); False: > 0
       lam=0.0,                     # λ of the L0 term
       l0_warmup_steps=4000,        # technique 1: λ rises linearly; 0 = no warm-up
       freeze_step=16000,           # gates stop updating and become deterministic
-      # Peak learning rate of the gate logits; None = train.learning_rate (the paper).
-      # Short runs need more: LAMB moves a logit by about 1-2 x lr per step.
+      # Gate logits train at lr_multiplier x the model's schedule (10 in the official
+      # code; the paper is silent). A set learning_rate replaces that peak.
+      lr_multiplier=10.0,
       learning_rate=ml_collections.FieldReference(None, field_type=float),
       # A budget instead of λ (budget.py; at most one, lam=0): a Lagrangian controller
       # prunes to this head sparsity, non-embedding parameter count or MACs per token.
@@ -77,7 +111,15 @@ def base_config() -> ml_collections.ConfigDict:
       learning_rate=1e-2,          # peak, after linear warm-up
       final_learning_rate=1e-4,    # end of the cosine decay
       warmup_steps=100,
+      # 'lamb': the official LAMB (no bias correction, eps 1e-8, weight norm clamped to
+      # [0, lamb_max_weight_norm]); 'optax_lamb': optax.lamb (optim.py has both).
+      optimizer="lamb",
+      lamb_eps=1e-8,
+      lamb_max_weight_norm=10.0,
       weight_decay=0.0,
+      # Leaves whose 'a/b/c' path matches one of these regexes get no weight decay (gate
+      # logits never do). The official code exempts only LayerNorms: use ('norm',).
+      weight_decay_exclude=("norm", "bias"),
       grad_clip=0.25,
       grad_accum_steps=1,
       seed=0,

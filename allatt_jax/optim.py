@@ -2,15 +2,38 @@
 
 The optimizer acts on the whole variables dict {'params': ..., 'gates': ...}. Its
 groups are chosen by collection name: `optax.multi_transform` gives the `gates` group
-the same LAMB, but with a learning rate that drops to exactly zero at
-`gates.freeze_step`, so from then on gate values stay bit-identical. A run with a
-budget target (budget.py) has a third group, its Lagrange multipliers, trained by
-gradient ascent and left out of the gradient clipping.
+the same LAMB at `gates.lr_multiplier` times the model's learning rate (10, as in the
+code behind the paper), dropping to exactly zero at `gates.freeze_step`, so from then
+on gate values stay bit-identical. A run with a budget target (budget.py) has a third
+group, its Lagrange multipliers, trained by gradient ascent and left out of the
+gradient clipping.
+
+Every schedule is read at the train state's step, passed to `update` as the extra
+argument `step`, never at a counter of the optimizer's own: a skipped non-finite step
+(`train.skip_nonfinite_steps`) rolls the optimizer state back, and the schedules must
+not fall behind the step when it does.
+
+Two forms of LAMB (You et al. 2020), chosen by `train.optimizer`:
+  'lamb'        as in the code behind the paper's numbers: Adam moments without bias
+                correction, eps 1e-8, weight decay added to the Adam step, the weight
+                norm in the trust ratio clamped to [0, 10] (so a tensor's step stops
+                growing with its norm), trust ratio 1 where either norm is 0.
+  'optax_lamb'  `optax.lamb`'s form: bias-corrected moments, eps 1e-6, unclamped norm.
+Either way the trust ratio is taken per parameter tensor: every leaf of the tree
+(W_Q, W_K, W_V, W_R, W_O, P_K, P_V, u, v, each LayerNorm's scale and bias, each
+layer's gate vector) is one tensor, as in the official modules.
 """
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
 from allatt_jax import budget
+
+OPTIMIZERS = ("lamb", "optax_lamb")
 
 
 def learning_rate_schedule(train: ml_collections.ConfigDict,
@@ -30,11 +53,19 @@ def lambda_schedule(gates: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """The params' schedule (or one with the gates' own peak), zero from the freeze on."""
-  return optax.join_schedules(
-      [learning_rate_schedule(config.train, config.gates.learning_rate),
-       optax.constant_schedule(0.0)],
-      [config.gates.freeze_step])
+  """`gates.lr_multiplier` times the params' schedule, zero from the freeze on.
+
+  A config that sets `gates.learning_rate` gets the params' schedule shape at that
+  peak instead.
+  """
+  gates = config.gates
+  if gates.learning_rate is None:
+    model, multiplier = learning_rate_schedule(config.train), gates.lr_multiplier
+    before_freeze = lambda step: multiplier * model(step)
+  else:
+    before_freeze = learning_rate_schedule(config.train, gates.learning_rate)
+  return optax.join_schedules([before_freeze, optax.constant_schedule(0.0)],
+                              [gates.freeze_step])
 
 
 def multiplier_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -44,21 +75,108 @@ def multiplier_learning_rate_schedule(config: ml_collections.ConfigDict) -> opta
       [config.gates.freeze_step])
 
 
-def _lamb(train, schedule):
-  return optax.lamb(schedule, weight_decay=train.weight_decay)
+class UnbiasedAdamState(NamedTuple):
+  mu: optax.Updates
+  nu: optax.Updates
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Clipping over all gradients, then LAMB per group ('params', 'gates')."""
+def scale_by_unbiased_adam(b1: float = 0.9, b2: float = 0.999,
+                           eps: float = 1e-8) -> optax.GradientTransformation:
+  """m / (sqrt(v) + eps) with Adam's moments, without bias correction.
+
+  `optax.scale_by_adam` always corrects the bias; the official LAMB does not, which
+  makes the first steps after a (re)start smaller.
+  """
+  def init_fn(params):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+    return UnbiasedAdamState(mu=zeros(), nu=zeros())
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+    return updates, UnbiasedAdamState(mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_clamped_trust_ratio(max_weight_norm: float | None,
+                                 eps: float) -> optax.GradientTransformation:
+  """Scales each tensor's update u by min(‖w‖, max) / (‖u‖ + eps); by 1 if a norm is 0.
+
+  `optax.scale_by_trust_ratio` has no upper clamp on ‖w‖.
+  """
+  def update_fn(updates, state, params):
+    def scale(u, w):
+      w_norm = jnp.linalg.norm(w.ravel())
+      if max_weight_norm is not None:
+        w_norm = jnp.minimum(w_norm, max_weight_norm)
+      u_norm = jnp.linalg.norm(u.ravel())
+      ratio = jnp.where((w_norm == 0) | (u_norm == 0), 1.0, w_norm / (u_norm + eps))
+      return u * ratio.astype(u.dtype)
+    return jax.tree.map(scale, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def scale_by_step_schedule(schedule: optax.Schedule,
+                           flip_sign: bool = True) -> optax.GradientTransformationExtraArgs:
+  """Multiplies updates by -schedule(step), `step` being the caller's extra argument."""
+  sign = -1.0 if flip_sign else 1.0
+
+  def update_fn(updates, state, params=None, *, step, **extra_args):
+    del params, extra_args
+    rate = sign * schedule(step)
+    return jax.tree.map(lambda u: u * rate.astype(u.dtype), updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def decay_mask(patterns) -> callable:
+  """Weight-decay mask: False for leaves whose 'a/b/c' path matches any pattern."""
+  compiled = [re.compile(p) for p in patterns]
+
+  def mask(tree):
+    def decayed(path, _):
+      name = "/".join(str(getattr(k, "key", k)) for k in path)
+      return not any(p.search(name) for p in compiled)
+    return jax.tree_util.tree_map_with_path(decayed, tree)
+  return mask
+
+
+def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
+         weight_decay: float) -> optax.GradientTransformationExtraArgs:
+  """LAMB of the form `train.optimizer` names, at `schedule(step)`."""
+  if train.optimizer == "lamb":
+    moments = scale_by_unbiased_adam(eps=train.lamb_eps)
+    trust = scale_by_clamped_trust_ratio(train.lamb_max_weight_norm, train.lamb_eps)
+  elif train.optimizer == "optax_lamb":
+    moments = optax.scale_by_adam(eps=1e-6)
+    trust = optax.scale_by_trust_ratio()
+  else:
+    raise ValueError(f"Unknown train.optimizer {train.optimizer!r}; one of {OPTIMIZERS}.")
+  decay = (optax.add_decayed_weights(weight_decay, decay_mask(train.weight_decay_exclude))
+           if weight_decay else optax.identity())
+  return optax.chain(moments, decay, trust, scale_by_step_schedule(schedule))
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
+  """Clipping over all gradients, then LAMB per group ('params', 'gates').
+
+  Its `update` takes the train state's step: `update(grads, state, params, step=step)`.
+  """
   train = config.train
-  groups = {"params": _lamb(train, learning_rate_schedule(train)),
-            "gates": _lamb(train, gate_learning_rate_schedule(config))}
+  groups = {"params": lamb(train, learning_rate_schedule(train), train.weight_decay),
+            # No decay on gate logits: it would pull every gate towards half open.
+            "gates": lamb(train, gate_learning_rate_schedule(config), 0.0)}
   clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip else optax.identity()
   if budget.enabled(config):
     # The multipliers' gradients are constraint violations (in heads), not slopes of
     # the loss: clipped together, they would shrink every model gradient.
     clip = optax.masked(clip, lambda v: {name: name != budget.COLLECTION for name in v})
-    groups[budget.COLLECTION] = optax.scale_by_learning_rate(
+    groups[budget.COLLECTION] = scale_by_step_schedule(
         multiplier_learning_rate_schedule(config), flip_sign=False)
   label_by_collection = lambda variables: {name: name for name in variables}
   return optax.chain(clip, optax.multi_transform(groups, label_by_collection))
+

@@ -122,12 +122,15 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
     memory = {"hidden": jax.vmap(_merge_micro_batches, in_axes=1)(hidden), "length": length[0]}
     stats = jax.tree.map(lambda s: s[0], stats)
 
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.variables)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.variables,
+                                        step=state.step)
   variables = optax.apply_updates(state.variables, updates)
   metrics = {
       "loss": loss, "nll": nll, "l0": l0, "lambda": lam,
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": optim.learning_rate_schedule(config.train)(state.step),
+      **({"gate_learning_rate": optim.gate_learning_rate_schedule(config)(state.step)}
+         if "gates" in state.variables else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
       **budget.metrics(config, state.variables, state.step),

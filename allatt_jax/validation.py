@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from allatt_jax import attention
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
@@ -33,7 +34,8 @@ _MINIMUM = {
     "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
     "model.max_relative_len": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
-    "gates.freeze_step": 0,
+    "gates.freeze_step": 0, "gates.lr_multiplier": 0,
+    "model.layer_norm_eps": 0, "train.lamb_eps": 0, "train.lamb_max_weight_norm": 0,
     "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
     "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,
     "train.weight_decay": 0, "train.grad_clip": 0, "train.log_every_steps": 1,
@@ -93,7 +95,9 @@ def _check_ranges(config):
 
 def _check_names(config):
   for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
-                       ("model.rel_pos", REL_POS)):
+                       ("model.rel_pos", REL_POS),
+                       ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
+                       ("train.optimizer", optim.OPTIMIZERS)):
     if _value(config, key) not in choices:
       raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
                         f"{', '.join(map(repr, choices))}.")

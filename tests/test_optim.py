@@ -1,0 +1,159 @@
+"""Optimizer: the official LAMB by hand, weight-decay masks, the gate rate, the schedules."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from allatt_jax import config_base
+from allatt_jax import optim
+
+
+def tiny_config(**train):
+  c = config_base.base_config()
+  c.train.update(dict(num_steps=100, warmup_steps=10, learning_rate=1e-2,
+                      final_learning_rate=1e-4, grad_clip=0.0, **train))
+  c.gates.update(dict(enabled=True, lam=0.02, l0_warmup_steps=20, freeze_step=40))
+  return c
+
+
+def tiny_tree():
+  """A tree with a tensor of norm > 10 (clamped), one of norm 0 and ordinary ones."""
+  rng = np.random.default_rng(0)
+  params = {"big": {"kernel": 5.0 + rng.normal(size=(4, 3))},      # ‖w‖ ≈ 17.5
+            "zero": np.zeros((3,)),
+            "attention_norm": {"scale": 1.0 + 0.1 * rng.normal(size=(3,)),
+                               "bias": 0.1 * rng.normal(size=(3,))},
+            "out": {"bias": 0.1 * rng.normal(size=(3,))}}
+  grads = [jax.tree.map(lambda x: rng.normal(size=np.shape(x)), params) for _ in range(2)]
+  return params, grads
+
+
+def lamb_by_hand(params, grads_list, lrs, weight_decay, decayed, b1=0.9, b2=0.999,
+                 eps=1e-8, max_norm=10.0):
+  """The official LAMB, written out per tensor in float64."""
+  flat, treedef = jax.tree.flatten(params)
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  w = [np.asarray(x, np.float64) for x in flat]
+  m = [np.zeros_like(x) for x in w]
+  v = [np.zeros_like(x) for x in w]
+  for grads, lr in zip(grads_list, lrs):
+    for i, g in enumerate(jax.tree.leaves(grads)):
+      m[i] = b1 * m[i] + (1 - b1) * g
+      v[i] = b2 * v[i] + (1 - b2) * g * g
+      step = m[i] / (np.sqrt(v[i]) + eps)
+      if decayed(names[i]):
+        step = step + weight_decay * w[i]
+      w_norm = min(np.linalg.norm(w[i]), max_norm)
+      s_norm = np.linalg.norm(step)
+      trust = 1.0 if w_norm == 0 or s_norm == 0 else w_norm / (s_norm + eps)
+      w[i] = w[i] - lr * trust * step
+  return treedef.unflatten(w)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_official_lamb_equals_two_steps_by_hand(weight_decay):
+  config = tiny_config(weight_decay=weight_decay)
+  params, grads = tiny_tree()
+  schedule = optim.learning_rate_schedule(config.train)
+  tx = optim.lamb(config.train, schedule, weight_decay)
+  f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+  state, p = tx.init(f32(params)), f32(params)
+  for step, g in zip((3, 4), grads):
+    updates, state = tx.update(f32(g), state, p, step=jnp.int32(step))
+    p = optax.apply_updates(p, updates)
+  decayed = lambda name: "norm" not in name and "bias" not in name
+  expected = lamb_by_hand(params, grads, [schedule(3), schedule(4)], weight_decay, decayed)
+  jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7),
+               p, expected)
+
+
+def test_weight_decay_spares_layer_norms_biases_and_gates():
+  config = tiny_config(weight_decay=0.5)
+  params, (grads, _) = tiny_tree()
+  variables = {"params": params, "gates": {"layer_0": {"attention": {"logits": np.full(4, 2.0)}}}}
+  grads = {"params": grads, "gates": {"layer_0": {"attention": {"logits": np.ones(4)}}}}
+  updates = {}
+  for decay in (0.0, 0.5):
+    config.train.weight_decay = decay
+    tx = optim.make_optimizer(config)
+    updates[decay], _ = tx.update(grads, tx.init(variables), variables, step=jnp.int32(5))
+  flat = lambda t: {jax.tree_util.keystr(p): x
+                    for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+  without, with_decay = flat(updates[0.0]), flat(updates[0.5])
+  spared = [k for k in without if "norm" in k or "bias" in k or "gates" in k]
+  assert len(spared) == 4
+  for key in without:
+    if key in spared:
+      np.testing.assert_array_equal(with_decay[key], without[key], err_msg=key)
+    elif "zero" not in key:   # a zero tensor has nothing to decay
+      assert not np.allclose(with_decay[key], without[key]), key
+
+
+def test_optax_lamb_stays_selectable():
+  config = tiny_config(optimizer="optax_lamb")
+  params, grads = tiny_tree()
+  schedule = optim.learning_rate_schedule(config.train)
+  ours, reference = optim.lamb(config.train, schedule, 0.0), optax.lamb(schedule)
+  ours_state, ref_state = ours.init(params), reference.init(params)
+  for step, g in enumerate(grads):
+    got, ours_state = ours.update(g, ours_state, params, step=jnp.int32(step))
+    want, ref_state = reference.update(g, ref_state, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)
+
+
+def test_the_update_reads_the_callers_step_not_a_counter():
+  config = tiny_config()
+  params, (grads, _) = tiny_tree()
+  tx = optim.lamb(config.train, optim.learning_rate_schedule(config.train), 0.0)
+  state = tx.init(params)
+  at = {step: tx.update(grads, state, params, step=jnp.int32(step))[0] for step in (2, 50)}
+  schedule = optim.learning_rate_schedule(config.train)
+  ratio = float(schedule(50) / schedule(2))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, ratio * b, rtol=1e-5),
+               at[50], at[2])
+
+
+def test_gate_learning_rate_is_ten_times_the_models_unless_set():
+  config = tiny_config()
+  model, gates = (optim.learning_rate_schedule(config.train),
+                  optim.gate_learning_rate_schedule(config))
+  for step in (5, 10, 39):
+    np.testing.assert_allclose(gates(step), 10 * model(step), rtol=1e-6)
+  config.gates.learning_rate = 0.3
+  np.testing.assert_allclose(optim.gate_learning_rate_schedule(config)(10), 0.3, rtol=1e-6)
+
+
+def test_schedules_at_the_named_steps():
+  """Learning rates, λ and the freeze at 0, warm-up end, freeze - 1, freeze and the end."""
+  config = tiny_config()
+  warmup, freeze, end = config.train.warmup_steps, config.gates.freeze_step, 100
+  lr = optim.learning_rate_schedule(config.train)
+  gate_lr = optim.gate_learning_rate_schedule(config)
+  lam = optim.lambda_schedule(config.gates)
+  assert float(lr(0)) == 0.0 and float(gate_lr(0)) == 0.0
+  np.testing.assert_allclose(lr(warmup), 1e-2, rtol=1e-6)          # the peak
+  np.testing.assert_allclose(gate_lr(warmup), 1e-1, rtol=1e-6)
+  np.testing.assert_allclose(gate_lr(freeze - 1), 10 * lr(freeze - 1), rtol=1e-6)
+  assert float(gate_lr(freeze - 1)) > 0 and float(gate_lr(freeze)) == 0.0
+  assert float(gate_lr(end)) == 0.0
+  np.testing.assert_allclose(lr(end), 1e-4, rtol=1e-6)               # the final rate
+  assert float(lam(0)) == 0.0
+  np.testing.assert_allclose(lam(10), 0.01, rtol=1e-6)               # half-way up
+  np.testing.assert_allclose([lam(20), lam(freeze), lam(end)], 0.02, rtol=1e-6)
+
+  # The optimizer itself: gates move at freeze - 1 and not from the freeze on.
+  variables = {"params": {"w": jnp.ones((3,))},
+               "gates": {"layer_0": {"attention": {"logits": jnp.full((4,), 2.0)}}}}
+  grads = jax.tree.map(jnp.ones_like, variables)
+  tx = optim.make_optimizer(config)
+  state = tx.init(variables)
+  moved = lambda step: tx.update(grads, state, variables, step=jnp.int32(step))[0]["gates"]
+  assert np.all(np.asarray(jax.tree.leaves(moved(freeze - 1))[0]) != 0)
+  assert np.all(np.asarray(jax.tree.leaves(moved(freeze))[0]) == 0)
+  assert np.all(np.asarray(jax.tree.leaves(moved(end))[0]) == 0)
+
+
+def test_unknown_optimizer_is_refused():
+  with pytest.raises(ValueError, match="Unknown train.optimizer 'adamw'"):
+    optim.lamb(tiny_config(optimizer="adamw").train, optax.constant_schedule(1.0), 0.0)
