@@ -29,7 +29,7 @@ Logical axis names (mapped to mesh axes by rules kept with the model code):
 Initialisation: emb_i ~ N(0, 1/d_i), projections ~ N(0, 1/d_model), token biases 0,
 and the cluster kernel like a shortlist row of emb_0. Then the input
 sqrt(d_model) * e_i @ proj_i has unit variance per component, and for a unit-variance
-hidden state (the output of the final LayerNorm) the projected hidden has unit variance
+hidden state (e.g. the output of a final LayerNorm) the projected hidden has unit variance
 and every logit, cluster logits included, has unit variance: O(1) logits at init,
 whatever div_val. The cluster bias starts at log(cluster size) (Transformer-XL: 0) so
 that a tail cluster gets head probability in proportion to its number of tokens: the

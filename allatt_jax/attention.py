@@ -5,7 +5,10 @@ vectors per head under the same softmax as the context, Sukhbaatar et al. 2019) 
 the Transformer-XL attention (N = 0). Scores follow Transformer-XL (Dai et al. 2019):
 
   score(i, j) = (q_i + u)·k_j + (q_i + v)·W_R r_{i-j}        for context keys j
-  score(i, n) = (q_i + u)·p^K_n                               for persistent slot n
+  score(i, n) = q_i·p^K_n                                     for persistent slot n
+
+u is the content bias of the Transformer-XL context term only, as in the code behind
+the paper (`persistent_content_bias` gives persistent logits (q_i + u)·p^K_n instead).
 
 Keys are [memory (S slots), current segment (T)], so K = S + T. Relative distances
 run over 0..K-1 and are looked up with the usual rel_shift trick.
@@ -43,19 +46,28 @@ def _rel_unshift(g_BxHxTxK: jax.Array) -> jax.Array:
   return flat.reshape(*lead, t, k + 1)
 
 
+SAME_LENGTH_KEYS = ("mem_len+1", "mem_len")
+
+
 def attention_mask(seq_len: int, mem_len: int, mem_valid: jax.Array,
-                   same_length: bool) -> jax.Array:
+                   same_length: bool, same_length_keys: str = "mem_len+1") -> jax.Array:
   """Boolean (T, S+T) mask: query i (key position S+i) may see key j.
 
   Memory slots hold the last `mem_valid` positions right-aligned; earlier slots are
-  empty at the start of a stream. With `same_length` every query sees exactly S
-  context keys, as in Transformer-XL's evaluation setting.
+  empty at the start of a stream (masked, so a stream's start is scored exactly as
+  with no memory at all). With `same_length` every query sees the same number of
+  context keys: S + 1 (itself and the S before it, `same_length_keys='mem_len+1'`, the
+  window of the code behind the paper) or S (`'mem_len'`, Transformer-XL's).
   """
+  if same_length_keys not in SAME_LENGTH_KEYS:
+    raise ValueError(f"Unknown same_length_keys {same_length_keys!r}; one of "
+                     f"{SAME_LENGTH_KEYS}.")
   q_T1 = jnp.arange(seq_len)[:, None] + mem_len
   k_1K = jnp.arange(mem_len + seq_len)[None, :]
   mask = (k_1K <= q_T1) & (k_1K >= mem_len - mem_valid)
   if same_length and mem_len > 0:
-    mask &= k_1K > q_T1 - mem_len
+    window = mem_len if same_length_keys == "mem_len+1" else mem_len - 1
+    mask &= k_1K >= q_T1 - window
   return mask
 
 
@@ -123,7 +135,7 @@ def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
           None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
 
 
-def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
+def _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK):
   """Softmax over [context keys, persistent slots] without concatenating the two."""
   f32 = jnp.float32
   content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=f32)
@@ -131,7 +143,7 @@ def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
   ctx_HxBxTxK = jnp.where(mask_TxK, content + position, _NEG_INF)
   top = ctx_HxBxTxK.max(-1, keepdims=True)
   if pk is not None:
-    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qu, pk, preferred_element_type=f32)
+    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk, preferred_element_type=f32)
     top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
   e_ctx = jnp.exp(ctx_HxBxTxK - top)
   norm = e_ctx.sum(-1, keepdims=True)
@@ -142,9 +154,9 @@ def _attention_weights(qu, qv, k, r_pad, pk, mask_TxK):
   return e_ctx * inv_norm, None if pk is None else e_pers * inv_norm
 
 
-def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk, pv):
+def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv):
   """Outputs and softmax weights of one block of heads."""
-  p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
+  p_ctx, p_pers = _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
   keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   dtype = v.dtype
   out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
@@ -153,7 +165,7 @@ def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk
   return out, p_ctx, p_pers
 
 
-def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, pk, pv,
+def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv,
                     p_ctx, p_pers, out, dout):
   """Gradients of one block of heads' inputs (see `_attend`).
 
@@ -163,8 +175,9 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, p
   if p_ctx is None:
     # Tied to dout, the recomputation can neither merge with the forward pass's (CSE)
     # nor be scheduled before the backward pass reaches this layer.
-    qu, qv, k, r_pad, pk, dout = jax.lax.optimization_barrier((qu, qv, k, r_pad, pk, dout))
-    p_ctx, p_pers = _attention_weights(qu, qv, k, r_pad, pk, mask_TxK)
+    qu, qv, qp, k, r_pad, pk, dout = jax.lax.optimization_barrier(
+        (qu, qv, qp, k, r_pad, pk, dout))
+    p_ctx, p_pers = _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
   keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
@@ -189,14 +202,15 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, k, v, r_pad, p
   dpos = _rel_unshift(dlog_ctx)
   dqv = jnp.einsum("hbtk,hkd->hbtd", dpos, r_pad)
   dr_pad = jnp.einsum("hbtd,hbtk->hdk", qv, dpos).swapaxes(-1, -2)
-  dpk = dpv = None
+  dqp = dpk = dpv = None
   if pk is not None:
     pd_pers, dlog_pers = weight_grads(
         p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=f32), keep_pers)
     dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
-    dqu += jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk, preferred_element_type=f32)
-    dpk = jnp.einsum("hbtd,hbtn->hdn", qu, dlog_pers).swapaxes(-1, -2)
-  return dqu.astype(dtype), dqv, dk, dv, dr_pad, dpk, dpv
+    dqp = jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk,
+                     preferred_element_type=f32).astype(dtype)
+    dpk = jnp.einsum("hbtd,hbtn->hdn", qp, dlog_pers).swapaxes(-1, -2)
+  return dqu.astype(dtype), dqv, dqp, dk, dv, dr_pad, dpk, dpv
 
 
 def _over_head_blocks(fn, block: int, *arrays_H):
@@ -217,7 +231,7 @@ def _over_head_blocks(fn, block: int, *arrays_H):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+def _attend(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
   """Relative attention with persistent slots on head-major arrays.
 
   Args:
@@ -225,6 +239,7 @@ def _attend(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys
     head_block: heads per step of the loop over heads (it must divide H).
     remat: recompute the softmax weights in the backward pass instead of keeping them.
     qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
+    qp: (H, B, T, dh) the queries of the persistent logits, pre-scaled (qp may be qu).
     k, v: (H, B, K, dh) context keys and values.
     r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
       zero row (see `rel_shift`).
@@ -241,20 +256,21 @@ def _attend(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys
   the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
   softmax weights (or nothing, with remat) are kept for the backward pass.
   """
-  return _attend_fwd(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK,
+  return _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
                      keys_2x2)[0]
 
 
-def _attend_fwd(rate, head_block, remat, qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+def _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
+                keys_2x2):
   block_fn = functools.partial(_block_forward, rate, mask_TxK, keys_2x2)
   if remat:   # Only the outputs leave the loop.
-    out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, k, v,
-                            r_pad, pk, pv)
+    out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
+                            v, r_pad, pk, pv)
     p_ctx = p_pers = None
   else:
-    out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, k, v, r_pad, pk,
-                                           pv)
-  return out, (qu, qv, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
+    out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
+                                           pk, pv)
+  return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
 
 
 def _attend_bwd(rate, head_block, remat, residuals, dout):
@@ -282,6 +298,7 @@ class Projection(nn.Module):
   shape: tuple[int, ...]
   names: tuple[str, ...]
   num_in: int = 1
+  use_bias: bool = False           # a bias over the output axes
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
@@ -289,7 +306,12 @@ class Projection(nn.Module):
     init = nn.initializers.lecun_normal(in_axis=tuple(range(self.num_in)),
                                         out_axis=tuple(range(self.num_in, len(self.shape))))
     kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names), self.shape)
-    return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.num_in)
+    y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.num_in)
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(
+          nn.initializers.zeros, self.names[self.num_in:]), self.shape[self.num_in:])
+      y = y + bias.astype(self.dtype)
+    return y
 
 
 class RelativeAttention(nn.Module):
@@ -305,6 +327,8 @@ class RelativeAttention(nn.Module):
   dropout_attn: float = 0.0
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
+  persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
+  out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
   gated: bool = False
   gate: gates_lib.GateConfig = gates_lib.GateConfig()
   dtype: jnp.dtype = jnp.float32
@@ -334,22 +358,23 @@ class RelativeAttention(nn.Module):
     qu = head_major((q + u_HxDh) * scale)
     qv = head_major((q + v_HxDh) * scale)
     r_pad = jnp.pad(jnp.moveaxis(r_KxHxDh, 1, 0), [(0, 0), (1, 0), (0, 0)])
-    pk = pv = None
+    qp = pk = pv = None
     if self.num_persistent:
       pk, pv = self._persistent_vectors(h, dh)
+      qp = qu if self.persistent_content_bias else head_major(q * scale)
     rate = 0.0 if deterministic else self.dropout_attn
     if not 0.0 <= rate < 1.0:
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
     out_HxBxTxDh = _attend(rate, _divisor_at_most(h, self.head_block or h), self.remat, qu,
-                           qv, head_major(k), head_major(v), r_pad, pk, pv, mask_TxK,
+                           qv, qp, head_major(k), head_major(v), r_pad, pk, pv, mask_TxK,
                            keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.
       self.sow("intermediates", "attention_probs",
-               _attention_weights(qu, qv, head_major(k), r_pad, pk, mask_TxK))
+               _attention_weights(qu, qv, qp, head_major(k), r_pad, pk, mask_TxK))
     out_BxTxHxDh = jnp.moveaxis(out_HxBxTxDh, 0, 2)
 
     stats = {}
@@ -359,7 +384,7 @@ class RelativeAttention(nn.Module):
       out_BxTxHxDh = out_BxTxHxDh * combine_H[:, None].astype(self.dtype)
 
     out = Projection((h, dh, d_model), ("heads", "head_dim", "embed"), num_in=2,
-                     dtype=self.dtype, name="out")(out_BxTxHxDh)
+                     use_bias=self.out_bias, dtype=self.dtype, name="out")(out_BxTxHxDh)
     return out, stats
 
   def _persistent_vectors(self, h, dh):

@@ -41,7 +41,7 @@ EMBEDDING_PARAMS = ("embedding", "relative_table")
 
 def layer_param_count(cfg: model_lib.ModelConfig, heads: int) -> int:
   d, dh = cfg.d_model, cfg.head_dim
-  count = 0
+  count = d if cfg.out_bias else 0   # W_O's bias outlives the layer's last head
   if heads:
     count += 5 * d * heads * dh + 2 * heads * dh + 2 * d   # Q K V O R, u v, LayerNorm
     if cfg.kind == "allatt":

@@ -1,4 +1,4 @@
-"""Export a pruning run as a smaller, ungated model (DESIGN.md §2, "Removal").
+"""Export a pruning run as a smaller, ungated model, its closed heads removed.
 
 A head whose deterministic gate is closed loses its slices of every attention
 parameter; the survivors' output-projection slices absorb g_i · s_g, the gate value
@@ -7,7 +7,9 @@ is exactly the factor the gated model multiplies each head's output by. The expo
 model is therefore a plain `TransformerLM` with per-layer head counts whose outputs
 equal the gated model's deterministic outputs, in hard (g ∈ {0, 1}) and soft
 (fractional g) mode alike. A layer left without heads drops its attention and
-attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward.
+attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward;
+either keeps W_O's bias (a per-layer vector: the gated layer with every gate closed
+still adds it), as the parameter `model.HEADLESS_OUT_BIAS`.
 """
 import dataclasses
 
@@ -43,6 +45,7 @@ _HEAD_AXIS = {
     ("out", "kernel"): 0,
 }
 _OUT_KERNEL = ("out", "kernel")
+_OUT_BIAS = ("out", "bias")
 # Sub-modules of a layer that exist only while it has heads.
 _ATTENTION_MODULES = ("attention", "attention_norm")
 
@@ -118,12 +121,14 @@ def prune_variables(cfg: model_lib.ModelConfig,
     if i is None or path[1] not in _ATTENTION_MODULES:
       pruned[path] = np.asarray(leaf)
       continue
+    sub_path = path[2:]
     if not keep[i].size:
+      if sub_path == _OUT_BIAS:
+        pruned[(path[0], model_lib.HEADLESS_OUT_BIAS)] = np.asarray(leaf)
       continue
-    if path[1] == "attention_norm":
+    if path[1] == "attention_norm" or sub_path == _OUT_BIAS:
       pruned[path] = np.asarray(leaf)
       continue
-    sub_path = path[2:]
     if sub_path not in _HEAD_AXIS:
       raise errors.CheckpointError(
           f"Unknown attention parameter {'/'.join(path)}: export does not know its "

@@ -28,11 +28,15 @@ class GateConfig:
     temperature: β of the hard-concrete distribution (Louizos: 2/3, paper's code: 1/3).
     hard: straight-through discrete gates (the paper) instead of soft ones.
     scale_output: multiply each layer's output by s_g = H / Σg (technique 3).
+    open_at_zero: in hard mode, a deterministic gate is open iff π >= 0, as in the code
+      behind the paper (where σ(π)(ζ-γ)+γ >= 1/2); False: iff π > 0. Only a logit of
+      exactly 0 tells them apart: the starting point of the π = 0 ablation.
   """
   init: float = 2.0
   temperature: float = 1.0 / 3.0
   hard: bool = True
   scale_output: bool = True
+  open_at_zero: bool = True
 
 
 def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:
@@ -47,9 +51,10 @@ def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:
 
 
 def deterministic(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
-  """Gates for evaluation and after the freeze: open iff π > 0 (hard mode)."""
+  """Gates for evaluation and after the freeze: open iff π >= 0 (hard mode)."""
   if cfg.hard:
-    return (logits_H > 0).astype(logits_H.dtype)
+    is_open = logits_H >= 0 if cfg.open_at_zero else logits_H > 0
+    return is_open.astype(logits_H.dtype)
   return jnp.clip(jax.nn.sigmoid(logits_H) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
 

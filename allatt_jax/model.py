@@ -4,7 +4,12 @@ Both are a stack of pre-norm layers around one `RelativeAttention`:
   All-att:  x + Attn(LN(x), LN(mem))                          (persistent vectors, no FF)
   TXL:      x + Attn(LN(x), LN(mem));  x + FF(LN(x))           (d_ff = 4d)
 Layers may have different head counts (a pruned model); a layer with no heads
-passes its input through (All-att) or keeps only its feed-forward (TXL).
+passes its input through (All-att) or keeps only its feed-forward (TXL), plus the
+bias of its removed output projection when W_O has one.
+
+Where the paper leaves a detail open, the defaults follow the code behind its numbers
+(`out_bias`, `layer_norm_eps`, `final_norm`, `persistent_content_bias`, `same_length`
+and its window); each other form stays selectable.
 
 Memory is a pytree {'hidden': (L, B, S, D), 'length': int32 scalar}: the hidden
 states that entered each layer during the last S positions, and how many of the S
@@ -24,6 +29,8 @@ from allatt_jax import gates as gates_lib
 from allatt_jax.data import specs as data_specs
 
 KINDS = ("allatt", "txl")
+# The parameter of a headless layer holding its removed output projection's bias.
+HEADLESS_OUT_BIAS = "attention_out_bias"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +46,16 @@ class ModelConfig:
   d_ff: int = 0                      # feed-forward width (TXL)
   rel_pos: str = "learned"           # 'learned' (shared table) or 'sinusoidal'
   max_relative_len: int = 0          # learned table length, at least T + S of any use
-  same_length: bool = False
+  # Every query sees the same number of context keys (on in every official run):
+  # S + 1 ('mem_len+1', the official window) or S ('mem_len', Transformer-XL's).
+  same_length: bool = True
+  same_length_keys: str = "mem_len+1"
+  out_bias: bool = True              # W_O has a bias (official)
+  layer_norm_eps: float = 1e-5       # official (PyTorch's default); flax's is 1e-6
+  final_norm: bool = False           # a LayerNorm after the last layer (official: none)
+  # Persistent logits (q + u)·P_K instead of the official q·P_K (u, the content bias,
+  # belongs to Transformer-XL's context term).
+  persistent_content_bias: bool = False
   # Heads per step of the attention core's loop over heads; 0 = all heads in one step.
   # 1 keeps each head's softmax weights in cache: fastest on CPU. Keep 0 when heads are
   # sharded over devices (mesh.model > 1), where a loop would serialise the shards.
@@ -111,9 +127,9 @@ class FeedForward(nn.Module):
     return dense(d_model, ("mlp", "embed"), "wo")(h)
 
 
-def _layer_norm(name, dtype):
+def _layer_norm(name, cfg: ModelConfig):
   return nn.LayerNorm(
-      dtype=dtype, name=name,
+      epsilon=cfg.layer_norm_eps, dtype=jnp.dtype(cfg.dtype), name=name,
       scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
 
@@ -128,18 +144,25 @@ class Layer(nn.Module):
     drop = nn.Dropout(cfg.dropout)
     stats = {}
     if self.num_heads:
-      norm = _layer_norm("attention_norm", dtype)
+      norm = _layer_norm("attention_norm", cfg)
       attn_out, stats = attention.RelativeAttention(
           num_heads=self.num_heads, head_dim=cfg.head_dim,
           num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
           dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
+          persistent_content_bias=cfg.persistent_content_bias, out_bias=cfg.out_bias,
           gated=cfg.gated, gate=cfg.gate, dtype=dtype, name="attention")(
               norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,
               sample_gates=sample_gates)
       x_BxTxD = x_BxTxD + drop(attn_out, deterministic=deterministic)
+    elif cfg.out_bias:
+      # All heads removed: the gated layer's output projection of nothing was its bias.
+      bias_D = self.param(HEADLESS_OUT_BIAS, nn.with_logical_partitioning(
+          nn.initializers.zeros, ("embed",)), (x_BxTxD.shape[-1],))
+      x_BxTxD = x_BxTxD + drop(jnp.broadcast_to(bias_D.astype(dtype), x_BxTxD.shape),
+                               deterministic=deterministic)
     if cfg.kind == "txl":
       ff_out = FeedForward(cfg.d_ff, cfg.dropout, dtype, name="feed_forward")(
-          _layer_norm("feed_forward_norm", dtype)(x_BxTxD), deterministic=deterministic)
+          _layer_norm("feed_forward_norm", cfg)(x_BxTxD), deterministic=deterministic)
       x_BxTxD = x_BxTxD + drop(ff_out, deterministic=deterministic)
     return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), stats
 
@@ -166,7 +189,7 @@ class TransformerLM(nn.Module):
               nn.initializers.normal(0.02), ("relpos", "embed")),
           (cfg.max_relative_len, cfg.d_model))
     self.layers = [Layer(cfg, h, name=f"layer_{i}") for i, h in enumerate(cfg.layer_heads)]
-    self.final_norm = _layer_norm("final_norm", jnp.dtype(cfg.dtype))
+    self.final_norm = _layer_norm("final_norm", cfg) if cfg.final_norm else None
     self.drop_emb = nn.Dropout(cfg.dropout_emb)
     self.drop = nn.Dropout(cfg.dropout)
 
@@ -185,7 +208,8 @@ class TransformerLM(nn.Module):
     """Final hidden states, the next memory and gate statistics."""
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
     seq_len, mem_len = inputs_BxT.shape[1], memory["hidden"].shape[2]
-    mask_TxK = attention.attention_mask(seq_len, mem_len, memory["length"], cfg.same_length)
+    mask_TxK = attention.attention_mask(seq_len, mem_len, memory["length"], cfg.same_length,
+                                        cfg.same_length_keys)
     r_KxD = self.drop_emb(self._relative_positions(mem_len + seq_len).astype(dtype),
                           deterministic=deterministic)
     x_BxTxD = self.drop_emb(self.embedding.embed(inputs_BxT), deterministic=deterministic)
@@ -196,7 +220,9 @@ class TransformerLM(nn.Module):
       x_BxTxD, layer_stats = layer(x_BxTxD, mem_BxSxD.astype(dtype), r_KxD, mask_TxK,
                                    deterministic=deterministic, sample_gates=sample_gates)
       stats.append(layer_stats)
-    out_BxTxD = self.drop(self.final_norm(x_BxTxD), deterministic=deterministic)
+    if self.final_norm is not None:
+      x_BxTxD = self.final_norm(x_BxTxD)
+    out_BxTxD = self.drop(x_BxTxD, deterministic=deterministic)
     new_memory = _next_memory(memory, jnp.stack(entering), seq_len)
     return out_BxTxD, new_memory, tuple(stats)
 

@@ -42,9 +42,11 @@ def test_keep_mask_rate_keys_and_head_offset():
 
 def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
   k = s + t
-  rng = iter(jax.random.split(jax.random.key(0), 8))
+  rng = iter(jax.random.split(jax.random.key(0), 10))
   normal = lambda shape: jax.random.normal(next(rng), shape).astype(dtype)
-  args = [normal((h, b, t, dh)), normal((h, b, t, dh)), normal((h, b, k, dh)),
+  # qu, qv, qp (the persistent logits' own queries), k, v, r_pad, pk, pv.
+  args = [normal((h, b, t, dh)), normal((h, b, t, dh)),
+          normal((h, b, t, dh)) if num_persistent else None, normal((h, b, k, dh)),
           normal((h, b, k, dh)), jnp.pad(normal((h, k, dh)), [(0, 0), (1, 0), (0, 0)])]
   if num_persistent:
     args += [normal((h, num_persistent, dh)), normal((h, num_persistent, dh))]
@@ -79,14 +81,14 @@ def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, rema
 def test_dropout_zeroes_weights_and_rescales():
   args, mask, _ = _inputs(6)
   # With one-hot value rows, the outputs are the (dropped) weights themselves.
-  qu, qv, k, _, r_pad, pk, _ = args
+  qu, qv, qp, k, _, r_pad, pk, _ = args
   h, b, kk, dh = k.shape
   n = pk.shape[1]
   eye = jnp.eye(kk + n, dtype=jnp.float32)
   v = jnp.broadcast_to(eye[:kk], (h, b, kk, kk + n))
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
-  inputs = (wide(qu), wide(qv), wide(k), v, wide(r_pad), wide(pk), pv, mask)
+  inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask)
   dropped = np.asarray(attention._attend(0.5, 1, False, *inputs, KEYS))
   full = np.asarray(attention._attend(0.0, 1, False, *inputs, None))
   np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
@@ -100,8 +102,8 @@ def test_bfloat16_core_close_to_float32():
   args16, _, _ = _inputs(6, jnp.bfloat16)
   loss = lambda *a: jnp.sum(attention._attend(0.0, 2, False, *a, mask, None).astype(jnp.float32)
                             * dout)
-  grads32 = jax.grad(loss, argnums=range(7))(*args32)
-  grads16 = jax.grad(loss, argnums=range(7))(*args16)
+  grads32 = jax.grad(loss, argnums=range(8))(*args32)
+  grads16 = jax.grad(loss, argnums=range(8))(*args16)
   for g16, g32 in zip(grads16, grads32):
     assert g16.dtype == jnp.bfloat16
     scale = float(jnp.abs(g32).max())

@@ -1,4 +1,5 @@
 """Cost model: parameter formula vs the real tree, MACs vs XLA, the paper's counts, the CLI."""
+import dataclasses
 import json
 import math
 import pathlib
@@ -30,8 +31,10 @@ def paper_cfg(name, arg=None):
 
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 @pytest.mark.parametrize("heads", [None, (4, 0, 3)])
-def test_layer_formula_equals_parameter_tree(kind, heads):
-  cfg = small_cfg(kind, heads)
+@pytest.mark.parametrize("official", [True, False])
+def test_layer_formula_equals_parameter_tree(kind, heads, official):
+  cfg = dataclasses.replace(small_cfg(kind, heads), out_bias=official,
+                            final_norm=not official)
   abstract = jax.eval_shape(
       model_lib.TransformerLM(cfg).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
       jnp.zeros((1, 1), jnp.int32), model_lib.init_memory(cfg, 1, 1))
@@ -42,7 +45,8 @@ def test_layer_formula_equals_parameter_tree(kind, heads):
     assert count == costs.layer_param_count(cfg, h), (i, h)
   counts = costs.param_counts(cfg)
   assert counts["params_non_embedding"] == (
-      sum(costs.layer_param_count(cfg, h) for h in cfg.layer_heads) + 2 * cfg.d_model)
+      sum(costs.layer_param_count(cfg, h) for h in cfg.layer_heads)
+      + (2 * cfg.d_model if cfg.final_norm else 0))
 
 
 @pytest.mark.parametrize("kind", ["allatt", "txl"])

@@ -127,10 +127,13 @@ def test_exported_tree_is_the_pruned_models(kind):
   np.testing.assert_allclose(attn["out"]["kernel"], 2.0 * full["out"]["kernel"][kept],
                              rtol=1e-6)
 
-  if kind == "allatt":
-    assert "layer_1" not in params
-  else:
-    assert set(params["layer_1"]) == {"feed_forward", "feed_forward_norm"}
+  # The headless layer keeps W_O's bias, which its gated form added with every gate shut.
+  headless = {model_lib.HEADLESS_OUT_BIAS}
+  assert set(params["layer_1"]) == (
+      headless if kind == "allatt" else headless | {"feed_forward", "feed_forward_norm"})
+  np.testing.assert_array_equal(params["layer_1"][model_lib.HEADLESS_OUT_BIAS],
+                                variables["params"]["layer_1"]["attention"]["out"]["bias"])
+  np.testing.assert_array_equal(attn["out"]["bias"], full["out"]["bias"])
   assert params["layer_2"]["attention"]["query"]["kernel"].shape == (32, 4, 8)
 
   expected = abstract_params(pruned_cfg)
@@ -143,7 +146,7 @@ def test_exported_tree_is_the_pruned_models(kind):
   # Everything outside the attention of pruned layers is copied unchanged.
   flat_full = traverse_util.flatten_dict(variables["params"])
   for path, leaf in traverse_util.flatten_dict(params).items():
-    if path[0] != "layer_0":
+    if path[0] != "layer_0" and path[1:] != (model_lib.HEADLESS_OUT_BIAS,):
       np.testing.assert_array_equal(leaf, flat_full[path])
 
 
@@ -168,3 +171,10 @@ def test_variables_that_do_not_fit_the_config_are_refused():
   with pytest.raises(errors.CheckpointError,
                      match=r"do not fit the config.*persistent_key: shape \(2, 4, 8\)"):
     export.prune_variables(wrong_cfg, variables)
+
+
+@pytest.mark.parametrize("open_at_zero,expected", [(True, [0, 1]), (False, [0])])
+def test_logit_of_exactly_zero_is_open_as_in_the_official_code(open_at_zero, expected):
+  cfg = make_cfg("allatt", gates_lib.GateConfig(open_at_zero=open_at_zero), num_layers=1)
+  gates = {"layer_0": {"attention": {"logits": jnp.array([1.0, 0.0, -1e-6, -2.0])}}}
+  assert export.surviving_heads(cfg, gates)[0].tolist() == expected

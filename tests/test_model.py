@@ -67,7 +67,8 @@ def test_causal_with_memory(kind, rel_pos):
 def test_memory_equals_concatenation(kind, empty_mem_len):
   """Segment 2 with segment 1's memory scores like the concatenation's last T positions."""
   t = 8
-  cfg = make_cfg(kind)
+  # With same_length, segment 2's queries would see fewer keys than in the concatenation.
+  cfg = make_cfg(kind, same_length=False)
   lm, variables = init(cfg, seq_len=t, mem_len=t)
   seq = tokens(4, (2, 2 * t + 1))
   inputs, targets = seq[:, :-1], seq[:, 1:]
@@ -159,10 +160,13 @@ def test_closed_layer_is_scaled_safely():
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
-def test_uneven_heads_and_empty_layer_is_identity():
-  cfg = make_cfg(num_layers=3, heads_per_layer=(4, 0, 2))
+@pytest.mark.parametrize("out_bias", [True, False])
+def test_uneven_heads_and_empty_layer_is_identity(out_bias):
+  cfg = make_cfg(num_layers=3, heads_per_layer=(4, 0, 2), out_bias=out_bias)
   lm, variables = init(cfg)
-  assert "layer_1" not in variables["params"]
+  # A headless layer keeps only W_O's bias (zero at init), if W_O has one.
+  expected = {model_lib.HEADLESS_OUT_BIAS} if out_bias else set()
+  assert set(variables["params"].get("layer_1", {})) == expected
   assert variables["params"]["layer_2"]["attention"]["query"]["kernel"].shape == (32, 2, 8)
   memory = model_lib.init_memory(cfg, 2, 8)
   x = tokens(9, (2, 8))

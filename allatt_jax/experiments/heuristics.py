@@ -199,7 +199,7 @@ def attention_metrics(lm, variables, segments: Segments) -> dict[str, list[np.nd
   sums = {k: [np.zeros(h) for h in lm.cfg.layer_heads] for k in ATTENTION_METRICS}
   for inputs, targets in segments.batches:
     mask_TxK = attention.attention_mask(seq_len, segments.mem_len, memory["length"],
-                                        lm.cfg.same_length)
+                                        lm.cfg.same_length, lm.cfg.same_length_keys)
     probs, memory = _attention_probs(lm, variables, inputs, targets, memory)
     for i, layer in enumerate(probs):
       if layer is None:
