@@ -35,10 +35,10 @@ def get_config(arg=None):
   c.experiments = ml_collections.ConfigDict(dict(
       # Pruning runs (and every fine-tuning) start from the baseline with this recipe:
       # the paper's shape (gates trained for the first 2/3, then frozen; lower
-      # learning rate), shortened; the gates get their own, larger learning rate.
+      # learning rate), shortened; the gates at 10x the learning rate (official code).
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
       prune_gates=dict(enabled=True, init=2.0, l0_warmup_steps=200, freeze_step=1000,
-                       learning_rate=0.01, lagrangian_lr=1e-3),
+                       lagrangian_lr=1e-3),
       lambdas=(0.01, 0.02, 0.04, 0.08),
       seeds=(0, 1),                    # pruning / fine-tuning seeds (one baseline)
       ablation_lambda=0.04,
@@ -61,7 +61,8 @@ def get_config(arg=None):
     c.checkpoint.every_steps = 30
     e = c.experiments
     e.prune_train.update(dict(num_steps=100, warmup_steps=5))
-    # Strong, early pressure so that a few tiny steps close heads.
+    # Strong, early pressure (gates at 100x the learning rate) so that a few tiny steps
+    # close heads.
     e.prune_gates.update(dict(l0_warmup_steps=20, freeze_step=80, learning_rate=0.1,
                               lagrangian_lr=0.01))
     e.update(dict(lambdas=(0.2,), seeds=(0,), ablation_lambda=0.2, txl_widths=(16,),

@@ -3,6 +3,11 @@ r"""All-att baseline on text8 (character level) at the paper's size (Shim et al.
 12 layers, d=512, H=8, N=2048, plain tied softmax over 27 characters; LAMB, batch 64,
 T = S = 512, warm-up 4K to 1e-2, cosine to 1e-4 over 160K steps.
 
+Recipe sources (config_base.py lists each): the paper's where it states them, the
+official code's where it is silent (official LAMB, gates at 10x the learning rate,
+same_length, W_O bias, LayerNorm eps 1e-5, no final LayerNorm, q·P_K persistent
+logits), output scaling s_g and masked empty memory kept on purpose.
+
   python -m allatt_jax.main --config=configs/text8_base.py --workdir=$WORKDIR \
       --config.data.manual_dir=/path/to/text8_folder
 

@@ -5,6 +5,11 @@ Starts from a converged baseline (`init_from` its workdir), adds one gate per he
 (λ warmed up over 4K steps), and freezes the gates at step 16K so the rest of the run
 fine-tunes the surviving heads. The pruned model is exported at the end.
 
+Recipe sources (config_base.py lists each): the paper's where it states them, the
+official code's where it is silent (official LAMB, gates at 10x the learning rate,
+same_length, W_O bias, LayerNorm eps 1e-5, no final LayerNorm, q·P_K persistent
+logits), output scaling s_g and masked empty memory kept on purpose.
+
   python -m allatt_jax.main \
       --config=configs/text8_prune.py:lam=0.015,init_from=$BASELINE_WORKDIR \
       --workdir=$WORKDIR --config.data.manual_dir=/path/to/text8_folder

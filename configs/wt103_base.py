@@ -3,6 +3,11 @@ r"""All-att baseline on WikiText-103 at the paper's size (Shim et al. 2021, §4.
 16 layers, d=512, H=8, N=2048 persistent vectors, adaptive input/softmax; LAMB,
 batch 96, T = S = 192, warm-up 4K to 1e-2, cosine to 1e-4 over 160K steps.
 
+Recipe sources (config_base.py lists each): the paper's where it states them, the
+official code's where it is silent (official LAMB, gates at 10x the learning rate,
+same_length, W_O bias, LayerNorm eps 1e-5, no final LayerNorm, q·P_K persistent
+logits), output scaling s_g and masked empty memory kept on purpose.
+
   python -m allatt_jax.main --config=configs/wt103_base.py --workdir=$WORKDIR \
       --config.data.manual_dir=/path/to/wikitext-103
 

@@ -267,6 +267,27 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
   assert np.isfinite(RecordingWriter.scalars[6]["loss"])   # the mean of the finite step
 
 
+def test_skipped_steps_keep_every_schedule_in_step(run_config, poisoned, tmp_path):
+  """A skipped step before the gate freeze must not delay the freeze (or any schedule)."""
+  config = short_config(run_config, skip_nonfinite_steps=True)
+  config.gates.update(dict(enabled=True, l0_warmup_steps=2, freeze_step=POISONED_STEP + 1))
+  config.checkpoint.every_steps = 1
+  train.train_and_evaluate(config, tmp_path)
+
+  states = {s: saved_state(tmp_path, s)["state"] for s in (config.gates.freeze_step, 8)}
+  # The optimizer keeps no clock of its own that a rolled-back state could set back...
+  clocks = [jax.tree_util.keystr(path) for path, _ in
+            jax.tree_util.tree_flatten_with_path(states[8]["opt_state"])[0]
+            if "count" in jax.tree_util.keystr(path)]
+  assert not clocks
+  # ...so the gates stop exactly at the freeze step, though one step before was skipped.
+  assert_bit_identical(states[8]["variables"]["gates"],
+                       states[config.gates.freeze_step]["variables"]["gates"])
+  assert not all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(states[8]["variables"]["params"]),
+      jax.tree.leaves(states[config.gates.freeze_step]["variables"]["params"])))
+
+
 def test_nonfinite_gradient_is_named():
   metrics = [{"loss": np.float32(2.0), "grad_norm": np.float32(1.0)},
              {"loss": np.float32(2.0), "grad_norm": np.float32(np.inf)},
