@@ -69,7 +69,7 @@ def main(argv):
         clean=_CLEAN.value)
   except DataError as e:
     sys.exit(f'error: {e}')
-  print(json.dumps(stats(corpus)))
+  print(json.dumps(stats(corpus), ensure_ascii=False))
 
 
 if __name__ == '__main__':
