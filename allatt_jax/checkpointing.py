@@ -61,13 +61,31 @@ def save_config(directory, config: ml_collections.ConfigDict) -> None:
                     config.to_json_best_effort(indent=2, sort_keys=True))
 
 
+# Recipe keys added after runs were already saved, with the behaviour those runs had:
+# a config.json without them describes a model (and optimizer) of that older form,
+# whatever the defaults are now.
+_BEFORE_RECIPE_KEYS = {
+    "model": dict(same_length_keys="mem_len", out_bias=False, layer_norm_eps=1e-6,
+                  final_norm=True, persistent_content_bias=True),
+    "gates": dict(open_at_zero=False, lr_multiplier=1.0),
+    "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
+                  weight_decay_exclude=()),
+}
+
+
 def load_config(directory) -> ml_collections.ConfigDict:
+  """A run's or an export's saved config; keys it predates take their old meaning."""
   path = run_path(directory) / CONFIG_FILE
   if not path.is_file():
     raise CheckpointError(
         f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
         "exported model. Point at the --workdir of a run, or at its export/ folder.")
-  return ml_collections.ConfigDict(_read_json(path))
+  saved = _read_json(path)
+  for section, old_values in _BEFORE_RECIPE_KEYS.items():
+    if section in saved:
+      for key, value in old_values.items():
+        saved[section].setdefault(key, value)
+  return ml_collections.ConfigDict(saved)
 
 
 def vocabulary_fingerprint(name: str, vocab) -> dict:

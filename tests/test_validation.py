@@ -289,3 +289,25 @@ def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch
   assert str(checkpointing.run_path("gs://bucket/runs/a") / "checkpoints") == (
       "gs://bucket/runs/a/checkpoints")
   assert str(checkpointing.run_path("runs/a")) == str(tmp_path / "runs" / "a")
+
+
+def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
+  """A run saved without the official-recipe keys describes the model it trained."""
+  saved = json.loads(tiny_config().to_json_best_effort())
+  for section, keys in (("model", ("same_length_keys", "out_bias", "layer_norm_eps",
+                                   "final_norm", "persistent_content_bias")),
+                        ("gates", ("open_at_zero", "lr_multiplier")),
+                        ("train", ("optimizer", "lamb_eps", "lamb_max_weight_norm",
+                                   "weight_decay_exclude"))):
+    for key in keys:
+      del saved[section][key]
+  (tmp_path / checkpointing.CONFIG_FILE).write_text(json.dumps(saved))
+  config = checkpointing.load_config(tmp_path)
+  cfg = model_lib.model_config(config)
+  assert (cfg.out_bias, cfg.final_norm, cfg.persistent_content_bias, cfg.layer_norm_eps,
+          cfg.same_length_keys, cfg.gate.open_at_zero) == (
+              False, True, True, 1e-6, "mem_len", False)
+  assert config.train.optimizer == "optax_lamb" and config.gates.lr_multiplier == 1.0
+  # A config that has the keys keeps its own values.
+  (tmp_path / checkpointing.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
+  assert model_lib.model_config(checkpointing.load_config(tmp_path)).out_bias
