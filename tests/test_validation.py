@@ -117,7 +117,7 @@ def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
   the dataset and building the state."""
   def no_data(*args):
     raise AssertionError("the dataset was loaded before the config was checked")
-  monkeypatch.setattr(data_lib, "load_corpus", no_data)
+  monkeypatch.setattr(data_lib, "load_run_corpus", no_data)
   config = tiny_config(model=dict(max_relative_len=20))
   with pytest.raises(ConfigError, match="max_relative_len=20"):
     train.train_and_evaluate(config, tmp_path)
