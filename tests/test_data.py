@@ -330,4 +330,4 @@ def test_cli_reports_data_errors_without_traceback(tmp_path):
 def test_all_datasets_are_registered_with_tfds():
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   assert set(data.DATASETS) <= set(tfds.list_builders(with_community_datasets=False))
-  assert tfds_builders.Text8.url_infos is not None  # checksums.tsv is found
+  assert tfds_builders.BUILDERS['text8'].url_infos is not None  # checksums.tsv is found

@@ -135,71 +135,61 @@ _LM1B_CITATION = """\
   year={2013}
 }"""
 
-WIKITEXT103 = DatasetSpec(
-    name='wikitext103',
-    level='word',
-    files=('wiki.train.tokens', 'wiki.valid.tokens', 'wiki.test.tokens'),
-    url=_WIKITEXT_URL + 'wikitext-103-v1.zip',
-    archive_folder='wikitext-103',
-    description=('WikiText-103 (v1): 103M words of Wikipedia Good and Featured '
-                 'articles, tokenised, rare words mapped to <unk>. CC BY-SA 3.0.'),
-    homepage=_WIKITEXT_HOMEPAGE,
-    citation=_WIKITEXT_CITATION,
-    official_sha256={
-        'wiki.valid.tokens':
-            '9aee9f52d6e77de6c7751fc5e7c44287db3ec0eaf15477098acc6b93c1c4250b',
-        'wiki.test.tokens':
-            '56db52eb157b1ab5c89646eef70510c1eca6e12a3bfdb99f0d6b05b4eacb75b9',
-    },
-    official_train_lines=1_801_350,
-    cutoffs=(20_000, 40_000, 200_000),
-)
+def _wikitext(name: str, folder: str, size: str, valid_sha256: str, test_sha256: str,
+              train_lines: int, **extra) -> DatasetSpec:
+  """A WikiText (v1) dataset: the same files, source and licence at another size."""
+  title = folder.replace('wikitext', 'WikiText')
+  return DatasetSpec(
+      name=name,
+      level='word',
+      files=('wiki.train.tokens', 'wiki.valid.tokens', 'wiki.test.tokens'),
+      url=_WIKITEXT_URL + f'{folder}-v1.zip',
+      archive_folder=folder,
+      description=(f'{title} (v1): {size} words of Wikipedia Good and Featured '
+                   'articles, tokenised, rare words mapped to <unk>. CC BY-SA 3.0.'),
+      homepage=_WIKITEXT_HOMEPAGE,
+      citation=_WIKITEXT_CITATION,
+      official_sha256={'wiki.valid.tokens': valid_sha256, 'wiki.test.tokens': test_sha256},
+      official_train_lines=train_lines,
+      **extra,
+  )
 
-WIKITEXT2 = DatasetSpec(
-    name='wikitext2',
-    level='word',
-    files=('wiki.train.tokens', 'wiki.valid.tokens', 'wiki.test.tokens'),
-    url=_WIKITEXT_URL + 'wikitext-2-v1.zip',
-    archive_folder='wikitext-2',
-    description=('WikiText-2 (v1): 2M words of Wikipedia Good and Featured '
-                 'articles, tokenised, rare words mapped to <unk>. CC BY-SA 3.0.'),
-    homepage=_WIKITEXT_HOMEPAGE,
-    citation=_WIKITEXT_CITATION,
-    official_sha256={
-        'wiki.valid.tokens':
-            'f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8',
-        'wiki.test.tokens':
-            'd790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0',
-    },
-    official_train_lines=36_718,
-)
 
-TEXT8 = DatasetSpec(
-    name='text8',
-    level='char',
-    files=('text8',),
-    url='http://mattmahoney.net/dc/text8.zip',
-    description=('text8: the first 100M characters of cleaned English Wikipedia '
-                 '(lowercase a-z and space), split 90M/5M/5M.'),
-    homepage='http://mattmahoney.net/dc/textdata.html',
-    citation=_MAHONEY_CITATION,
-    official_size=_HUTTER_SIZE,
-    official_split=_HUTTER_SPLIT,
-    clean='text8',
-)
+WIKITEXT103 = _wikitext(
+    'wikitext103', 'wikitext-103', '103M',
+    valid_sha256='9aee9f52d6e77de6c7751fc5e7c44287db3ec0eaf15477098acc6b93c1c4250b',
+    test_sha256='56db52eb157b1ab5c89646eef70510c1eca6e12a3bfdb99f0d6b05b4eacb75b9',
+    train_lines=1_801_350, cutoffs=(20_000, 40_000, 200_000))
 
-ENWIK8 = DatasetSpec(
-    name='enwik8',
-    level='byte',
-    files=('enwik8',),
-    url='http://mattmahoney.net/dc/enwik8.zip',
-    description=('enwik8: the first 100M bytes of an English Wikipedia XML dump, '
-                 'split 90M/5M/5M.'),
-    homepage='http://mattmahoney.net/dc/textdata.html',
-    citation=_MAHONEY_CITATION,
-    official_size=_HUTTER_SIZE,
-    official_split=_HUTTER_SPLIT,
-)
+WIKITEXT2 = _wikitext(
+    'wikitext2', 'wikitext-2', '2M',
+    valid_sha256='f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8',
+    test_sha256='d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0',
+    train_lines=36_718)
+
+def _hutter(name: str, level: str, description: str, **extra) -> DatasetSpec:
+  """A 100M-unit Wikipedia prefix from Matt Mahoney's page, split 90M/5M/5M."""
+  return DatasetSpec(
+      name=name,
+      level=level,
+      files=(name,),
+      url=f'http://mattmahoney.net/dc/{name}.zip',
+      description=description,
+      homepage='http://mattmahoney.net/dc/textdata.html',
+      citation=_MAHONEY_CITATION,
+      official_size=_HUTTER_SIZE,
+      official_split=_HUTTER_SPLIT,
+      **extra,
+  )
+
+
+TEXT8 = _hutter('text8', 'char', (
+    'text8: the first 100M characters of cleaned English Wikipedia '
+    '(lowercase a-z and space), split 90M/5M/5M.'), clean='text8')
+
+ENWIK8 = _hutter('enwik8', 'byte', (
+    'enwik8: the first 100M bytes of an English Wikipedia XML dump, '
+    'split 90M/5M/5M.'))
 
 WIKITEXT_CHARS = DatasetSpec(
     name='wikitext_chars',

@@ -143,51 +143,20 @@ def _chunks(data: bytes) -> Iterator[bytes]:
     yield data[start:start + _CHUNK_BYTES]
 
 
-class Wikitext103(_TextBuilder):
-  name = 'wikitext103'
-  SPEC = specs.WIKITEXT103
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
+def _registered_builder(spec: specs.DatasetSpec) -> type[_TextBuilder]:
+  """The TFDS builder of one dataset, registered under its name (`tfds.builder(name)`
+  finds it; its data lives in DATA_DIR/<name>/<version>). `prepare` subclasses the
+  text_files one with the options of a run."""
+  namespace = dict(name=spec.name, SPEC=spec,
+                   MANUAL_DOWNLOAD_INSTRUCTIONS=spec.source_hint(), __module__=__name__)
+  class_name = ''.join(part.title() for part in spec.name.split('_'))
+  return types.new_class(class_name, (_TextBuilder,), {},
+                         lambda ns: ns.update(namespace))
 
 
-class Wikitext2(_TextBuilder):
-  name = 'wikitext2'
-  SPEC = specs.WIKITEXT2
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-class Ptb(_TextBuilder):
-  name = 'ptb'
-  SPEC = specs.PTB
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-class TextFiles(_TextBuilder):
-  """The user's files; `prepare` makes a subclass holding the resolved options."""
-  name = specs.TEXT_FILES_NAME
-  SPEC = specs.TEXT_FILES
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-class Text8(_TextBuilder):
-  name = 'text8'
-  SPEC = specs.TEXT8
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-class Enwik8(_TextBuilder):
-  name = 'enwik8'
-  SPEC = specs.ENWIK8
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-class WikitextChars(_TextBuilder):
-  name = 'wikitext_chars'
-  SPEC = specs.WIKITEXT_CHARS
-  MANUAL_DOWNLOAD_INSTRUCTIONS = SPEC.source_hint()
-
-
-BUILDERS = {cls.SPEC.name: cls for cls in
-            (Wikitext103, Wikitext2, Ptb, Text8, Enwik8, WikitextChars, TextFiles)}
+BUILDERS = {spec.name: _registered_builder(spec) for spec in (
+    specs.WIKITEXT103, specs.WIKITEXT2, specs.PTB, specs.TEXT8, specs.ENWIK8,
+    specs.WIKITEXT_CHARS, specs.TEXT_FILES)}
 
 
 def prepare(spec: specs.DatasetSpec, data_dir: str, source_dir: str | None,
