@@ -21,54 +21,44 @@ def test_flags_win_over_environment():
     distributed.settings_from(environ={"JAX_PROCESS_ID": "one"})
 
 
-@pytest.mark.parametrize("environ,cluster", [
-    ({}, None),
-    ({"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"}, "slurm"),
-    ({"SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1"}, None),   # one task: no peers
-    ({"SLURM_NTASKS": "4"}, None),                                 # batch script, not srun
-    ({"OMPI_COMM_WORLD_SIZE": "8"}, "ompi"),
-    ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
-    ({"TPU_WORKER_HOSTNAMES": "a,b"}, "tpu"),
-])
-def test_detects_clusters_from_environment(environ, cluster, tmp_path):
-  assert distributed.detect_cluster(environ, pci_devices=str(tmp_path)) == cluster
-
-
-def test_detects_cloud_tpu_from_pci_vendor(tmp_path):
-  (tmp_path / "0000:00:04.0").mkdir()
-  (tmp_path / "0000:00:04.0" / "vendor").write_text("0x1af4\n")
-  assert not distributed.on_cloud_tpu_vm(str(tmp_path))
-  (tmp_path / "0000:00:05.0").mkdir()
-  (tmp_path / "0000:00:05.0" / "vendor").write_text("0x1ae0\n")
-  assert distributed.on_cloud_tpu_vm(str(tmp_path))
-  assert distributed.detect_cluster({}, pci_devices=str(tmp_path)) == "tpu"
-
-
-def test_plan():
-  # Nothing given, no cluster: a plain single-process run.
-  assert distributed.plan(Settings(), None) is None
-  # A cluster JAX knows: it fills in everything.
-  assert distributed.plan(Settings(), "tpu") == {}
-  full = Settings("10.0.0.1:1234", 2, 1)
-  assert distributed.plan(full, None) == {
-      "coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
-  # Slurm knows the process count and id; the coordinator port is the user's.
-  assert distributed.plan(Settings("n1:5000"), "slurm") == {"coordinator_address": "n1:5000"}
-  with pytest.raises(ConfigError, match="missing: num_processes, process_id"):
-    distributed.plan(Settings("10.0.0.1:1234"), None)
-  with pytest.raises(ConfigError, match="process_id=2 is not in"):
-    distributed.plan(Settings("h:1", 2, 2), None)
-
-
-def test_single_process_initialize_does_nothing(monkeypatch, tmp_path):
-  monkeypatch.setattr(distributed, "_PCI_DEVICES", str(tmp_path))
+def fake_jax_initialize(monkeypatch, cluster=None):
+  """Stands in for `jax.distributed.initialize` as it behaves: what the arguments leave
+  unset comes from a detected `cluster` (a dict of the values it knows), and a value
+  neither names raises ValueError. Returns the arguments of every successful call."""
   calls = []
-  monkeypatch.setattr(distributed.jax.distributed, "initialize",
-                      lambda **kwargs: calls.append(kwargs))
-  distributed.initialize(Settings(), environ={})
+
+  def initialize(**kwargs):
+    resolved = {**(cluster or {}), **kwargs}
+    if set(resolved) != {"coordinator_address", "num_processes", "process_id"}:
+      raise ValueError("coordinator_address should be defined.")
+    calls.append(kwargs)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", initialize)
+  return calls
+
+
+def test_single_process_without_a_cluster(monkeypatch):
+  calls = fake_jax_initialize(monkeypatch)
+  distributed.initialize(Settings())
   assert not calls
-  distributed.initialize(Settings("h:1", 2, 0), environ={})
+  distributed.initialize(Settings("h:1", 2, 0))
   assert calls == [{"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}]
+
+
+def test_a_detected_cluster_fills_what_is_not_given(monkeypatch):
+  slurm = {"coordinator_address": "n1:1234", "num_processes": 2, "process_id": 1}
+  calls = fake_jax_initialize(monkeypatch, cluster=slurm)
+  distributed.initialize(Settings())
+  # The coordinator port is the user's; Slurm knows the process count and id.
+  distributed.initialize(Settings("n1:5000"))
+  assert calls == [{}, {"coordinator_address": "n1:5000"}]
+
+
+def test_incomplete_or_inconsistent_settings(monkeypatch):
+  fake_jax_initialize(monkeypatch)
+  with pytest.raises(ConfigError, match="missing: num_processes, process_id"):
+    distributed.initialize(Settings("10.0.0.1:1234"))
+  with pytest.raises(ConfigError, match="process_id=2 is not in"):
+    distributed.initialize(Settings("h:1", 2, 2))
 
 
 def fake_mesh(process_of_device, shape):
