@@ -11,40 +11,17 @@ u is the content bias of the Transformer-XL context term only, as in the code be
 the paper (`persistent_content_bias` gives persistent logits (q_i + u)·p^K_n instead).
 
 Keys are [memory (S slots), current segment (T)], so K = S + T. Relative distances
-run over 0..K-1 and are looked up with the usual rel_shift trick.
+run over 0..K-1 and are looked up with the usual rel_shift trick. The attention core
+and its hand-written backward pass live in attention_kernel.py.
 """
-import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from allatt_jax import attention_kernel
 from allatt_jax import gates as gates_lib
-
-_NEG_INF = -1e30
-
-
-def rel_shift(x_BxHxTxK1: jax.Array) -> jax.Array:
-  """Re-indexes scores against a descending position table into query-key layout.
-
-  Input: scores against relative distances K-1 .. 0 in columns 1..K, after a column
-  of zeros (scores against a zero first row of the position table, so that the
-  Transformer-XL pad is free). Query i sits at key position S+i = K-T+i, so its score
-  for key j lives in column 1 + j + T-1-i. Dropping the first T entries of each
-  flattened (T, K+1) block realigns every row at once; entries for future keys
-  (j > S+i) become garbage, which the causal mask removes.
-  """
-  *lead, t, k1 = x_BxHxTxK1.shape
-  return x_BxHxTxK1.reshape(*lead, t * k1)[..., t:].reshape(*lead, t, k1 - 1)
-
-
-def _rel_unshift(g_BxHxTxK: jax.Array) -> jax.Array:
-  """The transpose of `rel_shift`: cotangents back onto the padded (T, K+1) layout."""
-  *lead, t, k = g_BxHxTxK.shape
-  flat = jnp.pad(g_BxHxTxK.reshape(*lead, t * k), [(0, 0)] * len(lead) + [(t, 0)])
-  return flat.reshape(*lead, t, k + 1)
-
 
 SAME_LENGTH_KEYS = ("mem_len+1", "mem_len")
 
@@ -77,216 +54,6 @@ def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
   inv_freq = 1.0 / (10000 ** (jnp.arange(0, d_model, 2, dtype=jnp.float32) / d_model))
   angles = pos_K[:, None] * inv_freq[None, :]
   return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
-
-
-# Threefry-2x32 rounds. Random123 (Salmon et al. 2011) knows no statistical failure of
-# Threefry-2x32 from 13 rounds on and defaults to 20 as a margin; 13 suffice for
-# dropout masks and make the hash, the dearest part of attention dropout on CPU, a
-# third cheaper.
-_THREEFRY_ROUNDS = 13
-
-
-def _threefry2x32(k0, k1, x0, x1, rounds: int = _THREEFRY_ROUNDS):
-  """Threefry-2x32 (Salmon et al. 2011), the counter-based hash behind jax.random.
-
-  Written out rather than through jax.random: on CPU, jax lowers threefry to a rolled
-  loop whose every iteration writes the full array, which made dropout on the
-  (B, H, T, N) attention weights cost more than the attention itself. Unrolled, XLA
-  fuses the hash into the elementwise pass that uses the bits.
-  """
-  rotations = (13, 15, 26, 6, 17, 29, 16, 24)
-  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
-  x0, x1 = x0 + ks[0], x1 + ks[1]
-  for r in range(rounds):
-    rot = rotations[r % 8]
-    x0 = x0 + x1
-    x1 = x0 ^ ((x1 << rot) | (x1 >> (32 - rot)))
-    if r % 4 == 3:   # Key injection after every fourth round.
-      i = r // 4 + 1
-      x0 = x0 + ks[i % 3]
-      x1 = x1 + ks[(i + 1) % 3] + jnp.uint32(i)
-  return x0, x1
-
-
-def _keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
-  """Bernoulli(1 - rate) dropout mask hashed from each element's position.
-
-  The mask is a pure function of the key and of each element's (head, flat index
-  within the head) counter, so the backward pass recomputes it instead of keeping
-  it, and a loop over blocks of heads draws the same mask as one pass over all.
-  Counters are unique up to 2^32 elements per head.
-  """
-  hi = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_head, jnp.uint32)
-  lo = jnp.zeros(shape, jnp.uint32)
-  for axis in range(1, len(shape)):
-    lo = lo * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-  b0, b1 = _threefry2x32(key_2[0], key_2[1], hi, lo)
-  return (b0 ^ b1) >= jnp.uint32(int(rate * 2.0 ** 32))
-
-
-def _dropped(p, keep, rate):
-  return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-
-
-def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
-  if not rate:
-    return None, None
-  return (_keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
-          None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
-
-
-def _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK):
-  """Softmax over [context keys, persistent slots] without concatenating the two."""
-  f32 = jnp.float32
-  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=f32)
-  position = rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad, preferred_element_type=f32))
-  ctx_HxBxTxK = jnp.where(mask_TxK, content + position, _NEG_INF)
-  top = ctx_HxBxTxK.max(-1, keepdims=True)
-  if pk is not None:
-    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk, preferred_element_type=f32)
-    top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
-  e_ctx = jnp.exp(ctx_HxBxTxK - top)
-  norm = e_ctx.sum(-1, keepdims=True)
-  if pk is not None:
-    e_pers = jnp.exp(pers_HxBxTxN - top)
-    norm = norm + e_pers.sum(-1, keepdims=True)
-  inv_norm = 1.0 / norm
-  return e_ctx * inv_norm, None if pk is None else e_pers * inv_norm
-
-
-def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv):
-  """Outputs and softmax weights of one block of heads."""
-  p_ctx, p_pers = _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
-  dtype = v.dtype
-  out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
-  if pv is not None:
-    out += jnp.einsum("hbtn,hnd->hbtd", _dropped(p_pers, keep_pers, rate).astype(dtype), pv)
-  return out, p_ctx, p_pers
-
-
-def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv,
-                    p_ctx, p_pers, out, dout):
-  """Gradients of one block of heads' inputs (see `_attend`).
-
-  p_ctx and p_pers are the saved softmax weights, or None to recompute them.
-  """
-  f32, dtype = jnp.float32, dout.dtype
-  if p_ctx is None:
-    # Tied to dout, the recomputation can neither merge with the forward pass's (CSE)
-    # nor be scheduled before the backward pass reaches this layer.
-    qu, qv, qp, k, r_pad, pk, dout = jax.lax.optimization_barrier(
-        (qu, qv, qp, k, r_pad, pk, dout))
-    p_ctx, p_pers = _attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
-  # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
-  # which avoids one more pass over the weights.
-  delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
-
-  def weight_grads(p, dp, keep):
-    """The dropped weights, and the logits' gradient p ⊙ (keep ⊙ dp / (1 - rate) - δ).
-
-    Written as p_dropped ⊙ dp - p ⊙ δ, it reads the mask only through p_dropped, which
-    the value gradient needs anyway (XLA:CPU still recomputes the hash in both fusions).
-    """
-    p_dropped = _dropped(p, keep, rate)
-    return p_dropped.astype(dtype), (p_dropped * dp - p * delta).astype(dtype)
-
-  # Each product contracts a large weights array over its natural row-major axes;
-  # the (.., dh, X) results are transposed afterwards, being small.
-  pd_ctx, dlog_ctx = weight_grads(
-      p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v, preferred_element_type=f32), keep_ctx)
-  dv = jnp.einsum("hbtd,hbtk->hbdk", dout, pd_ctx).swapaxes(-1, -2)
-  dqu = jnp.einsum("hbtk,hbkd->hbtd", dlog_ctx, k, preferred_element_type=f32)
-  dk = jnp.einsum("hbtd,hbtk->hbdk", qu, dlog_ctx).swapaxes(-1, -2)
-  dpos = _rel_unshift(dlog_ctx)
-  dqv = jnp.einsum("hbtk,hkd->hbtd", dpos, r_pad)
-  dr_pad = jnp.einsum("hbtd,hbtk->hdk", qv, dpos).swapaxes(-1, -2)
-  dqp = dpk = dpv = None
-  if pk is not None:
-    pd_pers, dlog_pers = weight_grads(
-        p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=f32), keep_pers)
-    dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
-    dqp = jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk,
-                     preferred_element_type=f32).astype(dtype)
-    dpk = jnp.einsum("hbtd,hbtn->hdn", qp, dlog_pers).swapaxes(-1, -2)
-  return dqu.astype(dtype), dqv, dqp, dk, dv, dr_pad, dpk, dpv
-
-
-def _over_head_blocks(fn, block: int, *arrays_H):
-  """fn(first_head, *arrays) over blocks of `block` heads (axis 0), one after another.
-
-  A loop keeps each block's (B, T, K + N) intermediates in cache, where one pass
-  over all heads streams every elementwise pass through memory. None entries pass
-  through.
-  """
-  num_heads = arrays_H[0].shape[0]
-  if block >= num_heads:
-    return fn(0, *arrays_H)
-  split = lambda x: None if x is None else x.reshape(num_heads // block, block, *x.shape[1:])
-  merge = lambda x: None if x is None else x.reshape(num_heads, *x.shape[2:])
-  outputs = jax.lax.map(lambda xs: fn(xs[0] * block, *xs[1:]),
-                        (jnp.arange(num_heads // block), *map(split, arrays_H)))
-  return jax.tree.map(merge, outputs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
-  """Relative attention with persistent slots on head-major arrays.
-
-  Args:
-    rate: attention dropout rate (0 = none).
-    head_block: heads per step of the loop over heads (it must divide H).
-    remat: recompute the softmax weights in the backward pass instead of keeping them.
-    qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
-    qp: (H, B, T, dh) the queries of the persistent logits, pre-scaled (qp may be qu).
-    k, v: (H, B, K, dh) context keys and values.
-    r_pad: (H, K+1, dh) projected relative positions for distances K-1..0 after a
-      zero row (see `rel_shift`).
-    pk, pv: (H, N, dh) persistent keys and values, or None.
-    mask_TxK: which keys each query may see.
-    keys_2x2: uint32 key words of the context and persistent dropout masks.
-
-  Returns:
-    (H, B, T, dh) attention outputs.
-
-  Head-major so that every (.., T, K) and (.., T, N) array is produced by a matmul in
-  its natural layout and is consumed by the next matmul without a transpose; the
-  backward pass is written out for the same reason (autodiff's matmuls transposed
-  the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
-  softmax weights (or nothing, with remat) are kept for the backward pass.
-  """
-  return _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
-                     keys_2x2)[0]
-
-
-def _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
-                keys_2x2):
-  block_fn = functools.partial(_block_forward, rate, mask_TxK, keys_2x2)
-  if remat:   # Only the outputs leave the loop.
-    out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
-                            v, r_pad, pk, pv)
-    p_ctx = p_pers = None
-  else:
-    out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
-                                           pk, pv)
-  return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
-
-
-def _attend_bwd(rate, head_block, remat, residuals, dout):
-  del remat   # The residuals say whether the weights were kept.
-  *inputs, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
-  block_fn = functools.partial(_block_backward, rate, mask_TxK, keys_2x2)
-  grads = _over_head_blocks(block_fn, head_block, *inputs, p_ctx, p_pers, out, dout)
-  return (*grads, None, None)
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _divisor_at_most(n: int, limit: int) -> int:
-  """The largest divisor of n not above limit (pruned layers have any head count)."""
-  return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 class Projection(nn.Module):
@@ -367,14 +134,15 @@ class RelativeAttention(nn.Module):
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
-    out_HxBxTxDh = _attend(rate, _divisor_at_most(h, self.head_block or h), self.remat, qu,
-                           qv, qp, head_major(k), head_major(v), r_pad, pk, pv, mask_TxK,
-                           keys_2x2)
+    block = attention_kernel.divisor_at_most(h, self.head_block or h)
+    out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, qu, qv, qp, head_major(k),
+                                           head_major(v), r_pad, pk, pv, mask_TxK, keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.
       self.sow("intermediates", "attention_probs",
-               _attention_weights(qu, qv, qp, head_major(k), r_pad, pk, mask_TxK))
+               attention_kernel.attention_weights(qu, qv, qp, head_major(k), r_pad, pk,
+                                                 mask_TxK))
     out_BxTxHxDh = jnp.moveaxis(out_HxBxTxDh, 0, 2)
 
     stats = {}

@@ -9,7 +9,7 @@ Measures, on the first device and in one process:
     forward MACs per token (`costs.macs_per_token`, attention stack and output layer);
   * evaluation-with-memory tokens/s (`evaluate.Evaluator`) of models exported from
     gated models of random parameters keeping each fraction of every layer's heads
-    (random heads, `export.prune_variables`), their MAC ratio to the unpruned model
+    (random heads, `prune.prune_variables`), their MAC ratio to the unpruned model
     and their speed-up against the ideal 1 / MAC ratio;
   * GFLOP/s of one large float32 matmul, the device's practical peak;
   * compile times, XLA's temporary buffer sizes and the process's peak memory.
@@ -23,7 +23,6 @@ run config works too, with `SETTINGS` (e.g. configs/wt103_base.py on an accelera
 The matmul runs in the model's compute dtype (float32 on CPU, bfloat16 for the
 accelerator configs), so its rate is the peak that dtype reaches on the device.
 """
-import functools
 import json
 import os
 import resource
@@ -42,11 +41,10 @@ from ml_collections import config_flags
 
 from allatt_jax import costs
 from allatt_jax import evaluate
-from allatt_jax import export
+from allatt_jax import prune
 from allatt_jax import model as model_lib
-from allatt_jax import optim
+from allatt_jax import run_setup
 from allatt_jax import sharding
-from allatt_jax import steps
 
 
 # Benchmark settings for configs without a `benchmark` section.
@@ -124,26 +122,20 @@ class TrainStep:
     config = config.copy_and_resolve_references()
     config.gates.enabled = gated
     config.init_from = ""
+    # A setup refuses a gate freeze after the last step; the benchmark times a few
+    # steps of a run whose freeze may lie beyond the config's step count.
+    config.train.num_steps = max(config.train.num_steps, config.gates.freeze_step)
     self.config = config
-    mesh = sharding.make_mesh(config.mesh)
-    lm = model_lib.TransformerLM(model_lib.model_config(config))
-    optimizer = optim.make_optimizer(config)
-    self.lm = lm
-    # The state and its shardings as train.Run builds them.
-    with sharding.activate(mesh):
-      boxed = jax.eval_shape(functools.partial(
-          steps.init_state, lm, optimizer, config, boxed=True), jax.random.key(0))
-      state_sharding = sharding.logical_shardings(mesh, boxed).replace(
-          memory=sharding.memory_sharding(mesh))
-      self._state = jax.jit(functools.partial(steps.init_state, lm, optimizer, config),
-                            out_shardings=state_sharding)(jax.random.key(config.train.seed))
+    setup = run_setup.resolve(config)
+    mesh = setup.mesh
+    self.lm = setup.lm
+    self._state = setup.new_state()
     batch = sharding.batch_sharding(mesh)
     train = config.train
     tokens = np.random.default_rng(0).integers(
         0, config.model.vocab_size, (train.batch_size, train.seq_len + 1), dtype=np.int32)
     self._batch = tuple(jax.device_put(a, batch) for a in (tokens[:, :-1], tokens[:, 1:]))
-    step = steps.jit_train_step(lm, optimizer, config, state_sharding, batch,
-                                sharding.replicated(mesh), sample_gates=gated)
+    step = setup.train_step(sample_gates=gated)
     self._mesh = mesh
     start = time.perf_counter()
     with sharding.activate(mesh):
@@ -174,10 +166,8 @@ def gated_model(config: ml_collections.ConfigDict, seed: int = 0):
   N(0, 0.02) entries of the right shapes: throughput does not depend on the values,
   and this skips compiling the initialisers.
   """
-  cfg = model_lib.model_config(config, gated=True, heads_per_layer=None)
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  abstract = jax.eval_shape(model_lib.TransformerLM(cfg).init, jax.random.key(seed), tokens,
-                            tokens, model_lib.init_memory(cfg, 1, 1))
+  cfg = model_lib.ModelConfig.from_config(config, gated=True, heads_per_layer=None)
+  abstract = model_lib.abstract_variables(cfg)
   rng = np.random.default_rng(seed)
   return cfg, jax.tree.map(lambda a: rng.normal(0.0, 0.02, a.shape).astype(a.dtype),
                            nn.unbox(abstract))
@@ -187,7 +177,7 @@ def pruned_model(gated_cfg, variables, heads_kept: float, seed: int = 0):
   """(config, params) exported from a gated model keeping a fraction of every layer's heads.
 
   Every layer keeps round(heads_kept · H) heads chosen at random; the rest get closed
-  gates and `export.prune_variables` cuts them out, as after a pruning run.
+  gates and `prune.prune_variables` cuts them out, as after a pruning run.
   """
   rng = np.random.default_rng(seed)
   gates = {}
@@ -195,7 +185,7 @@ def pruned_model(gated_cfg, variables, heads_kept: float, seed: int = 0):
     open_H = np.zeros(heads, bool)
     open_H[rng.permutation(heads)[:round(heads_kept * heads)]] = True
     gates[f"layer_{i}"] = {"attention": {"logits": np.where(open_H, 3.0, -3.0)}}
-  return export.prune_variables(gated_cfg, {"params": variables["params"], "gates": gates})
+  return prune.prune_variables(gated_cfg, {"params": variables["params"], "gates": gates})
 
 
 class Inference:
@@ -207,9 +197,8 @@ class Inference:
     self.heads_kept = heads_kept
     e = config.eval
     self.segments = settings(config).eval_segments
-    self._evaluator = evaluate.Evaluator(
-        model_lib.TransformerLM(cfg), sharding.make_mesh(config.mesh),
-        batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)
+    self._evaluator = evaluate.Evaluator.from_config(
+        model_lib.TransformerLM(cfg), sharding.make_mesh(config.mesh), config)
     self._variables = jax.device_put({"params": params})
     length = e.batch_size * e.seq_len * self.segments + 1
     self._tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, length,

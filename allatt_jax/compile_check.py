@@ -11,15 +11,12 @@ state and batch shards, outputs, temporaries) and its FLOPs.
 
 The figures are for XLA:CPU; a TPU or GPU compile fuses and lays out differently, so
 treat the memory as a sanity check of the sharding (does each device hold 1/model of
-the heads?), not as an exact HBM budget. With `--devices` the process re-executes
-itself with XLA_FLAGS=--xla_force_host_platform_device_count, which must be set
-before JAX starts.
+the heads?), not as an exact HBM budget. `--devices` sets JAX's CPU device count
+(`jax_num_cpu_devices`) before JAX starts its backend.
 """
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 
 from absl import app
@@ -30,13 +27,9 @@ import ml_collections
 from ml_collections import config_flags
 
 from allatt_jax import errors
-from allatt_jax import model as model_lib
-from allatt_jax import optim
+from allatt_jax import run_setup
 from allatt_jax import sharding
-from allatt_jax import steps
-from allatt_jax import train
 
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _GIB = 2**30
 
 
@@ -82,15 +75,12 @@ def check(config: ml_collections.ConfigDict, mesh_shape: tuple[int, int],
   """Lowers and compiles the train step of `config` on a mesh of the current devices."""
   config = config.copy_and_resolve_references()
   config.mesh.data, config.mesh.model = mesh_shape
-  mesh = sharding.make_mesh(config.mesh)
-  lm = model_lib.TransformerLM(model_lib.model_config(config))
-  optimizer = optim.make_optimizer(config)
-  abstract, state_sharding = train.abstract_state(lm, optimizer, config, mesh)
+  setup = run_setup.resolve(config)
+  mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)
   gated = "gates" in abstract.variables
   # A pruning run starts with sampled gates: that step is the one that runs first.
-  step = steps.jit_train_step(lm, optimizer, config, state_sharding, batch,
-                              sharding.replicated(mesh), sample_gates=gated)
+  step = setup.train_step(sample_gates=gated)
   t = config.train
   tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=batch)
   with sharding.activate(mesh):
@@ -121,20 +111,14 @@ def _mesh_shape(text: str, devices: int) -> tuple[int, int]:
   return sharding.mesh_shape(ml_collections.ConfigDict(dict(data=data, model=model)), devices)
 
 
-def _reexec_with_devices(devices: int) -> None:
-  """Restarts this command with `devices` fake CPU devices (JAX reads the flag once)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}={devices}".strip()
-  os.execve(sys.executable, [sys.executable, "-m", "allatt_jax.compile_check", *sys.argv[1:]],
-            env)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   wanted = _DEVICES.value
-  if wanted and f"{_DEVICE_COUNT_FLAG}={wanted}" not in os.environ.get("XLA_FLAGS", ""):
-    _reexec_with_devices(wanted)
+  if wanted:
+    # Read once, when the first device is touched: nothing has touched one yet.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", wanted)
   with errors.reported_to_user():
     devices = jax.device_count()
     if wanted and devices != wanted:

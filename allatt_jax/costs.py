@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
+import ml_collections
 from ml_collections import config_flags
 
-from allatt_jax import adaptive
 from allatt_jax import model as model_lib
+from allatt_jax.errors import ConfigError
 
 EMBEDDING_PARAMS = ("embedding", "relative_table")
 
@@ -83,11 +83,7 @@ def output_macs_per_token(cfg: model_lib.ModelConfig) -> float:
 
 def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
   """Embedding / non-embedding / total parameter counts of the real tree."""
-  abstract = jax.eval_shape(
-      model_lib.TransformerLM(cfg).init, jax.random.key(0),
-      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-      model_lib.init_memory(cfg, 1, 1))
-  params = abstract["params"]
+  params = model_lib.abstract_variables(cfg)["params"]
   size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
   embedding = sum(size(params[k]) for k in EMBEDDING_PARAMS if k in params)
   total = size(params)
@@ -132,10 +128,71 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
       cfg, heads_per_layer=tuple(round(heads_kept * h) for h in cfg.layer_heads))
 
 
+# --- Budgets: a pruning run's requested size as a number of open heads (budget.py
+# steers the gates to it).
+
+TARGET_KEYS = ("target_sparsity", "target_params", "target_macs")
+
+
+def target_key(config: ml_collections.ConfigDict) -> str | None:
+  """The budget key the config sets, or None for a plain fixed-λ (or baseline) run."""
+  keys = [k for k in TARGET_KEYS if config.gates.get(k) is not None]
+  if len(keys) > 1:
+    raise ConfigError(f"config.gates sets {keys}; set at most one budget target.")
+  return keys[0] if keys else None
+
+
+def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
+  """(cost of the unpruned model, cost of one head) in params or MACs per token.
+
+  Uses layer 0: all heads of all layers cost the same in this model family.
+  """
+  one_fewer = dataclasses.replace(
+      cfg, heads_per_layer=(cfg.layer_heads[0] - 1, *cfg.layer_heads[1:]))
+  if key == "target_params":
+    cost = lambda c: param_counts(c)["params_non_embedding"]
+  else:
+    cost = lambda c: macs_per_token(c, *eval_lengths)["macs_per_token_non_embedding"]
+  full = cost(cfg)
+  return full, full - cost(one_fewer)
+
+
+def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig) -> int:
+  """n*: the most open heads the config's budget allows (`cfg`: the run's model).
+
+  Raises:
+    ConfigError: no budget, more than one, or one out of range, or a run without
+      gates, or one that also sets a fixed λ.
+  """
+  key = target_key(config)
+  if key is None:
+    raise ConfigError(f"config.gates sets none of {TARGET_KEYS}.")
+  gates = config.gates
+  if not gates.enabled:
+    raise ConfigError(f"config.gates.{key} needs a pruning run: set gates.enabled=True.")
+  if gates.lam:
+    raise ConfigError(
+        f"config.gates.{key} replaces the fixed λ (the controller finds it), but "
+        f"config.gates.lam={gates.lam}; set gates.lam=0.")
+  value = gates[key]
+  total = sum(cfg.layer_heads)
+  if key == "target_sparsity":
+    if not 0.0 <= value <= 1.0:
+      raise ConfigError(f"config.gates.target_sparsity={value} must lie in [0, 1].")
+    return round((1.0 - value) * total)
+  if value <= 0:
+    raise ConfigError(f"config.gates.{key}={value} must be positive.")
+  e = config.eval
+  full, per_head = head_cost(cfg, key, (e.seq_len, e.mem_len, e.batch_size))
+  # The small tolerance keeps a budget computed from an exact head count exact.
+  heads = total - math.ceil((full - value) / per_head - 1e-9)
+  return min(max(heads, 0), total)
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   config = _CONFIG.value
-  cfg = model_lib.model_config(config)
+  cfg = model_lib.ModelConfig.from_config(config)
   train = config.train
   print(json.dumps(report(cfg, train.seq_len, train.mem_len, train.batch_size,
                           _HEADS_KEPT.value), indent=2))

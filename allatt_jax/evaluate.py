@@ -11,16 +11,23 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import sharding
-from allatt_jax import steps
 
 
 def metric_value(mean_nll: float, metric: str) -> float:
   return math.exp(mean_nll) if metric == "ppl" else mean_nll / math.log(2)
+
+
+def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
+              lm: model_lib.TransformerLM):
+  """Weighted NLL sum and token count of one eval batch, and the next memory."""
+  nll_BxT, memory, _ = lm.apply(variables, inputs_BxT, targets_BxT, memory)
+  return (jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), memory
 
 
 class Evaluator:
@@ -32,10 +39,17 @@ class Evaluator:
     self.batch_size, self.seq_len, self.mem_len = batch_size, seq_len, mem_len
     batch = sharding.batch_sharding(mesh)
     self._step = jax.jit(
-        functools.partial(steps.eval_step, lm=lm),
+        functools.partial(eval_step, lm=lm),
         in_shardings=(None, sharding.memory_sharding(mesh), batch, batch, batch),
         out_shardings=(sharding.replicated(mesh), sharding.memory_sharding(mesh)),
         donate_argnums=(1,))
+
+  @classmethod
+  def from_config(cls, lm: model_lib.TransformerLM, mesh,
+                  config: ml_collections.ConfigDict) -> "Evaluator":
+    """The evaluator of `lm` at the run config's eval batch and lengths."""
+    e = config.eval
+    return cls(lm, mesh, batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""

@@ -1,186 +1,55 @@
-"""Export a pruning run as a smaller, ungated model, its closed heads removed.
+"""Export a pruning run as a smaller, ungated model, its closed heads removed
+(`prune.prune_variables`): the model's config.json and params, loadable without the
+training run (`checkpointing.load_model`).
 
-A head whose deterministic gate is closed loses its slices of every attention
-parameter; the survivors' output-projection slices absorb g_i · s_g, the gate value
-times the layer's output scale (computed over the layer's full gate vector), which
-is exactly the factor the gated model multiplies each head's output by. The exported
-model is therefore a plain `TransformerLM` with per-layer head counts whose outputs
-equal the gated model's deterministic outputs, in hard (g ∈ {0, 1}) and soft
-(fractional g) mode alike. A layer left without heads drops its attention and
-attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward;
-either keeps W_O's bias (a per-layer vector: the gated layer with every gate closed
-still adds it), as the parameter `model.HEADLESS_OUT_BIAS`.
+A pruning run exports its final state itself; this command exports a run's latest
+checkpoint again, e.g. to another folder:
+
+  python -m allatt_jax.export --workdir=RUN [--out=DIR]
 """
-import dataclasses
-
 from absl import app
 from absl import flags
 from etils import epath
-import flax.linen as nn
-from flax import traverse_util
-import jax
-import jax.numpy as jnp
-import numpy as np
+import ml_collections
 
 from allatt_jax import checkpointing
 from allatt_jax import errors
-from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import prune
+from allatt_jax import rundir
 from allatt_jax import validation
 
 EXPORT_DIR = "export"
 
-# Where the head axis sits in each attention parameter, keyed by its path under
-# `layer_{i}/attention`: kernels (d, H, dh) / (H, dh, d), biases (H, dh),
-# persistent vectors (H, N, dh).
-_HEAD_AXIS = {
-    ("query", "kernel"): 1,
-    ("key", "kernel"): 1,
-    ("value", "kernel"): 1,
-    ("rel", "kernel"): 1,
-    ("content_bias",): 0,
-    ("position_bias",): 0,
-    ("persistent_key",): 0,
-    ("persistent_value",): 0,
-    ("out", "kernel"): 0,
-}
-_OUT_KERNEL = ("out", "kernel")
-_OUT_BIAS = ("out", "bias")
-# Sub-modules of a layer that exist only while it has heads.
-_ATTENTION_MODULES = ("attention", "attention_norm")
 
-
-def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
-  """Per layer, the deterministic gate values (H_i,); empty for a headless layer."""
-  values = []
-  for i, heads in enumerate(cfg.layer_heads):
-    if not heads:
-      values.append(np.zeros((0,), np.float32))
-      continue
-    try:
-      logits_H = np.asarray(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
-    except KeyError:
-      raise errors.CheckpointError(
-          f"The gates collection has no logits for layer_{i} (expected at "
-          f"gates/layer_{i}/attention/logits); the variables do not come from a gated "
-          "model of this config.") from None
-    if logits_H.shape != (heads,):
-      raise errors.CheckpointError(
-          f"Gate logits of layer_{i} have shape {logits_H.shape}, but the config gives "
-          f"that layer {heads} heads; the variables do not match the config.")
-    values.append(np.asarray(gates_lib.deterministic(jnp.asarray(logits_H), cfg.gate)))
-  return values
-
-
-def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]:
-  """Per layer, the indices of the heads whose deterministic gate is open (> 0).
-
-  Args:
-    cfg: the gated model's config.
-    gates: its `gates` collection ({'layer_i': {'attention': {'logits': (H_i,)}}}).
-
-  Returns:
-    One int array per layer, ascending; empty for a fully closed or headless layer.
-  """
-  return tuple(np.flatnonzero(g_H > 0) for g_H in _gate_values(cfg, gates))
-
-
-def prune_variables(cfg: model_lib.ModelConfig,
-                    variables) -> tuple[model_lib.ModelConfig, dict]:
-  """Removes closed heads from a gated model and folds the gates into W_O.
-
-  Args:
-    cfg: the gated model's config.
-    variables: {'params': ..., 'gates': ...} of that model, unboxed arrays.
-
-  Returns:
-    The pruned model's config (heads_per_layer = surviving heads per layer,
-    gated=False) and its params tree, as numpy arrays.
-
-  Raises:
-    CheckpointError: the variables have no gates, or do not fit `cfg`.
-  """
-  if not variables.get("gates"):
-    raise errors.CheckpointError(
-        "The variables have no 'gates' collection: this run has no head gates, so "
-        "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
-        "not a baseline.")
-  keep, combine = [], []
-  for g_H in _gate_values(cfg, variables["gates"]):
-    keep.append(np.flatnonzero(g_H > 0))
-    # The scale uses the layer's full gate vector, as the gated forward pass does.
-    combine_H = g_H * np.asarray(gates_lib.output_scale(jnp.asarray(g_H), cfg.gate))
-    combine.append(combine_H.astype(np.float32))
-
-  pruned_cfg = dataclasses.replace(
-      cfg, heads_per_layer=tuple(len(k) for k in keep), gated=False)
-  layer_index = {f"layer_{i}": i for i in range(cfg.num_layers)}
-  pruned = {}
-  for path, leaf in traverse_util.flatten_dict(variables["params"]).items():
-    i = layer_index.get(path[0])
-    if i is None or path[1] not in _ATTENTION_MODULES:
-      pruned[path] = np.asarray(leaf)
-      continue
-    sub_path = path[2:]
-    if not keep[i].size:
-      if sub_path == _OUT_BIAS:
-        pruned[(path[0], model_lib.HEADLESS_OUT_BIAS)] = np.asarray(leaf)
-      continue
-    if path[1] == "attention_norm" or sub_path == _OUT_BIAS:
-      pruned[path] = np.asarray(leaf)
-      continue
-    if sub_path not in _HEAD_AXIS:
-      raise errors.CheckpointError(
-          f"Unknown attention parameter {'/'.join(path)}: export does not know its "
-          "head axis, so it cannot remove heads from it.")
-    sliced = np.take(np.asarray(leaf, np.float32), keep[i], axis=_HEAD_AXIS[sub_path])
-    if sub_path == _OUT_KERNEL:
-      sliced = sliced * combine[i][keep[i]][:, None, None]
-    pruned[path] = sliced
-  params = traverse_util.unflatten_dict(pruned)
-  _check_matches_init(pruned_cfg, params)
-  return pruned_cfg, params
-
-
-def _check_matches_init(cfg: model_lib.ModelConfig, params) -> None:
-  """Raises unless `params` has the paths and shapes `TransformerLM(cfg).init` makes."""
-  abstract = jax.eval_shape(
-      model_lib.TransformerLM(cfg).init, jax.random.key(0),
-      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-      model_lib.init_memory(cfg, 1, 1))
-  expected = {"/".join(p): x.shape for p, x in
-              traverse_util.flatten_dict(nn.unbox(abstract["params"])).items()}
-  got = {"/".join(p): x.shape for p, x in traverse_util.flatten_dict(params).items()}
-  problems = [f"missing {p} {expected[p]}" for p in sorted(expected.keys() - got.keys())]
-  problems += [f"unexpected {p} {got[p]}" for p in sorted(got.keys() - expected.keys())]
-  problems += [f"{p}: shape {got[p]}, the pruned config expects {expected[p]}"
-               for p in sorted(expected.keys() & got.keys()) if got[p] != expected[p]]
-  if problems:
-    raise errors.CheckpointError(
-        "The pruned parameters do not match the pruned model "
-        f"(heads_per_layer={cfg.layer_heads}); the variables do not fit the config: "
-        + "; ".join(problems))
-
-
-def export_run(workdir, out_dir=None) -> epath.Path:
-  """Exports a pruning run's latest checkpoint as a standalone smaller model.
-
-  The export's config.json is the run's config describing the smaller model (per-layer
-  head counts, no gates, no init_from), so `checkpointing.load_model` and every CLI that
-  takes a checkpoint can load it.
-  """
-  workdir = checkpointing.run_path(workdir)
-  validation.check_export(workdir)
-  config = checkpointing.load_config(workdir)
-  variables = checkpointing.restore_variables(workdir)
-  pruned_cfg, params = prune_variables(model_lib.model_config(config), variables)
+def exported_config(config: ml_collections.ConfigDict,
+                    pruned_cfg: model_lib.ModelConfig) -> ml_collections.ConfigDict:
+  """The run's config describing the smaller model: per-layer head counts, no gates,
+  no init_from, so that every CLI that takes a checkpoint can load the export."""
   exported = config.copy_and_resolve_references()
   exported.model.heads_per_layer = pruned_cfg.heads_per_layer
   exported.model.max_relative_len = pruned_cfg.max_relative_len
   exported.gates.enabled = False
   exported.init_from = ""
-  out_dir = checkpointing.run_path(out_dir) if out_dir else workdir / EXPORT_DIR
-  checkpointing.save_model(out_dir, exported, params)
+  return exported
+
+
+def save_export(out_dir, config: ml_collections.ConfigDict,
+                pruned_cfg: model_lib.ModelConfig, params) -> None:
+  """Writes the pruned model of a run with `config` to `out_dir`."""
+  checkpointing.save_model(out_dir, exported_config(config, pruned_cfg), params)
+
+
+def export_run(workdir, out_dir=None) -> epath.Path:
+  """Exports a pruning run's latest checkpoint as a standalone smaller model."""
+  workdir = rundir.run_path(workdir)
+  validation.check_export(workdir)
+  config = rundir.load_config(workdir)
+  variables = checkpointing.restore_variables(workdir)
+  pruned_cfg, params = prune.prune_variables(model_lib.ModelConfig.from_config(config),
+                                             variables)
+  out_dir = rundir.run_path(out_dir) if out_dir else workdir / EXPORT_DIR
+  save_export(out_dir, config, pruned_cfg, params)
   return out_dir
 
 

@@ -82,26 +82,27 @@ class ModelConfig:
   def layer_heads(self) -> tuple[int, ...]:
     return self.heads_per_layer or (self.num_heads,) * self.num_layers
 
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, **overrides) -> "ModelConfig":
+    """The ModelConfig of a run config (model and gates sections): the one place a
+    model's hyper-parameters are read from a ConfigDict."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in config.model.to_dict().items() if k in fields}
+    for key in ("heads_per_layer", "cutoffs", "tie_projs"):
+      if values.get(key) is not None:
+        values[key] = tuple(values[key])
+    if not values.get("max_relative_len"):
+      values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
+                                       config.eval.seq_len + config.eval.mem_len)
+    if not values.get("cutoffs") and values.get("div_val", 1) > 1:
+      # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
+      values["cutoffs"] = data_specs.default_cutoffs(config.data.name, values["vocab_size"])
+    values["gated"] = config.gates.enabled
+    values["gate"] = gates_lib.GateConfig(**{
+        f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})
+    values.update(overrides)
+    return cls(**values)
 
-
-def model_config(config: ml_collections.ConfigDict, **overrides) -> ModelConfig:
-  """The ModelConfig of a run config (model and gates sections)."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  values = {k: v for k, v in config.model.to_dict().items() if k in fields}
-  for key in ("heads_per_layer", "cutoffs", "tie_projs"):
-    if values.get(key) is not None:
-      values[key] = tuple(values[key])
-  if not values.get("max_relative_len"):
-    values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
-                                     config.eval.seq_len + config.eval.mem_len)
-  if not values.get("cutoffs") and values.get("div_val", 1) > 1:
-    # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
-    values["cutoffs"] = data_specs.default_cutoffs(config.data.name, values["vocab_size"])
-  values["gated"] = config.gates.enabled
-  values["gate"] = gates_lib.GateConfig(**{
-      f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})
-  values.update(overrides)
-  return ModelConfig(**values)
 
 
 def init_memory(cfg: ModelConfig, batch_size: int, mem_len: int) -> dict[str, jax.Array]:
@@ -176,6 +177,10 @@ class TransformerLM(nn.Module):
   """
   cfg: ModelConfig
 
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, **overrides) -> "TransformerLM":
+    return cls(ModelConfig.from_config(config, **overrides))
+
   def setup(self):
     cfg = self.cfg
     if cfg.kind not in KINDS:
@@ -245,6 +250,14 @@ def _next_memory(memory, entering_LxBxTxD, seq_len):
       [memory["hidden"], entering_LxBxTxD.astype(memory["hidden"].dtype)], axis=2)
   return {"hidden": jax.lax.stop_gradient(hidden[:, :, -mem_len:]),
           "length": jnp.minimum(memory["length"] + seq_len, mem_len)}
+
+
+def abstract_variables(cfg: ModelConfig):
+  """Shapes of `TransformerLM(cfg)`'s variables (boxed with their logical axes), from
+  tracing its init on a one-token batch: nothing is allocated."""
+  tokens_1x1 = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(TransformerLM(cfg).init, jax.random.key(0), tokens_1x1, tokens_1x1,
+                        init_memory(cfg, 1, 1))
 
 
 def l0_penalty(stats) -> jax.Array:

@@ -5,8 +5,8 @@ groups are chosen by collection name: `optax.multi_transform` gives the `gates` 
 the same LAMB at `gates.lr_multiplier` times the model's learning rate (10, as in the
 code behind the paper), dropping to exactly zero at `gates.freeze_step`, so from then
 on gate values stay bit-identical. A run with a budget target (budget.py) has a third
-group, its Lagrange multipliers, trained by gradient ascent and left out of the
-gradient clipping.
+group, its Lagrange multipliers (the collection named by `ascent_collection`),
+trained by gradient ascent and left out of the gradient clipping.
 
 Every schedule is read at the train state's step, passed to `update` as the extra
 argument `step`, never at a counter of the optimizer's own: a skipped non-finite step
@@ -31,8 +31,6 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from allatt_jax import budget
-
 OPTIMIZERS = ("lamb", "optax_lamb")
 
 
@@ -43,13 +41,6 @@ def learning_rate_schedule(train: ml_collections.ConfigDict,
       init_value=0.0, peak_value=train.learning_rate if peak is None else peak,
       warmup_steps=train.warmup_steps, decay_steps=max(train.num_steps, train.warmup_steps + 1),
       end_value=train.final_learning_rate)
-
-
-def lambda_schedule(gates: ml_collections.ConfigDict) -> optax.Schedule:
-  """λ(t) of the L0 term: linear from 0 over the warm-up (technique 1), then constant."""
-  if not gates.l0_warmup_steps:
-    return optax.constant_schedule(gates.lam)
-  return optax.linear_schedule(0.0, gates.lam, gates.l0_warmup_steps)
 
 
 def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -161,8 +152,10 @@ def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
   return optax.chain(moments, decay, trust, scale_by_step_schedule(schedule))
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
-  """Clipping over all gradients, then LAMB per group ('params', 'gates').
+def make_optimizer(config: ml_collections.ConfigDict, ascent_collection: str | None = None
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Clipping over all gradients, then LAMB per group ('params', 'gates'), and plain
+  gradient ascent for `ascent_collection` (a budget's multipliers) when given.
 
   Its `update` takes the train state's step: `update(grads, state, params, step=step)`.
   """
@@ -171,11 +164,11 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             # No decay on gate logits: it would pull every gate towards half open.
             "gates": lamb(train, gate_learning_rate_schedule(config), 0.0)}
   clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip else optax.identity()
-  if budget.enabled(config):
+  if ascent_collection:
     # The multipliers' gradients are constraint violations (in heads), not slopes of
     # the loss: clipped together, they would shrink every model gradient.
-    clip = optax.masked(clip, lambda v: {name: name != budget.COLLECTION for name in v})
-    groups[budget.COLLECTION] = scale_by_step_schedule(
+    clip = optax.masked(clip, lambda v: {name: name != ascent_collection for name in v})
+    groups[ascent_collection] = scale_by_step_schedule(
         multiplier_learning_rate_schedule(config), flip_sign=False)
   label_by_collection = lambda variables: {name: name for name in variables}
   return optax.chain(clip, optax.multi_transform(groups, label_by_collection))

@@ -10,18 +10,16 @@ import json
 
 from etils import epath
 import jax
-import matplotlib
 import ml_collections
-import numpy as np
 
-from allatt_jax import checkpointing
 from allatt_jax import costs
 from allatt_jax import evaluate
-from allatt_jax import model as model_lib
+from allatt_jax import loader
+from allatt_jax import plots
+from allatt_jax import run_setup
+from allatt_jax import rundir
+from allatt_jax import sharding
 from allatt_jax import train
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
 
 def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
@@ -37,27 +35,22 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
 
 
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
-  workdir = checkpointing.run_path(workdir)
+  workdir = rundir.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
   baseline = train.train_and_evaluate(baseline_config, workdir / "baseline")
   pruned = train.train_and_evaluate(prune_config, workdir / "pruned")
 
-  baseline_model = _load(workdir / "baseline")
-  pruned_model = _load(pruned["export"]["directory"])
+  baseline_model = loader.load_lm(workdir / "baseline")[1:]
+  pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
   speed = _measure_speed(baseline_config, config.pipeline.speed_batches, baseline_model,
                          pruned_model)
   report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
   if jax.process_index() == 0:
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    plot_gates(workdir / "pruned" / train.GATE_HISTORY_FILE, workdir / "gates.png",
+    plots.plot_gates(workdir / "pruned" / train.GATE_HISTORY_FILE, workdir / "gates.png",
                prune_config.gates.freeze_step)
     print(summary_table(report))
   return report
-
-
-def _load(directory):
-  config, variables = checkpointing.load_model(directory)
-  return model_lib.TransformerLM(model_lib.model_config(config)), variables
 
 
 def _measure_speed(config, num_batches, baseline_model, pruned_model,
@@ -67,12 +60,11 @@ def _measure_speed(config, num_batches, baseline_model, pruned_model,
   The models are timed in turns, `repeats` times each, and each keeps its best: on a
   shared machine the best of alternating runs is the least disturbed comparison.
   """
-  run = train.Run(config)
-  tokens, e = run.corpus.splits["valid"], config.eval
+  tokens = run_setup.load_corpus(config).splits["valid"]
+  mesh = sharding.make_mesh(config.mesh)
   evaluators = {}
   for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
-    evaluators[name] = (evaluate.Evaluator(lm, run.mesh, batch_size=e.batch_size,
-                                           seq_len=e.seq_len, mem_len=e.mem_len), variables)
+    evaluators[name] = (evaluate.Evaluator.from_config(lm, mesh, config), variables)
     evaluators[name][0].score(variables, tokens, max_batches=1)   # compile, untimed
   speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
   for _ in range(repeats):
@@ -132,29 +124,3 @@ def summary_table(report: dict) -> str:
   lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
   lines.insert(1, "-+-".join("-" * w for w in widths))
   return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
-
-
-def plot_gates(history_file, out_file, freeze_step: int) -> None:
-  """One heat map per layer: each head's open probability over the pruning run."""
-  records = [json.loads(line)
-             for line in epath.Path(history_file).read_text().splitlines()]
-  steps = [r["step"] for r in records]
-  num_layers = len(records[0]["open_prob"])
-  fig, axes = plt.subplots(num_layers, 1, figsize=(8, 1.2 + 0.9 * num_layers), sharex=True,
-                           squeeze=False)
-  image = None
-  for i, ax in enumerate(axes[:, 0]):
-    probs_HxS = np.array([r["open_prob"][i] for r in records]).T
-    if probs_HxS.size:
-      image = ax.imshow(probs_HxS, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis",
-                        interpolation="nearest",
-                        extent=(steps[0], steps[-1], probs_HxS.shape[0] - 0.5, -0.5))
-    ax.axvline(freeze_step, color="white", linestyle="--", linewidth=1)
-    ax.set_ylabel(f"layer {i}\nhead")
-  axes[-1, 0].set_xlabel("pruning step (dashed: gates frozen)")
-  if image is not None:
-    fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)")
-  fig.suptitle("Head gate open probabilities during pruning")
-  with epath.Path(out_file).open("wb") as f:   # matplotlib cannot write to a bucket
-    fig.savefig(f, format="png", dpi=100)
-  plt.close(fig)

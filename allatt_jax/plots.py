@@ -1,6 +1,10 @@
-"""The suites' figures: the cost model (the paper's Fig. 1) and measured results."""
+"""Every figure: the pruning run's gate heat map (the demo's gates.png), the cost
+model (the paper's Fig. 1) and the experiment suites' measured results."""
 import dataclasses
+import json
 import pathlib
+
+from etils import epath
 
 import matplotlib
 import numpy as np
@@ -11,7 +15,8 @@ from allatt_jax import model as model_lib
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
-# The paper's WikiText-103 All-att (DESIGN.md §1) and its segment/memory lengths.
+# The paper's WikiText-103 All-att (configs/wt103_base.py: 16 layers, d=512, H=8,
+# N=2048) and its segment/memory lengths.
 PAPER_MODEL = dict(kind="allatt", num_layers=16, d_model=512, num_heads=8,
                    num_persistent=2048, vocab_size=2)
 PAPER_LENGTHS = (192, 192, 1)
@@ -120,4 +125,30 @@ def _save(fig, out_file) -> None:
   pathlib.Path(out_file).parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
   fig.savefig(out_file, dpi=100)
+  plt.close(fig)
+
+
+def plot_gates(history_file, out_file, freeze_step: int) -> None:
+  """One heat map per layer: each head's open probability over the pruning run."""
+  records = [json.loads(line)
+             for line in epath.Path(history_file).read_text().splitlines()]
+  steps = [r["step"] for r in records]
+  num_layers = len(records[0]["open_prob"])
+  fig, axes = plt.subplots(num_layers, 1, figsize=(8, 1.2 + 0.9 * num_layers), sharex=True,
+                           squeeze=False)
+  image = None
+  for i, ax in enumerate(axes[:, 0]):
+    probs_HxS = np.array([r["open_prob"][i] for r in records]).T
+    if probs_HxS.size:
+      image = ax.imshow(probs_HxS, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis",
+                        interpolation="nearest",
+                        extent=(steps[0], steps[-1], probs_HxS.shape[0] - 0.5, -0.5))
+    ax.axvline(freeze_step, color="white", linestyle="--", linewidth=1)
+    ax.set_ylabel(f"layer {i}\nhead")
+  axes[-1, 0].set_xlabel("pruning step (dashed: gates frozen)")
+  if image is not None:
+    fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)")
+  fig.suptitle("Head gate open probabilities during pruning")
+  with epath.Path(out_file).open("wb") as f:   # matplotlib cannot write to a bucket
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax import errors
+from allatt_jax import loader
 from allatt_jax import model as model_lib
-from allatt_jax import score
 
 
 @functools.partial(jax.jit, static_argnames="lm", donate_argnums=(2,))
@@ -102,7 +102,7 @@ class Sampler:
     return np.asarray(jnp.concatenate(generated, axis=1)).ravel()
 
 
-def sample_text(model: score.LoadedModel, prompt: str, num_tokens: int, *,
+def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
                 temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
   """The prompt as the model reads it, its continuation, and skipped prompt tokens.
 
@@ -130,7 +130,7 @@ def main(argv):
   with errors.reported_to_user():
     if _NUM_TOKENS.value < 0:
       raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
-    model = score.load(_CHECKPOINT.value)
+    model = loader.load(_CHECKPOINT.value)
     result = sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
                          temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                          seed=_SEED.value)

@@ -10,55 +10,23 @@ config), exactly as `evaluate` reads a split: every token after the first, which
 context only, is scored once. Prints a JSON summary; with --out, writes one JSON line
 per scored token: {"position": i, "token": ..., "log_prob": ln p(token_i | token_<i)}.
 """
-import dataclasses
 import functools
 import json
 import pathlib
 import sys
-from typing import Any
 
 from absl import app
 from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import evaluate
+from allatt_jax import loader
 from allatt_jax import model as model_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-  """A trained model ready for inference, with its dataset's vocabulary."""
-  config: ml_collections.ConfigDict      # the run config (eval lengths, dataset)
-  lm: model_lib.TransformerLM
-  variables: Any                         # on the default device
-  corpus: data_lib.Corpus
-
-
-def load(checkpoint) -> LoadedModel:
-  """The model of a run workdir or an exported model, and its dataset's vocabulary.
-
-  Raises:
-    CheckpointError: no model in `checkpoint`, or one whose vocabulary size is not
-      its dataset's.
-    DataError: the run's dataset cannot be loaded.
-  """
-  config, variables = checkpointing.load_model(checkpoint)
-  lm = model_lib.TransformerLM(model_lib.model_config(config))
-  corpus = data_lib.load_run_corpus(config)
-  if corpus.vocab_size != lm.cfg.vocab_size:
-    raise errors.CheckpointError(
-        f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "
-        f"dataset {config.data.name!r} has {corpus.vocab_size} types; the checkpoint "
-        "does not belong to this dataset (check data.name / data.data_dir in its "
-        "config.json).")
-  return LoadedModel(config, lm, jax.device_put(variables), corpus)
 
 
 @functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
@@ -86,7 +54,7 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
   return -nll[np.concatenate(weight_segments, axis=1).ravel() > 0].astype(np.float64)
 
 
-def score_text(model: LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
+def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
   """(summary, token ids, log-probabilities of ids[1:]) of `text`.
 
   Raises:
@@ -130,7 +98,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
   with errors.reported_to_user():
-    model = load(_CHECKPOINT.value)
+    model = loader.load(_CHECKPOINT.value)
     summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
     if _OUT.value:
       write_token_log_probs(_OUT.value, model.corpus.vocab, ids, log_probs)

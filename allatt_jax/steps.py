@@ -1,9 +1,13 @@
 """Pure train and eval steps, and the train state they transform.
 
 One train step serves baseline and pruning runs: with a `gates` collection in the
-state, the loss gains λ(t)·L0 and gates are sampled (before the freeze) or
-deterministic (after it). The step is jitted once per gate mode by `train.py`.
+state, the loss gains the L0 term (`budget.Penalty`) and gates are sampled (before
+the freeze) or deterministic (after it). The step is jitted once per gate mode by
+`train.py`. Everything it needs besides the state and the batch (model, optimizer,
+penalty, `StepConfig`) is built once at setup (`run_setup.resolve`): the trace reads
+no config.
 """
+import dataclasses
 import functools
 from typing import Any
 
@@ -17,7 +21,31 @@ import optax
 from allatt_jax import budget
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import sharding
 from allatt_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The train step's constants: batch shape, seed, accumulation, non-finite policy,
+  and the learning-rate schedules it reports."""
+  batch_size: int
+  seq_len: int
+  mem_len: int
+  seed: int
+  grad_accum_steps: int
+  skip_nonfinite_steps: bool
+  learning_rate: optax.Schedule
+  gate_learning_rate: optax.Schedule
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "StepConfig":
+    t = config.train
+    return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
+               grad_accum_steps=t.grad_accum_steps,
+               skip_nonfinite_steps=t.skip_nonfinite_steps,
+               learning_rate=optim.learning_rate_schedule(t),
+               gate_learning_rate=optim.gate_learning_rate_schedule(config))
 
 
 @flax.struct.dataclass
@@ -28,17 +56,34 @@ class TrainState:
   memory: Any                     # model_lib memory of the training stream's rows
 
 
-def init_state(lm: model_lib.TransformerLM, optimizer, config, rng, *, boxed=False):
+def init_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
+               settings: StepConfig, rng, *, boxed=False):
   """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only)."""
-  batch, cfg = config.train.batch_size, lm.cfg
-  tokens_BxT = jnp.zeros((batch, config.train.seq_len), jnp.int32)
-  memory = model_lib.init_memory(cfg, batch, config.train.mem_len)
+  batch = settings.batch_size
+  tokens_BxT = jnp.zeros((batch, settings.seq_len), jnp.int32)
+  memory = model_lib.init_memory(lm.cfg, batch, settings.mem_len)
   variables = lm.init({"params": rng}, tokens_BxT, tokens_BxT, memory)
   if not boxed:
     variables = nn.unbox(variables)
-  variables = budget.add_multipliers(config, flax.core.unfreeze(variables))
+  variables = penalty.add_multipliers(flax.core.unfreeze(variables))
   return TrainState(step=jnp.zeros((), jnp.int32), variables=variables,
                     opt_state=optimizer.init(variables), memory=memory)
+
+
+def abstract_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
+                   settings: StepConfig, mesh):
+  """Shapes, dtypes and shardings of the train state, without allocating it.
+
+  Returns (state of jax.ShapeDtypeStructs carrying their shardings, state shardings).
+  """
+  init = functools.partial(init_state, lm, optimizer, penalty, settings, boxed=True)
+  with sharding.activate(mesh):
+    boxed = jax.eval_shape(init, jax.random.key(0))
+  shardings = sharding.logical_shardings(mesh, boxed)
+  shardings = shardings.replace(memory=sharding.memory_sharding(mesh))
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      nn.unbox(boxed), shardings), shardings
 
 
 def _per_layer(stats, key):
@@ -69,10 +114,10 @@ def _check_accumulation(batch_size: int, accum: int) -> None:
 
 def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
-               config: ml_collections.ConfigDict, sample_gates: bool):
+               penalty: budget.Penalty, settings: StepConfig, sample_gates: bool):
   """One optimizer update on a global batch (optionally accumulated over micro-batches).
 
-  With `config.train.grad_accum_steps` = k > 1 the batch is scored as k micro-batches
+  With `settings.grad_accum_steps` = k > 1 the batch is scored as k micro-batches
   in sequence, each with its own rows' memory, and the mean of their gradients makes
   the same update as the full batch (up to float rounding, and to dropout masks, which
   differ per micro-batch).
@@ -80,12 +125,10 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   Raises:
     ConfigError: k does not divide the global batch (checked at trace time).
   """
-  accum = config.train.grad_accum_steps
+  accum = settings.grad_accum_steps
   _check_accumulation(inputs_BxT.shape[0], accum)
-  rng = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
+  rng = jax.random.fold_in(jax.random.key(settings.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
-  lam = optim.lambda_schedule(config.gates)(state.step)
-  penalty = budget.penalty_fn(config, state.step, lam)
 
   def loss_fn(variables, inputs, targets, memory, micro_index):
     nll_BxT, new_memory, stats = lm.apply(
@@ -94,7 +137,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
         rngs={"gates": gates_rng, "dropout": jax.random.fold_in(dropout_rng, micro_index)})
     nll = nll_BxT.mean()
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
-    return nll + penalty(variables, l0), (nll, l0, new_memory, stats)
+    return nll + penalty(variables, l0, state.step), (nll, l0, new_memory, stats)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if accum == 1:
@@ -126,16 +169,16 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                                         step=state.step)
   variables = optax.apply_updates(state.variables, updates)
   metrics = {
-      "loss": loss, "nll": nll, "l0": l0, "lambda": lam,
+      "loss": loss, "nll": nll, "l0": l0, "lambda": penalty.lam(state.step),
       "grad_norm": optax.tree.norm(grads),
-      "learning_rate": optim.learning_rate_schedule(config.train)(state.step),
-      **({"gate_learning_rate": optim.gate_learning_rate_schedule(config)(state.step)}
+      "learning_rate": settings.learning_rate(state.step),
+      **({"gate_learning_rate": settings.gate_learning_rate(state.step)}
          if "gates" in state.variables else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
-      **budget.metrics(config, state.variables, state.step),
+      **penalty.metrics(state.variables, state.step),
   }
-  if config.train.skip_nonfinite_steps:
+  if settings.skip_nonfinite_steps:
     # Decided on device, so skipping costs no host sync. The memory restarts empty:
     # the hidden states of a step that overflowed may hold the overflow themselves.
     variables, opt_state, memory = _where_finite(
@@ -152,16 +195,9 @@ def _where_finite(metrics, new, fallback):
   return jax.tree.map(lambda n, f: jnp.where(finite, n, f), new, fallback)
 
 
-def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
-              lm: model_lib.TransformerLM):
-  """Weighted NLL sum and token count of one eval batch, and the next memory."""
-  nll_BxT, memory, _ = lm.apply(variables, inputs_BxT, targets_BxT, memory)
-  return (jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), memory
-
-
-def jit_train_step(lm, optimizer, config, state_sharding, batch_sharding, replicated,
-                   *, sample_gates: bool):
-  step = functools.partial(train_step, lm=lm, optimizer=optimizer, config=config,
-                           sample_gates=sample_gates)
+def jit_train_step(lm, optimizer, penalty, settings, state_sharding, batch_sharding,
+                   replicated, *, sample_gates: bool):
+  step = functools.partial(train_step, lm=lm, optimizer=optimizer, penalty=penalty,
+                           settings=settings, sample_gates=sample_gates)
   return jax.jit(step, in_shardings=(state_sharding, batch_sharding, batch_sharding),
                  out_shardings=(state_sharding, replicated), donate_argnums=(0,))

@@ -4,7 +4,6 @@ A run is a baseline run (no gates) or a pruning run (`gates.enabled`, usually wi
 `init_from` a baseline workdir). Restarting on the same workdir resumes from the
 latest checkpoint, data position and memory included.
 """
-import functools
 import json
 import sys
 import time
@@ -12,8 +11,8 @@ import time
 from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
-import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -25,113 +24,100 @@ from allatt_jax import evaluate
 from allatt_jax import export
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
-from allatt_jax import optim
+from allatt_jax import preemption
+from allatt_jax import prune
+from allatt_jax import run_setup
+from allatt_jax import rundir
 from allatt_jax import sharding
-from allatt_jax import steps
 from allatt_jax import validation
-from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
 
 GATE_HISTORY_FILE = "gate_history.jsonl"
 
 
-def abstract_state(lm: model_lib.TransformerLM, optimizer, config: ml_collections.ConfigDict,
-                   mesh):
-  """Shapes, dtypes and shardings of the train state, without allocating it.
+def start(config: ml_collections.ConfigDict, workdir
+          ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
+  """The run's setup and its one CheckpointManager, after every check that needs
+  neither the dataset nor a compiled step (config, workdir, resume, `init_from`).
 
-  Returns (state of jax.ShapeDtypeStructs carrying their shardings, state shardings).
+  Raises:
+    ConfigError: an inconsistent or out-of-range config, or an unwritable workdir.
+    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
+      `workdir` holds a checkpoint of a run with other shapes than this config gives.
   """
-  init = functools.partial(steps.init_state, lm, optimizer, config, boxed=True)
-  with sharding.activate(mesh):
-    boxed = jax.eval_shape(init, jax.random.key(0))
-  shardings = sharding.logical_shardings(mesh, boxed)
-  shardings = shardings.replace(memory=sharding.memory_sharding(mesh))
-  return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      nn.unbox(boxed), shardings), shardings
+  workdir = rundir.run_path(workdir)
+  setup = run_setup.resolve(config)
+  validation.check_workdir(workdir)
+  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
+  try:
+    validation.check_start(config, checkpoints, setup.abstract_state)
+  except BaseException:
+    checkpoints.close()
+    raise
+  return setup, checkpoints
 
 
-class Run:
-  """Everything a run needs besides its state: corpus, mesh, model, optimizer."""
+def _new_state(setup: run_setup.RunSetup):
+  """A fresh state; a pruning run's takes the params of `init_from` (a run or an
+  exported model), its gates at their init and its optimizer fresh.
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    self.config = config
-    self.corpus = data_lib.load_run_corpus(config)
-    if self.corpus.vocab_size != config.model.vocab_size:
-      raise ConfigError(
-          f"config.model.vocab_size is {config.model.vocab_size} but dataset "
-          f"{config.data.name!r} has {self.corpus.vocab_size} types; set "
-          f"--config.model.vocab_size={self.corpus.vocab_size}.")
-    self.mesh = sharding.make_mesh(config.mesh)
-    self.lm = model_lib.TransformerLM(model_lib.model_config(config))
-    self.optimizer = optim.make_optimizer(config)
-
-  def abstract_state(self):
-    return abstract_state(self.lm, self.optimizer, self.config, self.mesh)
-
-  def new_state(self, state_sharding):
-    init = functools.partial(steps.init_state, self.lm, self.optimizer, self.config)
-    with sharding.activate(self.mesh):
-      state = jax.jit(init, out_shardings=state_sharding)(
-          jax.random.key(self.config.train.seed))
-    if self.config.init_from:
-      state = self._start_from_baseline(state, state_sharding)
+  `validation.check_start` has checked that those params' shapes fit the config.
+  """
+  state = setup.new_state()
+  if not setup.config.init_from:
     return state
-
-  def _start_from_baseline(self, state, state_sharding):
-    """Baseline params into a fresh state; gates stay at their init, optimizer fresh.
-
-    `validation.check_run` has checked that the baseline's shapes fit the config.
-    """
-    baseline = checkpointing.restore_variables(self.config.init_from)["params"]
-    variables = {**state.variables, "params": baseline}
-    with sharding.activate(self.mesh):
-      fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=self.optimizer.init(v)),
-                      out_shardings=state_sharding)
-      return fresh(variables)
-
-  def evaluator(self) -> evaluate.Evaluator:
-    e = self.config.eval
-    return evaluate.Evaluator(self.lm, self.mesh, batch_size=e.batch_size,
-                              seq_len=e.seq_len, mem_len=e.mem_len)
+  _, source = checkpointing.load_model(setup.config.init_from)
+  variables = {**state.variables, "params": source["params"]}
+  with sharding.activate(setup.mesh):
+    fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=setup.optimizer.init(v)),
+                    out_shardings=setup.state_sharding)
+    return fresh(variables)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir`; returns the final metrics."""
-  # --- Setup.
-  workdir = checkpointing.run_path(workdir)
-  validation.check_run(config, workdir)
-  run = Run(config)
-  vocabulary = checkpointing.vocabulary_fingerprint(run.corpus.name, run.corpus.vocab)
-  validation.check_vocabulary(vocabulary, workdir, config.init_from)
+  workdir = rundir.run_path(workdir)
+  setup, checkpoints = start(config, workdir)
+  try:
+    return _train_and_evaluate(setup, workdir, checkpoints)
+  finally:
+    # Whatever stopped the run, the save in flight completes (or never counts).
+    checkpoints.wait()
+    checkpoints.close()
+
+
+def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
+                        checkpoints: checkpointing.RunCheckpoints) -> dict:
+  config = setup.config
+  corpus = run_setup.load_corpus(config)
+  latest = checkpoints.latest_step()
+  vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
+  validation.check_vocabulary(vocabulary, workdir, config.init_from,
+                              resuming=latest is not None)
   is_main = jax.process_index() == 0
   if is_main:
-    checkpointing.save_config(workdir, config)
-    checkpointing.save_vocabulary(workdir, vocabulary)
+    rundir.save_config(workdir, config)
+    rundir.save_vocabulary(workdir, vocabulary)
   writer = metric_writers.create_default_writer(str(workdir), just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
-  abstract_state, state_sharding = run.abstract_state()
-  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
-  stream = data_lib.SegmentStream(run.corpus.splits["train"], train_cfg.batch_size,
-                                  train_cfg.seq_len, *sharding.process_rows(run.mesh))
-  if (latest := checkpoints.latest_step()) is not None:
+  stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
+                                  train_cfg.seq_len, *sharding.process_rows(setup.mesh))
+  if latest is not None:
     logging.info("Resuming from step %d in %s", latest, checkpoints.directory)
-    state, data_state = checkpoints.restore(latest, abstract_state)
+    state, data_state = checkpoints.restore(latest, setup.abstract_state)
     stream.set_state(data_state)
   else:
-    state = run.new_state(state_sharding)
+    state = _new_state(setup)
   gated = "gates" in state.variables
 
-  batch = sharding.batch_sharding(run.mesh)
-  step_fns = {
-      sample: steps.jit_train_step(run.lm, run.optimizer, config, state_sharding, batch,
-                                   sharding.replicated(run.mesh), sample_gates=sample)
-      for sample in ((True, False) if gated else (False,))}
-  evaluator = run.evaluator()
+  batch = sharding.batch_sharding(setup.mesh)
+  step_fns = {sample: setup.train_step(sample_gates=sample)
+              for sample in ((True, False) if gated else (False,))}
+  evaluator = setup.evaluator
   report_progress = periodic_actions.ReportProgress(
       num_train_steps=train_cfg.num_steps, writer=writer)
   progress = tqdm.tqdm(total=train_cfg.num_steps, initial=int(state.step),
@@ -142,11 +128,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   shape = (train_cfg.batch_size, train_cfg.seq_len)
   pending, interval_start = [], time.perf_counter()
   try:
-    with checkpointing.PreemptionWatch(checkpoints) as preemption:
+    with preemption.PreemptionWatch(checkpoints) as watch:
       for step in range(int(state.step), train_cfg.num_steps):
         inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
         sample = gated and step < config.gates.freeze_step
-        with sharding.activate(run.mesh):
+        with sharding.activate(setup.mesh):
           state, metrics = step_fns[sample](state, inputs, targets)
         pending.append(metrics)
         done = step + 1
@@ -156,7 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
         evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
         save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
-        preempted = preemption.reached(done)
+        preempted = watch.reached(done)
         if log or evaluate_now or save or preempted:
           pending = jax.device_get(pending)
           nonfinite = _nonfinite_steps(pending, done)
@@ -165,7 +151,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
         if log:
           summary = _summarise(_without_steps(pending, done, nonfinite) or pending,
-                               run.corpus.metric)
+                               corpus.metric)
           if train_cfg.skip_nonfinite_steps:
             summary["nonfinite_steps"] = len(nonfinite)
             if nonfinite:
@@ -176,11 +162,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           writer.write_scalars(done, summary)
           progress.set_postfix(loss=f"{summary['nll']:.3f}")
           if gated and is_main:
-            _append_gate_history(workdir, done, state.variables["gates"], run.lm.cfg)
+            _append_gate_history(workdir, done, state.variables["gates"], setup.lm.cfg)
           pending, interval_start = [], time.perf_counter()
 
         if evaluate_now:
-          results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus,
+          results = evaluate.evaluate_splits(evaluator, state.variables, corpus,
                                              ("valid",), config.eval.max_batches)
           writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
           interval_start = time.perf_counter()
@@ -195,31 +181,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   finally:
     progress.close()
     writer.flush()
-    # Whatever stopped the loop, the save in flight completes (or never counts).
-    checkpoints.wait()
-    checkpoints.close()
 
   # --- Final evaluation.
-  results = evaluate.evaluate_splits(evaluator, state.variables, run.corpus)
+  results = evaluate.evaluate_splits(evaluator, state.variables, corpus)
   writer.write_scalars(train_cfg.num_steps, {f"final/{k}": v for k, v in results.items()})
   writer.flush()
-  results["metric"] = run.corpus.metric
+  results["metric"] = corpus.metric
   if gated:
-    results["export"] = _export_and_evaluate(workdir, run)
+    results["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables)
   if is_main:
     (workdir / "results.json").write_text(json.dumps(results, indent=2))
   return results
 
 
-def _export_and_evaluate(workdir, run: Run) -> dict:
-  """Removes the closed heads and scores the smaller model on valid and test."""
-  export_dir = export.export_run(workdir)
-  exported_config, variables = checkpointing.load_model(export_dir)
-  lm = model_lib.TransformerLM(model_lib.model_config(exported_config))
-  e = run.config.eval
-  evaluator = evaluate.Evaluator(lm, run.mesh, batch_size=e.batch_size, seq_len=e.seq_len,
-                                 mem_len=e.mem_len)
-  results = evaluate.evaluate_splits(evaluator, variables, run.corpus)
+def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Corpus,
+                         variables) -> dict:
+  """Removes the closed heads of the final state, saves the smaller model once and
+  scores its parameters, as they are in memory, on valid and test."""
+  if jax.process_count() > 1:
+    host_variables = multihost_utils.process_allgather(variables, tiled=True)
+  else:
+    host_variables = jax.device_get(variables)
+  pruned_cfg, params = prune.prune_variables(setup.lm.cfg, host_variables)
+  export_dir = workdir / export.EXPORT_DIR
+  export.save_export(export_dir, setup.config, pruned_cfg, params)
+  lm = model_lib.TransformerLM(pruned_cfg)
+  evaluator = evaluate.Evaluator.from_config(lm, setup.mesh, setup.config)
+  results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(lm.cfg.layer_heads)
   results["directory"] = str(export_dir)
   return results
@@ -282,5 +270,5 @@ def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> No
   probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
                                                  cfg.gate)).tolist() if g else []
            for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
-  with (checkpointing.run_path(workdir) / GATE_HISTORY_FILE).open("a") as f:
+  with (rundir.run_path(workdir) / GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")

@@ -1,11 +1,12 @@
 """Checks of a run's config and inputs, made before any data is loaded or code compiled.
 
-`check_run` is the first thing `train.train_and_evaluate` does, `check_vocabulary` the
-first once the dataset is loaded, and `check_export` guards an export. A failed check
-raises one error (see errors.py) that says what is wrong, where (the config key, flag
-or file) and how to fix it, instead of a trace-time or orbax traceback minutes later.
+`check_config` runs first, inside `run_setup.resolve`; `check_workdir` and
+`check_start` (resume and `init_from`, against the abstract state the setup built)
+come next in `train.start`, `check_vocabulary` once the dataset is loaded, and
+`check_export` guards an export. A failed check raises one error (see errors.py) that
+says what is wrong, where (the config key, flag or file) and how to fix it, instead of
+a trace-time or orbax traceback minutes later.
 """
-import functools
 import json
 import uuid
 
@@ -20,8 +21,8 @@ from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import rundir
 from allatt_jax import sharding
-from allatt_jax import steps
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
@@ -52,22 +53,29 @@ _WHY_NOT_NEGATIVE = {
 _PARAMS_PREFIX = "variables/params/"
 
 
-def check_run(config: ml_collections.ConfigDict, workdir) -> None:
-  """All checks that need neither the dataset nor a compiled step.
+def check_config(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig) -> None:
+  """The checks of the config alone (`cfg`: its model, read but not yet traced).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config, or an unwritable workdir.
-    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
-      `workdir` holds a checkpoint of a run with other shapes than this config gives.
+    ConfigError: an inconsistent or out-of-range config.
   """
   _check_ranges(config)
   _check_names(config)
   _check_model(config)
-  _check_lengths(config)
+  _check_lengths(config, cfg)
   _check_mesh(config)
-  _check_workdir(checkpointing.run_path(workdir))
-  state_shapes = functools.cache(lambda: _state_shapes(config))
-  _check_resume(config, checkpointing.run_path(workdir), state_shapes)
+
+
+def check_start(config: ml_collections.ConfigDict,
+                checkpoints: checkpointing.RunCheckpoints, abstract_state) -> None:
+  """The checks of the run's checkpoints and `init_from` against the state's shapes.
+
+  Raises:
+    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
+      the workdir holds a checkpoint of a run with other shapes than this config gives.
+  """
+  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
+  _check_resume(config, checkpoints, state_shapes)
   if config.init_from:
     _check_init_from(config, state_shapes)
 
@@ -130,10 +138,10 @@ def _check_model(config):
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")
 
 
-def _check_lengths(config):
+def _check_lengths(config, cfg: model_lib.ModelConfig):
   if config.model.rel_pos != "learned":
     return
-  table = model_lib.model_config(config).max_relative_len
+  table = cfg.max_relative_len
   for section in ("train", "eval"):
     s = config[section]
     if s.seq_len + s.mem_len > table:
@@ -169,7 +177,8 @@ def _check_mesh(config):
           f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
 
 
-def _check_workdir(workdir: epath.Path):
+def check_workdir(workdir: epath.Path) -> None:
+  """Raises ConfigError unless `workdir` can be created and written."""
   probe = workdir / f".write-test-{uuid.uuid4().hex}"
   try:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -182,65 +191,38 @@ def _check_workdir(workdir: epath.Path):
         "Choose a folder you can write to.") from None
 
 
-def _state_shapes(config) -> dict[str, tuple[int, ...]]:
-  """Shapes of the train state this config makes, by path, from tracing only."""
-  lm = model_lib.TransformerLM(model_lib.model_config(config))
-  init = functools.partial(steps.init_state, lm, optim.make_optimizer(config), config)
-  abstract = jax.eval_shape(init, jax.random.key(0))
-  return checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract))
-
-
-def _latest_step(workdir) -> int | None:
-  if not (checkpointing.run_path(workdir) / "checkpoints").is_dir():
-    return None
-  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
-  try:
-    return checkpoints.latest_step()
-  finally:
-    checkpoints.close()
-
-
-def _saved_shapes(workdir, step: int) -> dict[str, tuple[int, ...]]:
-  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
-  try:
-    return checkpoints.state_shapes(step)
-  finally:
-    checkpoints.close()
-
-
-def _check_resume(config, workdir: epath.Path, state_shapes):
-  if (step := _latest_step(workdir)) is None:
+def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shapes):
+  if (step := checkpoints.latest_step()) is None:
     return
-  found = _saved_shapes(workdir, step)
-  if found == state_shapes():
+  found = checkpoints.state_shapes(step)
+  if found == state_shapes:
     return
-  saved = workdir / checkpointing.CONFIG_FILE
-  changed = (_config_differences(checkpointing.load_config(workdir), config)
+  workdir = checkpoints.directory.parent
+  saved = workdir / rundir.CONFIG_FILE
+  changed = (_config_differences(rundir.load_config(workdir), config)
              if saved.is_file() else "unknown (no config.json)")
   raise CheckpointError(
       f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
-      f"other shapes than this config gives ({_shape_differences(state_shapes(), found)})."
+      f"other shapes than this config gives ({_shape_differences(state_shapes, found)})."
       f" Config keys changed since that run: {changed}. To resume it, rerun with its "
       f"config ({saved}); to train this config, use a new --workdir.")
 
 
 def _check_init_from(config, state_shapes):
-  source = checkpointing.run_path(config.init_from)
+  source = rundir.run_path(config.init_from)
   if not source.is_dir():
     raise CheckpointError(
         f"config.init_from={source} does not exist or is not a folder; set it to the "
-        "--workdir of the finished baseline run to start from.")
-  saved = checkpointing.load_config(source)
-  step = checkpointing.latest_finished_step(source)
+        "--workdir of the finished baseline run, or an exported model, to start from.")
+  saved = rundir.load_config(source)
+  found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
   if saved.model.vocab_size != config.model.vocab_size:
     raise CheckpointError(
         f"config.init_from={source} was trained with a vocabulary of "
         f"{saved.model.vocab_size} tokens (dataset {saved.data.name!r}), this run has "
         f"{config.model.vocab_size} (dataset {config.data.name!r}). Use the baseline's "
         "dataset and model.vocab_size, or a baseline trained on this dataset.")
-  expected = {k: v for k, v in state_shapes().items() if k.startswith(_PARAMS_PREFIX)}
-  found = {k: v for k, v in _saved_shapes(source, step).items()
-           if k.startswith(_PARAMS_PREFIX)}
+  expected = {k: v for k, v in state_shapes.items() if k.startswith(_PARAMS_PREFIX)}
   if expected != found:
     raise CheckpointError(
         f"config.init_from={source} holds parameters of other shapes than config.model "
@@ -250,15 +232,15 @@ def _check_init_from(config, state_shapes):
         "position table unless model.max_relative_len is set).")
 
 
-def check_vocabulary(fingerprint: dict, workdir, init_from: str = "") -> None:
+def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
+                     resuming: bool) -> None:
   """Raises DataError if the loaded dataset's vocabulary is not the one the resumed run
-  (a checkpoint in `workdir`) or the `init_from` baseline was trained with."""
-  sources = ([(f"the run in --workdir {workdir}", workdir)]
-             if _latest_step(workdir) is not None else [])
+  (`resuming` a checkpoint in `workdir`) or the `init_from` model was trained with."""
+  sources = [(f"the run in --workdir {workdir}", workdir)] if resuming else []
   if init_from:
     sources.append((f"config.init_from={init_from}", init_from))
   for who, directory in sources:
-    saved = checkpointing.load_vocabulary(directory)
+    saved = rundir.load_vocabulary(directory)
     if saved is not None and saved != fingerprint:
       raise DataError(
           f"The vocabulary of dataset {fingerprint['dataset']!r} ({fingerprint['size']} "
@@ -270,7 +252,7 @@ def check_vocabulary(fingerprint: dict, workdir, init_from: str = "") -> None:
 
 def check_export(workdir) -> None:
   """Raises CheckpointError unless `workdir` is a pruning run with a finished checkpoint."""
-  config = checkpointing.load_config(workdir)
+  config = rundir.load_config(workdir)
   if not config.gates.enabled:
     raise CheckpointError(
         f"{workdir} is a baseline run (gates.enabled=False): it has no head gates, so "

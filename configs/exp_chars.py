@@ -16,7 +16,6 @@ Rerunning a suite reuses its finished runs and resumes an interrupted one.
 import ml_collections
 
 from allatt_jax import config_base
-from allatt_jax.experiments import heuristics
 
 
 def get_config(arg=None):
@@ -43,7 +42,8 @@ def get_config(arg=None):
       seeds=(0, 1),                    # pruning / fine-tuning seeds (one baseline)
       ablation_lambda=0.04,
       txl_widths=(128, 96, 80, 64),
-      heuristics=heuristics.METHODS,
+      # Every pruner of allatt_jax/experiments/heuristics.py.
+      heuristics=("michel", "entropy", "sparsity", "distribution", "magnitude", "random"),
       heuristic_lambdas=(0.04, 0.08),  # heuristics prune as many heads as these L0 runs
       random_seeds=(0, 1),
       importance_batches=32,           # training batches the heuristic scores read

@@ -20,9 +20,9 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import export
+from allatt_jax import rundir
 from allatt_jax import sharding
-from allatt_jax import steps
-from allatt_jax import train
+from allatt_jax import run_setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ((8, 1), (4, 2), (2, 4))
@@ -49,20 +49,18 @@ def test_config(data_dir: str, mesh=(-1, 1)):
 
 def train_steps(config, num_steps: int = NUM_STEPS):
   """(state, losses, last inputs, stream) after `num_steps` sampled-gate steps."""
-  run = train.Run(config)
-  _, state_sharding = run.abstract_state()
-  state = run.new_state(state_sharding)
-  batch = sharding.batch_sharding(run.mesh)
-  step_fn = steps.jit_train_step(run.lm, run.optimizer, config, state_sharding, batch,
-                                 sharding.replicated(run.mesh), sample_gates=True)
+  setup = run_setup.resolve(config)
+  state = setup.new_state()
+  batch = sharding.batch_sharding(setup.mesh)
+  step_fn = setup.train_step(sample_gates=True)
   t = config.train
-  stream = data_lib.SegmentStream(run.corpus.splits["train"], t.batch_size, t.seq_len,
-                                  *sharding.process_rows(run.mesh))
+  stream = data_lib.SegmentStream(run_setup.load_corpus(config).splits["train"], t.batch_size,
+                                  t.seq_len, *sharding.process_rows(setup.mesh))
   losses = []
   for _ in range(num_steps):
     inputs, targets = (data_lib.to_global_array(a, batch, (t.batch_size, t.seq_len))
                        for a in next(stream))
-    with sharding.activate(run.mesh):
+    with sharding.activate(setup.mesh):
       state, metrics = step_fn(state, inputs, targets)
     losses.append(float(metrics["loss"]))
   return state, losses, inputs, stream
@@ -102,7 +100,7 @@ def placements(state, inputs) -> dict[str, dict]:
 
 def save_run(workdir: pathlib.Path, config, state, stream) -> None:
   """The state as a run's checkpoint, written as the train loop writes it."""
-  checkpointing.save_config(workdir, config)
+  rundir.save_config(workdir, config)
   checkpoints = checkpointing.RunCheckpoints(workdir)
   checkpoints.save(int(state.step), state, stream.get_state(), force=True)
   checkpoints.wait()

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from allatt_jax import attention
+from allatt_jax import attention_kernel
 
 
 def test_threefry_matches_jax_at_20_rounds():
   key = jnp.array([0x13198A2E, 0x03707344], jnp.uint32)
   count = jnp.arange(64, dtype=jnp.uint32) * jnp.uint32(2654435761)
   expected = jax.extend.random.threefry_2x32(key, count)
-  b0, b1 = attention._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
+  b0, b1 = attention_kernel._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
   np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
 
 
@@ -19,7 +20,7 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
   # The rounds dropout uses, on the consecutive counters a mask hashes.
   n = 1 << 16
   lo = jnp.arange(n, dtype=jnp.uint32)
-  b0, b1 = attention._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
+  b0, b1 = attention_kernel._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
   words = np.asarray(b0 ^ b1)
   bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
   np.testing.assert_allclose(bits.mean(0), 0.5, atol=0.01)   # ~5 sd of 1/sqrt(4n)
@@ -31,13 +32,13 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
 def test_keep_mask_rate_keys_and_head_offset():
   shape = (4, 3, 64, 96)
   keys = jnp.array([[1, 2], [3, 4]], jnp.uint32)
-  a = attention._keep_mask(keys[0], shape, 0.2, 0)
-  b = attention._keep_mask(keys[1], shape, 0.2, 0)
+  a = attention_kernel._keep_mask(keys[0], shape, 0.2, 0)
+  b = attention_kernel._keep_mask(keys[1], shape, 0.2, 0)
   assert abs(float(a.mean()) - 0.8) < 0.01
   assert 0.6 < float((a == b).mean()) < 0.7   # independent masks agree on 0.8² + 0.2²
   # Heads 2.. drawn as a block starting at head 2 get the same mask.
-  np.testing.assert_array_equal(a[2:], attention._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
-  assert bool(attention._keep_mask(keys[0], shape, 0.0, 0).all())
+  np.testing.assert_array_equal(a[2:], attention_kernel._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
+  assert bool(attention_kernel._keep_mask(keys[0], shape, 0.0, 0).all())
 
 
 def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
@@ -66,8 +67,8 @@ def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, rema
   """Values and gradients equal autodiff of the all-heads forward, whatever the options."""
   args, mask, dout = _inputs(num_persistent)
   keys = KEYS if rate else None
-  custom = lambda *a: attention._attend(rate, head_block, remat, *a, mask, keys)
-  plain = lambda *a: attention._attend_fwd(rate, 4, False, *a, mask, keys)[0]
+  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, *a, mask, keys)
+  plain = lambda *a: attention_kernel._attend_fwd(rate, 4, False, *a, mask, keys)[0]
   out, custom_vjp = jax.vjp(custom, *args)
   expected_out, plain_vjp = jax.vjp(plain, *args)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
@@ -89,8 +90,8 @@ def test_dropout_zeroes_weights_and_rescales():
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
   inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask)
-  dropped = np.asarray(attention._attend(0.5, 1, False, *inputs, KEYS))
-  full = np.asarray(attention._attend(0.0, 1, False, *inputs, None))
+  dropped = np.asarray(attention_kernel.attend(0.5, 1, False, *inputs, KEYS))
+  full = np.asarray(attention_kernel.attend(0.0, 1, False, *inputs, None))
   np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
   kept = dropped != 0
   assert 0.4 < kept[full != 0].mean() < 0.6
@@ -100,7 +101,7 @@ def test_dropout_zeroes_weights_and_rescales():
 def test_bfloat16_core_close_to_float32():
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(attention._attend(0.0, 2, False, *a, mask, None).astype(jnp.float32)
+  loss = lambda *a: jnp.sum(attention_kernel.attend(0.0, 2, False, *a, mask, None).astype(jnp.float32)
                             * dout)
   grads32 = jax.grad(loss, argnums=range(8))(*args32)
   grads16 = jax.grad(loss, argnums=range(8))(*args16)
@@ -111,4 +112,4 @@ def test_bfloat16_core_close_to_float32():
 
 
 def test_head_block_divides_any_head_count():
-  assert [attention._divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]
+  assert [attention_kernel.divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]

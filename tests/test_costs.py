@@ -26,7 +26,7 @@ def small_cfg(kind, heads_per_layer=None):
 
 
 def paper_cfg(name, arg=None):
-  return model_lib.model_config(config_base.load(ROOT / "configs" / name, arg))
+  return model_lib.ModelConfig.from_config(config_base.load(ROOT / "configs" / name, arg))
 
 
 @pytest.mark.parametrize("kind", ["allatt", "txl"])

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import costs
 from allatt_jax import model as model_lib
@@ -132,7 +131,7 @@ def budget_config(**gates):
 
 def test_budgets_convert_to_the_most_heads_that_fit():
   config = budget_config()
-  cfg = model_lib.model_config(config)
+  cfg = model_lib.ModelConfig.from_config(config)
   e = config.eval
   for key, cost in (("target_params",
                      lambda c: costs.param_counts(c)["params_non_embedding"]),
@@ -140,8 +139,8 @@ def test_budgets_convert_to_the_most_heads_that_fit():
                         c, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"])):
     five = cost(dataclasses.replace(cfg, heads_per_layer=(3, 2)))
     for value, heads in ((five, 5), (five - 1, 4), (five * 10, 8), (1, 0)):
-      assert budget.target_open_heads(budget_config(**{key: value})) == heads, (key, value)
-  assert budget.target_open_heads(budget_config(target_sparsity=0.25)) == 6
+      assert costs.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
+  assert costs.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
 
 
 @pytest.mark.parametrize("gates, match", [
@@ -152,7 +151,8 @@ def test_budgets_convert_to_the_most_heads_that_fit():
 ])
 def test_budget_config_errors(gates, match):
   with pytest.raises(ConfigError, match=match):
-    budget.target_open_heads(budget_config(**gates))
+    config = budget_config(**gates)
+    costs.target_open_heads(config, model_lib.ModelConfig.from_config(config))
 
 
 @pytest.fixture(scope="module")

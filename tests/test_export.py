@@ -8,7 +8,7 @@ import pytest
 
 from allatt_jax import costs
 from allatt_jax import errors
-from allatt_jax import export
+from allatt_jax import prune
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 
@@ -67,7 +67,7 @@ def abstract_params(cfg):
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
   cfg, variables = gated_model(kind, gate)
-  pruned_cfg, params = export.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.prune_variables(cfg, variables)
   gated_lm, pruned_lm = model_lib.TransformerLM(cfg), model_lib.TransformerLM(pruned_cfg)
   seq = tokens(2, (2, 2 * SEQ_LEN + 1))
   gated_mem = model_lib.init_memory(cfg, 2, SEQ_LEN)
@@ -99,14 +99,14 @@ def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
 ], ids=["hard", "soft"])
 def test_surviving_heads(gate, expected):
   cfg, variables = gated_model("allatt", gate)
-  kept = export.surviving_heads(cfg, variables["gates"])
+  kept = prune.surviving_heads(cfg, variables["gates"])
   assert [k.tolist() for k in kept] == list(expected)
 
 
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_tree_is_the_pruned_models(kind):
   cfg, variables = gated_model(kind, HARD)
-  pruned_cfg, params = export.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.prune_variables(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
   assert pruned_cfg.head_dim == cfg.head_dim
 
@@ -153,7 +153,7 @@ def test_exported_tree_is_the_pruned_models(kind):
 def test_gated_model_with_a_headless_layer_exports():
   cfg, variables = gated_model("allatt", HARD, heads_per_layer=(4, 0, 4))
   assert "layer_1" not in variables["gates"]
-  pruned_cfg, params = export.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.prune_variables(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4)
   assert jax.tree.structure(params) == jax.tree.structure(abstract_params(pruned_cfg))
 
@@ -162,7 +162,7 @@ def test_variables_without_gates_are_refused():
   cfg, variables = gated_model("allatt")
   with pytest.raises(errors.CheckpointError, match="no head gates, so there is nothing "
                      "to prune. Export needs a pruning run"):
-    export.prune_variables(cfg, {"params": variables["params"]})
+    prune.prune_variables(cfg, {"params": variables["params"]})
 
 
 def test_variables_that_do_not_fit_the_config_are_refused():
@@ -170,11 +170,11 @@ def test_variables_that_do_not_fit_the_config_are_refused():
   wrong_cfg = make_cfg("allatt", num_persistent=8)
   with pytest.raises(errors.CheckpointError,
                      match=r"do not fit the config.*persistent_key: shape \(2, 4, 8\)"):
-    export.prune_variables(wrong_cfg, variables)
+    prune.prune_variables(wrong_cfg, variables)
 
 
 @pytest.mark.parametrize("open_at_zero,expected", [(True, [0, 1]), (False, [0])])
 def test_logit_of_exactly_zero_is_open_as_in_the_official_code(open_at_zero, expected):
   cfg = make_cfg("allatt", gates_lib.GateConfig(open_at_zero=open_at_zero), num_layers=1)
   gates = {"layer_0": {"attention": {"logits": jnp.array([1.0, 0.0, -1e-6, -2.0])}}}
-  assert export.surviving_heads(cfg, gates)[0].tolist() == expected
+  assert prune.surviving_heads(cfg, gates)[0].tolist() == expected

@@ -17,6 +17,7 @@ from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import export
 from allatt_jax import model as model_lib
+from allatt_jax import rundir
 
 import multidevice_worker as worker
 
@@ -93,8 +94,8 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
   for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):
     np.testing.assert_array_equal(a, b)
   # The smaller model computes what the gated one does with deterministic gates.
-  gated_lm, here_lm = (model_lib.TransformerLM(model_lib.model_config(c))
-                       for c in (checkpointing.load_config(workdir), here_config))
+  gated_lm, here_lm = (model_lib.TransformerLM.from_config(c)
+                       for c in (rundir.load_config(workdir), here_config))
   gated_vars = checkpointing.restore_variables(workdir)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 27)
   logp = [lm.apply(v, tokens, model_lib.init_memory(lm.cfg, 2, 16), method=lm.log_probs)[0]

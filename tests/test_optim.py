@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import optim
 
@@ -130,7 +131,7 @@ def test_schedules_at_the_named_steps():
   warmup, freeze, end = config.train.warmup_steps, config.gates.freeze_step, 100
   lr = optim.learning_rate_schedule(config.train)
   gate_lr = optim.gate_learning_rate_schedule(config)
-  lam = optim.lambda_schedule(config.gates)
+  lam = budget.lambda_schedule(config.gates)
   assert float(lr(0)) == 0.0 and float(gate_lr(0)) == 0.0
   np.testing.assert_allclose(lr(warmup), 1e-2, rtol=1e-6)          # the peak
   np.testing.assert_allclose(gate_lr(warmup), 1e-1, rtol=1e-6)

@@ -24,6 +24,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import errors
+from allatt_jax import preemption
 from allatt_jax import steps
 from allatt_jax import train
 
@@ -312,7 +313,7 @@ def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   before = signal.getsignal(signal.SIGTERM)
-  with checkpointing.PreemptionWatch(Checkpoints()) as watch:
+  with preemption.PreemptionWatch(Checkpoints()) as watch:
     assert signal.getsignal(signal.SIGTERM) is before
     assert [watch.reached(step) for step in (6, 7)] == [False, True]
   assert calls == [6, 7]
@@ -320,7 +321,7 @@ def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
 
 def test_one_process_catches_sigterm_between_steps():
   before = signal.getsignal(signal.SIGTERM)
-  with checkpointing.PreemptionWatch(None) as watch:
+  with preemption.PreemptionWatch(None) as watch:
     assert not watch.reached(1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert watch.reached(2)

@@ -14,6 +14,7 @@ from allatt_jax import config_base
 from allatt_jax import evaluate
 from allatt_jax import model as model_lib
 from allatt_jax import sample
+from allatt_jax import loader
 from allatt_jax import score
 from allatt_jax import sharding
 from allatt_jax import train
@@ -38,7 +39,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-  return score.load(workdir)
+  return loader.load(workdir)
 
 
 def run_cli(module, *args):

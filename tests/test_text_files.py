@@ -6,10 +6,11 @@ import pathlib
 import numpy as np
 import pytest
 
-from allatt_jax import checkpointing
 from allatt_jax import config_base
+from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
+from allatt_jax import rundir
 from allatt_jax import score
 from allatt_jax import validation
 from allatt_jax.data import corpus as corpus_lib
@@ -134,12 +135,13 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
 def test_a_run_cannot_resume_with_another_option_set(tmp_path):
   word = load(tmp_path)
   (tmp_path / 'run' / 'checkpoints').mkdir(parents=True)
-  checkpointing.save_vocabulary(tmp_path / 'run', checkpointing.vocabulary_fingerprint(
+  rundir.save_vocabulary(tmp_path / 'run', rundir.vocabulary_fingerprint(
       word.name, word.vocab))
   capped = load(tmp_path, max_vocab=4)
   with pytest.raises(DataError, match="vocabulary of dataset 'text_files' .* is not the one"):
-    validation.check_vocabulary(checkpointing.vocabulary_fingerprint(
-        capped.name, capped.vocab), tmp_path / 'init', init_from=str(tmp_path / 'run'))
+    validation.check_vocabulary(rundir.vocabulary_fingerprint(
+        capped.name, capped.vocab), tmp_path / 'init', init_from=str(tmp_path / 'run'),
+        resuming=False)
   assert (tmp_path / 'run' / 'vocabulary.json').is_file()   # nothing deleted
 
 
@@ -213,9 +215,9 @@ def test_cutoffs_follow_the_vocabulary_when_not_given():
   config = config_base.base_config()
   config.data.name = 'text_files'
   config.model.update(dict(vocab_size=10_000, div_val=2))
-  assert model_lib.model_config(config).cutoffs == (750, 1500, 7500)
+  assert model_lib.ModelConfig.from_config(config).cutoffs == (750, 1500, 7500)
   config.model.cutoffs = (100,)
-  assert model_lib.model_config(config).cutoffs == (100,)
+  assert model_lib.ModelConfig.from_config(config).cutoffs == (100,)
 
 
 # Penn Treebank: the official files cannot be fetched here, so the counting rule is
@@ -295,7 +297,7 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   report = pipeline.run(config, tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
-  model = score.load(tmp_path / 'run' / 'pruned' / 'export')
+  model = loader.load(tmp_path / 'run' / 'pruned' / 'export')
   summary, ids, log_probs = score.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
   assert summary['unk'] == 1 and len(log_probs) == len(ids) - 1 == 9
   assert np.all(log_probs < 0)

@@ -13,8 +13,9 @@ from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
+from allatt_jax import run_setup
+from allatt_jax import rundir
 from allatt_jax import sharding
-from allatt_jax import steps
 from allatt_jax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -69,11 +70,11 @@ def test_exported_model_scores_like_gated_model(demo_run):
   assert report["pruned"]["valid"] == pytest.approx(report["pruned"]["gated_valid"], rel=1e-5)
   assert report["pruned"]["test"] == pytest.approx(report["pruned"]["gated_test"], rel=1e-5)
 
-  gated_config = checkpointing.load_config(workdir / "pruned")
-  gated_lm = model_lib.TransformerLM(model_lib.model_config(gated_config))
+  gated_config = rundir.load_config(workdir / "pruned")
+  gated_lm = model_lib.TransformerLM.from_config(gated_config)
   gated_vars = checkpointing.restore_variables(workdir / "pruned")
   export_config, export_vars = checkpointing.load_model(workdir / "pruned" / "export")
-  export_lm = model_lib.TransformerLM(model_lib.model_config(export_config))
+  export_lm = model_lib.TransformerLM.from_config(export_config)
   assert "gates" not in export_vars
 
   corpus = data_lib.load_corpus("wikitext_chars", config.data.data_dir)
@@ -90,17 +91,13 @@ def test_exported_model_scores_like_gated_model(demo_run):
 def test_gates_frozen_bit_identical_while_params_train(data_dir):
   config = tiny_config(data_dir, num_steps=8)
   config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0))
-  run = train.Run(config)
-  _, state_sharding = run.abstract_state()
-  state = run.new_state(state_sharding)
-  batch = sharding.batch_sharding(run.mesh)
-  step_fns = {sample: steps.jit_train_step(run.lm, run.optimizer, config, state_sharding,
-                                           batch, sharding.replicated(run.mesh),
-                                           sample_gates=sample) for sample in (True, False)}
-  stream = data_lib.SegmentStream(run.corpus.splits["train"], 4, 16)
+  setup = run_setup.resolve(config)
+  state = setup.new_state()
+  step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
+  stream = data_lib.SegmentStream(run_setup.load_corpus(config).splits["train"], 4, 16)
   history = []
   for step in range(6):
-    with sharding.activate(run.mesh):
+    with sharding.activate(setup.mesh):
       state, _ = step_fns[step < 3](state, *map(jnp.asarray, next(stream)))
     history.append(jax.device_get(state.variables))
   leaves = lambda tree: jax.tree.leaves(tree)

@@ -1,5 +1,4 @@
 """Bad configs, checkpoints and data fail early with one clear error each."""
-import functools
 import json
 import lzma
 import os
@@ -16,8 +15,8 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
-from allatt_jax import optim
-from allatt_jax import steps
+from allatt_jax import run_setup
+from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.data import tokenization
@@ -26,7 +25,7 @@ from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TEXT8_VOCABULARY = checkpointing.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
+TEXT8_VOCABULARY = rundir.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
 
 
 def tiny_config(**sections):
@@ -43,19 +42,23 @@ def tiny_config(**sections):
   return config
 
 
+def check_run(config, workdir):
+  """What a run checks before it loads data or compiles (`train.start`)."""
+  _, checkpoints = train.start(config, workdir)
+  checkpoints.close()
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
   """A baseline workdir with a step-1 checkpoint (made without training)."""
   workdir = tmp_path_factory.mktemp("baseline")
   config = tiny_config()
-  lm = model_lib.TransformerLM(model_lib.model_config(config))
-  init = functools.partial(steps.init_state, lm, optim.make_optimizer(config), config)
-  state = jax.jit(init)(jax.random.key(0))
+  state = run_setup.resolve(config).new_state()
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False)
   checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
   checkpoints.close()
-  checkpointing.save_config(workdir, config)
-  checkpointing.save_vocabulary(workdir, TEXT8_VOCABULARY)
+  rundir.save_config(workdir, config)
+  rundir.save_vocabulary(workdir, TEXT8_VOCABULARY)
   return workdir
 
 
@@ -105,11 +108,11 @@ def test_bad_config_is_named(tmp_path, monkeypatch, sections, devices, match):
   config = tiny_config(**sections)
   _fewer_devices(monkeypatch, devices)
   with pytest.raises(ConfigError, match=match):
-    validation.check_run(config, tmp_path)
+    check_run(config, tmp_path)
 
 
 def test_valid_config_passes(tmp_path):
-  validation.check_run(tiny_config(), tmp_path / "new" / "run")
+  check_run(tiny_config(), tmp_path / "new" / "run")
 
 
 def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
@@ -126,7 +129,7 @@ def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
 def test_unwritable_workdir(tmp_path):
   (tmp_path / "a_file").write_text("")
   with pytest.raises(ConfigError, match=r"--workdir .*a_file/run is not writable"):
-    validation.check_run(tiny_config(), tmp_path / "a_file" / "run")
+    check_run(tiny_config(), tmp_path / "a_file" / "run")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -134,7 +137,7 @@ def test_read_only_workdir(tmp_path):
   tmp_path.chmod(0o500)
   try:
     with pytest.raises(ConfigError, match="is not writable"):
-      validation.check_run(tiny_config(), tmp_path)
+      check_run(tiny_config(), tmp_path)
   finally:
     tmp_path.chmod(0o700)
 
@@ -143,7 +146,7 @@ def test_read_only_workdir(tmp_path):
 
 def test_init_from_baseline_passes(baseline, tmp_path):
   config = tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
-  validation.check_run(config, tmp_path)
+  check_run(config, tmp_path)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -157,7 +160,7 @@ def test_missing_or_unreadable_init_from(baseline, tmp_path, make, match):
   config = tiny_config(gates=dict(enabled=True, freeze_step=15),
                        init_from=str(make(tmp_path / "src", baseline)))
   with pytest.raises(CheckpointError, match=match):
-    validation.check_run(config, tmp_path / "run")
+    check_run(config, tmp_path / "run")
 
 
 def _with_file(directory, name, text):
@@ -177,7 +180,7 @@ def test_init_from_of_other_shapes(baseline, tmp_path):
   with pytest.raises(CheckpointError, match=(
       r"other shapes than config.model gives \(.*persistent_key: saved \(4, 16, 8\), "
       r"now \(4, 8, 8\).*model.num_persistent: 16 -> 8")):
-    validation.check_run(config, tmp_path)
+    check_run(config, tmp_path)
 
 
 def test_init_from_with_another_vocabulary_size(baseline, tmp_path):
@@ -185,7 +188,7 @@ def test_init_from_with_another_vocabulary_size(baseline, tmp_path):
                        gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
   with pytest.raises(CheckpointError, match=(
       r"vocabulary of 27 tokens \(dataset 'text8'\), this run has 256 \(dataset 'enwik8'\)")):
-    validation.check_run(config, tmp_path)
+    check_run(config, tmp_path)
 
 
 # Resuming a workdir with a config that changes the state's shapes.
@@ -195,14 +198,14 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
   shutil.copytree(baseline, workdir)
   config = tiny_config(model=dict(num_heads=2), train=dict(num_steps=60))
   with pytest.raises(CheckpointError) as error:
-    validation.check_run(config, workdir)
+    check_run(config, workdir)
   message = str(error.value)
   for part in ("holds a checkpoint (step 1)",
                "layer_0/attention/key/kernel: saved (32, 4, 8), now (32, 2, 16)",
                "model.num_heads: 4 -> 2", "train.num_steps: 30 -> 60", "use a new --workdir"):
     assert part in message
   # A change that keeps the shapes (a longer run) resumes.
-  validation.check_run(tiny_config(train=dict(num_steps=60)), workdir)
+  check_run(tiny_config(train=dict(num_steps=60)), workdir)
 
 
 # Vocabulary of the data vs the checkpoint's.
@@ -210,8 +213,8 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
 def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs):
   workdir = tmp_path / "run"
   shutil.copytree(baseline, workdir)
-  other = checkpointing.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET[::-1])
-  checkpointing.save_vocabulary(workdir, other)
+  other = rundir.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET[::-1])
+  rundir.save_vocabulary(workdir, other)
   manual_dir, data_dir = text8_dirs
   config = tiny_config(data=dict(manual_dir=manual_dir, data_dir=data_dir))
   with pytest.raises(DataError, match=(
@@ -221,10 +224,10 @@ def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs)
 
 
 def test_vocabulary_differs_from_init_from(baseline, tmp_path):
-  other = checkpointing.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
+  other = rundir.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
   with pytest.raises(DataError, match=r"is not the one config.init_from=.* was trained with"):
-    validation.check_vocabulary(other, tmp_path, str(baseline))
-  validation.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline))
+    validation.check_vocabulary(other, tmp_path, str(baseline), resuming=False)
+  validation.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline), resuming=False)
 
 
 # Export.
@@ -286,9 +289,9 @@ def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
 
 def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert str(checkpointing.run_path("gs://bucket/runs/a") / "checkpoints") == (
+  assert str(rundir.run_path("gs://bucket/runs/a") / "checkpoints") == (
       "gs://bucket/runs/a/checkpoints")
-  assert str(checkpointing.run_path("runs/a")) == str(tmp_path / "runs" / "a")
+  assert str(rundir.run_path("runs/a")) == str(tmp_path / "runs" / "a")
 
 
 def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
@@ -301,13 +304,13 @@ def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
                                    "weight_decay_exclude"))):
     for key in keys:
       del saved[section][key]
-  (tmp_path / checkpointing.CONFIG_FILE).write_text(json.dumps(saved))
-  config = checkpointing.load_config(tmp_path)
-  cfg = model_lib.model_config(config)
+  (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(saved))
+  config = rundir.load_config(tmp_path)
+  cfg = model_lib.ModelConfig.from_config(config)
   assert (cfg.out_bias, cfg.final_norm, cfg.persistent_content_bias, cfg.layer_norm_eps,
           cfg.same_length_keys, cfg.gate.open_at_zero) == (
               False, True, True, 1e-6, "mem_len", False)
   assert config.train.optimizer == "optax_lamb" and config.gates.lr_multiplier == 1.0
   # A config that has the keys keeps its own values.
-  (tmp_path / checkpointing.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
-  assert model_lib.model_config(checkpointing.load_config(tmp_path)).out_bias
+  (tmp_path / rundir.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
+  assert model_lib.ModelConfig.from_config(rundir.load_config(tmp_path)).out_bias

@@ -1,9 +1,9 @@
 """Heuristic head pruners: a head mask from a trained model, by a per-head score.
 
-The baselines the L0 gates are compared with (DESIGN.md §5). Each turns a trained,
+The baselines the L0 gates are compared with in the `heuristics` suite. Each turns a trained,
 ungated model into a boolean mask per layer (True = keep) with exactly the requested
 number of heads removed; `apply_mask` then removes the masked heads through the
-export path of the L0 method (`export.prune_variables`), so both kinds of pruned
+export path of the L0 method (`prune.prune_variables`), so both kinds of pruned
 model are built, evaluated and fine-tuned the same way.
 
 Scores (a higher score keeps a head), measured on training batches read in order
@@ -26,8 +26,8 @@ with the Transformer-XL memory carried, as in training:
   random        uniform scores from a seeded generator.
 
 Entropy, sparsity and distribution are our concrete reading of the "entropy,
-sparsity and attention distribution" metrics of attention-guided pruning (the
-abstract in /work/shared/seeds names them without formulas). Their scores, like the
+sparsity and attention distribution" metrics of attention-guided head pruning (its
+abstract names them without formulas). Their scores, like the
 magnitudes, are compared across layers as they are; only Michel's are normalised per
 layer, as in that paper.
 """
@@ -42,7 +42,7 @@ import numpy as np
 
 from allatt_jax import attention
 from allatt_jax import data as data_lib
-from allatt_jax import export
+from allatt_jax import prune
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 
@@ -79,14 +79,14 @@ def apply_mask(cfg: model_lib.ModelConfig, params, mask) -> tuple[model_lib.Mode
 
   The mask becomes the gates of a gated copy of the model (logits ±large, hard gates,
   no output scaling, so every kept head's output is unchanged), which
-  `export.prune_variables` slices as it slices an L0 pruning run.
+  `prune.prune_variables` slices as it slices an L0 pruning run.
   """
   gated = dataclasses.replace(cfg, gated=True,
                               gate=gates_lib.GateConfig(hard=True, scale_output=False))
   gates = {f"layer_{i}": {"attention": {"logits": np.where(keep, _GATE_LOGIT, -_GATE_LOGIT)
                                         .astype(np.float32)}}
            for i, keep in enumerate(mask) if keep.size}
-  return export.prune_variables(gated, {"params": params, "gates": gates})
+  return prune.prune_variables(gated, {"params": params, "gates": gates})
 
 
 def _head_mask_interceptor(xi):

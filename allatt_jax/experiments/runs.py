@@ -11,9 +11,9 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
                       seed and ablation variant; scored as its exported model
   txl                 a Transformer-XL baseline of some width, baseline recipe
   heuristic           a head mask from `heuristics.prune_mask` on the baseline, the
-                      masked model as a 0-step run (`<name>_masked`, scored as it is),
-                      then fine-tuned like `continued`, from it
-  budget              a pruning run with a budget target instead of λ (budget.py)
+                      masked model exported (`<name>_masked`, scored as it is), then
+                      fine-tuned like `continued`, from it
+  budget              a pruning run with a budget target instead of λ (budget.py, costs.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
 an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`).
@@ -25,18 +25,16 @@ import shutil
 import time
 
 from absl import logging
-import jax
 import ml_collections
 import numpy as np
 
-from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import costs
-from allatt_jax import data as data_lib
 from allatt_jax import evaluate
 from allatt_jax import model as model_lib
-from allatt_jax import sharding
+from allatt_jax import run_setup
+from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax.experiments import heuristics
 
@@ -84,6 +82,7 @@ class Experiment:
     self.base = config.copy_and_resolve_references()
     with self.base.unlocked():
       del self.base["experiments"]
+    self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs.
 
@@ -129,14 +128,14 @@ class Experiment:
     value = fraction
     if key != "target_sparsity":
       e = self.base.eval
-      full, _ = budget.head_cost(model_lib.model_config(self.base), key,
+      full, _ = costs.head_cost(self.base_model, key,
                                  (e.seq_len, e.mem_len, e.batch_size))
       value = int(fraction * full) if key == "target_params" else fraction * full
     config = self._l0_config(seed, lam=0.0, **{key: value})
     record = self._run(f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}",
                        "budget", config)
     record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
-                        target_heads=budget.target_open_heads(config))
+                        target_heads=costs.target_open_heads(config, self.base_model))
     return record
 
   def heuristic(self, method: str, num_remove: int, seed: int = 0) -> tuple[Record, Record]:
@@ -146,7 +145,7 @@ class Experiment:
     masked_dir = self.run_dir(f"{name}_masked")
     if not (masked_dir / RESULTS_FILE).is_file():
       self._save_masked(masked_dir, method, num_remove, seed)
-    masked_config = checkpointing.load_config(masked_dir)
+    masked_config = rundir.load_config(masked_dir)
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
     config = self._continued_config(seed)
@@ -168,14 +167,14 @@ class Experiment:
       _update_json(workdir / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
     results = json.loads((workdir / RESULTS_FILE).read_text())
     if "export" in results:
-      exported = checkpointing.load_config(results["export"]["directory"])
+      exported = rundir.load_config(results["export"]["directory"])
       return self._record(name, kind, exported,
                           {**results["export"], "metric": results["metric"]},
                           gated_test=results["test"])
     return self._record(name, kind, config, results)
 
   def _record(self, name, kind, config, results, **extra) -> Record:
-    cfg = model_lib.model_config(config)
+    cfg = model_lib.ModelConfig.from_config(config)
     e = config.eval
     return Record(
         name=name, kind=kind, metric=results["metric"],
@@ -189,58 +188,42 @@ class Experiment:
 
   def _save_masked(self, directory: pathlib.Path, method: str, num_remove: int,
                    seed: int) -> None:
-    """The masked baseline as a finished 0-step run: checkpoint, config, its scores.
+    """The masked baseline as an exported model, with its scores.
 
-    A run folder (rather than an exported model) so that the fine-tuning run starts
-    from it through the ordinary `init_from`. What an interrupted call left is redone.
+    The fine-tuning run starts from it through `init_from`, which takes exported
+    models. What an interrupted call left is redone.
     """
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
     base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
-    run = train.Run(self.base)
+    setup = run_setup.resolve(self.base)
+    corpus = run_setup.load_corpus(self.base)
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
-        run.corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
+        corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
         train_cfg.mem_len, self.settings.importance_batches)
     mask = heuristics.prune_mask(
-        method, run.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
+        method, setup.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
         michel_step_fraction=self.settings.michel_step_fraction)
-    pruned_cfg, params = heuristics.apply_mask(run.lm.cfg, variables["params"], mask)
+    pruned_cfg, params = heuristics.apply_mask(setup.lm.cfg, variables["params"], mask)
 
     config = base_config.copy_and_resolve_references()
     config.model.heads_per_layer = pruned_cfg.heads_per_layer
-    masked_run = train.Run(config)
-    _save_state(directory, masked_run, params)
-    checkpointing.save_vocabulary(directory, checkpointing.vocabulary_fingerprint(
-        run.corpus.name, run.corpus.vocab))
-    checkpointing.save_config(directory, config)
+    checkpointing.save_model(directory, config, params)
+    rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(
+        corpus.name, corpus.vocab))
     (directory / MASK_FILE).write_text(json.dumps(
         {"method": method, "removed": num_remove, "seed": seed,
          "mask": [m.astype(int).tolist() for m in mask]}))
-    results = evaluate.evaluate_splits(masked_run.evaluator(), {"params": params},
-                                       masked_run.corpus)
-    results["metric"] = masked_run.corpus.metric
+    # The masked model as the fine-tuning run will build it: the baseline's model with
+    # fewer heads (apply_mask's config carries the gates it pruned through).
+    masked_lm = model_lib.TransformerLM(dataclasses.replace(
+        setup.lm.cfg, heads_per_layer=pruned_cfg.heads_per_layer))
+    evaluator = evaluate.Evaluator.from_config(masked_lm, setup.mesh, config)
+    results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
+    results["metric"] = corpus.metric
     _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2))
-
-
-def _save_state(directory: pathlib.Path, run: train.Run, params) -> None:
-  """A step-0 checkpoint of `run` whose parameters are `params` (fresh optimizer)."""
-  _, shardings = run.abstract_state()
-  state = run.new_state(shardings)
-  variables = jax.device_put({**state.variables, "params": params}, shardings.variables)
-  with sharding.activate(run.mesh):
-    opt_state = jax.jit(run.optimizer.init, out_shardings=shardings.opt_state)(variables)
-  state = state.replace(variables=variables, opt_state=opt_state)
-  train_cfg = run.config.train
-  stream = data_lib.SegmentStream(run.corpus.splits["train"], train_cfg.batch_size,
-                                  train_cfg.seq_len, *sharding.process_rows(run.mesh))
-  checkpoints = checkpointing.RunCheckpoints(directory, keep=1)
-  try:
-    checkpoints.save(0, state, stream.get_state(), force=True)
-    checkpoints.wait()
-  finally:
-    checkpoints.close()
 
 
 def _read_json(path: pathlib.Path) -> dict:

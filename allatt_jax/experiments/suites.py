@@ -17,8 +17,7 @@ import glob
 
 import numpy as np
 
-from allatt_jax import model as model_lib
-from allatt_jax.experiments import plots
+from allatt_jax import plots
 from allatt_jax.experiments import runs as runs_lib
 
 # The paper's Table 3 (WikiText-103, λ = 0.02): test perplexity change per variant.
@@ -58,7 +57,7 @@ def _sparsity(record, total) -> float:
 
 
 def _total_heads(exp) -> int:
-  return sum(model_lib.model_config(exp.base).layer_heads)
+  return sum(exp.base_model.layer_heads)
 
 
 def lambda_sweep(exp: runs_lib.Experiment) -> Report:
@@ -87,7 +86,7 @@ def lambda_sweep(exp: runs_lib.Experiment) -> Report:
 
   cost_file = exp.workdir / "fig1_costs.png"
   e = exp.base.eval
-  curves = plots.cost_model_figure(model_lib.model_config(exp.base),
+  curves = plots.cost_model_figure(exp.base_model,
                                    (e.seq_len, e.mem_len, e.batch_size), cost_file)
   md += "\n\n" + _cost_table(curves)
   sweep_file = exp.workdir / "lambda_sweep.png"

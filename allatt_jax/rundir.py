@@ -1,0 +1,92 @@
+"""A run directory's own files: where it is, its config and its vocabulary.
+
+A run's workdir holds `config.json` (the run config) and `vocabulary.json` (a
+fingerprint of the dataset's vocabulary) next to its checkpoints (checkpointing.py);
+an exported model has the same `config.json`. Files are written atomically (a
+temporary file renamed into place), so a reader never sees half of one.
+
+Every location goes through `run_path`, so a workdir may be a local folder or a
+bucket (gs://...), which multi-host runs on Cloud TPU need.
+"""
+import hashlib
+import json
+
+from etils import epath
+import ml_collections
+
+from allatt_jax.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+VOCABULARY_FILE = "vocabulary.json"
+
+
+def run_path(path) -> epath.Path:
+  """A workdir, export or checkpoint location: a URL (gs://...) as given, a local path
+  made absolute (orbax wants absolute paths; pathlib would mangle a URL)."""
+  if "://" in str(path):
+    return epath.Path(path)
+  return epath.Path(path).absolute()
+
+
+def _write_atomically(path: epath.Path, text: str) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(text)
+  tmp.replace(path)
+
+
+def _read_json(path: epath.Path):
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path} is unreadable ({e}); restore it, or start the run "
+                          "in a new --workdir.") from e
+
+
+def save_config(directory, config: ml_collections.ConfigDict) -> None:
+  _write_atomically(run_path(directory) / CONFIG_FILE,
+                    config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+# Recipe keys added after runs were already saved, with the behaviour those runs had:
+# a config.json without them describes a model (and optimizer) of that older form,
+# whatever the defaults are now.
+_BEFORE_RECIPE_KEYS = {
+    "model": dict(same_length_keys="mem_len", out_bias=False, layer_norm_eps=1e-6,
+                  final_norm=True, persistent_content_bias=True),
+    "gates": dict(open_at_zero=False, lr_multiplier=1.0),
+    "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
+                  weight_decay_exclude=()),
+}
+
+
+def load_config(directory) -> ml_collections.ConfigDict:
+  """A run's or an export's saved config; keys it predates take their old meaning."""
+  path = run_path(directory) / CONFIG_FILE
+  if not path.is_file():
+    raise CheckpointError(
+        f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
+        "exported model. Point at the --workdir of a run, or at its export/ folder.")
+  saved = _read_json(path)
+  for section, old_values in _BEFORE_RECIPE_KEYS.items():
+    if section in saved:
+      for key, value in old_values.items():
+        saved[section].setdefault(key, value)
+  return ml_collections.ConfigDict(saved)
+
+
+def vocabulary_fingerprint(name: str, vocab) -> dict:
+  """What identifies a vocabulary: its dataset, size and a hash of its tokens in order."""
+  digest = hashlib.sha256(json.dumps(list(vocab), ensure_ascii=False).encode("utf-8"))
+  return {"dataset": name, "size": len(vocab), "sha256": digest.hexdigest()}
+
+
+def save_vocabulary(directory, fingerprint: dict) -> None:
+  _write_atomically(run_path(directory) / VOCABULARY_FILE,
+                    json.dumps(fingerprint, indent=2, sort_keys=True))
+
+
+def load_vocabulary(directory) -> dict | None:
+  """The vocabulary fingerprint a run saved, or None (runs from before it was saved)."""
+  path = run_path(directory) / VOCABULARY_FILE
+  return _read_json(path) if path.is_file() else None
