@@ -97,8 +97,16 @@ class Run:
                               seq_len=e.seq_len, mem_len=e.mem_len)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       deadline: float | None = None) -> dict:
+  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  Past `deadline` (a time.monotonic() value) training stops as on SIGTERM: a checkpoint
+  of the current step, then Preempted. One process only: hosts would stop at
+  different steps.
+  """
+  if deadline is not None and jax.process_count() > 1:
+    raise ConfigError("A training deadline needs a single process.")
   # --- Setup.
   workdir = checkpointing.run_path(workdir)
   validation.check_run(config, workdir)
@@ -156,7 +164,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
         evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
         save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
-        preempted = preemption.reached(done)
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        preempted = preemption.reached(done) or out_of_time
         if log or evaluate_now or save or preempted:
           pending = jax.device_get(pending)
           nonfinite = _nonfinite_steps(pending, done)
@@ -189,8 +198,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           checkpoints.save(done, state, stream.get_state(), force=True)
         if preempted:
           checkpoints.wait()
+          reason = "Time box reached" if out_of_time else "Preempted"
           raise Preempted(
-              f"Preempted: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+              f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
               f"{checkpoints.directory}. Rerun the same command to resume.")
   finally:
     progress.close()
