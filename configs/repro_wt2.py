@@ -29,16 +29,17 @@ written). Training FLOPs per token = 6 × the cost model's forward MACs
 Assuming 10% of the H100's dense bf16 peak (989 TFLOP/s; low because All-att's
 softmax over S + T + N = 2,432 keys a query is memory-bound work that MACs do not
 count), a step of 18,432 tokens takes 44 ms for All-att (22.7 steps/s, 420K
-tokens/s), 35 and 27 ms for TXL d=448 and 384, and a pruning step ~48 ms:
+tokens/s), 35 and 27 ms for TXL d=448 and 384, and a pruning step
+~48 ms (gates add ~10%):
 
   run                     steps   est. train min
   baseline (All-att)      4,000   2.9
   L0 λ = 0.01, 0.02, 0.04 2,000   1.6 each
   TXL d = 512, 448, 384   4,000   2.9, 2.3, 1.8
-  total                   18,000  14.8, plus about 8 for compiles, evaluations,
+  total                   22,000  14.8, plus about 8 for compiles, evaluations,
                                   exports and restarts: ~23 min, 3 slices of 8 min.
 
-Measure the real rate first (a minute): `python -m allatt_jax.benchmark
+Measure the real rate first (a few minutes): `python -m allatt_jax.benchmark
 --config=configs/repro_wt2.py` prints training tokens/s; steps/s = tokens/s / 18,432.
 For a longer lease or a TPU slice, `configs/repro_wt2.py:scale=S` multiplies every
 step count (warm-ups, freeze, evaluation and checkpoint intervals with them):
