@@ -30,6 +30,7 @@ from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import validation
+from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
 
@@ -75,12 +76,20 @@ def _new_state(setup: run_setup.RunSetup):
     return fresh(variables)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics."""
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       deadline: float | None = None) -> dict:
+  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  Past `deadline` (a time.monotonic() value) training stops as on SIGTERM: a checkpoint
+  of the current step, then Preempted. One process only: hosts would stop at
+  different steps.
+  """
+  if deadline is not None and jax.process_count() > 1:
+    raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
   setup, checkpoints = start(config, workdir)
   try:
-    return _train_and_evaluate(setup, workdir, checkpoints)
+    return _train_and_evaluate(setup, workdir, checkpoints, deadline)
   finally:
     # Whatever stopped the run, the save in flight completes (or never counts).
     checkpoints.wait()
@@ -88,7 +97,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
-                        checkpoints: checkpointing.RunCheckpoints) -> dict:
+                        checkpoints: checkpointing.RunCheckpoints,
+                        deadline: float | None) -> dict:
   config = setup.config
   corpus = run_setup.load_corpus(config)
   latest = checkpoints.latest_step()
@@ -142,7 +152,8 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
         log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
         evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
         save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
-        preempted = watch.reached(done)
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        preempted = watch.reached(done) or out_of_time
         if log or evaluate_now or save or preempted:
           pending = jax.device_get(pending)
           nonfinite = _nonfinite_steps(pending, done)
@@ -175,8 +186,9 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
           checkpoints.save(done, state, stream.get_state(), force=True)
         if preempted:
           checkpoints.wait()
+          reason = "Time box reached" if out_of_time else "Preempted"
           raise Preempted(
-              f"Preempted: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+              f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
               f"{checkpoints.directory}. Rerun the same command to resume.")
   finally:
     progress.close()

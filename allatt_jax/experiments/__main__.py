@@ -5,30 +5,45 @@ r"""Runs experiment suites and writes their tables and figures into the workdir.
 
 Writes WORKDIR/<suite>.md and the suite's PNGs; runs live in WORKDIR/runs/. A rerun
 reuses finished runs and resumes unfinished ones, so several suites (or `all`) can
-share one workdir and the runs they have in common.
+share one workdir and the runs they have in common. `repro` (configs/repro_wt2.py,
+for an accelerator) is not part of `all`.
+
+`--max_minutes=M` time-boxes an invocation: after M minutes the training run in
+progress saves a checkpoint and the command exits with status 143, as on SIGTERM; the
+same command continues. A run whose training ends in time still evaluates (and
+exports) before the command stops, so leave a margin for that under a hard limit.
+Compiled steps are cached in WORKDIR/compile_cache, so a resumed slice does not
+compile them again.
 """
 import pathlib
 import time
 
 from absl import app
 from absl import flags
+import jax
 from ml_collections import config_flags
 
 from allatt_jax import errors
+from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
 
+SUITES = {**suites.SUITES, "repro": repro.repro}
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config (e.g. configs/exp_chars.py).", lock_config=False)
-_SUITE = flags.DEFINE_enum("suite", None, [*suites.SUITES, "all"], "Which suite to run.")
+_SUITE = flags.DEFINE_enum("suite", None, [*SUITES, "all"], "Which suite to run.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, tables and figures go.")
+_MAX_MINUTES = flags.DEFINE_float(
+    "max_minutes", None, "Stop training after this many minutes with a checkpoint and "
+    "exit with status 143; rerun to continue.")
 flags.mark_flags_as_required(["config", "suite", "workdir"])
 
 
 def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
   """Runs one suite and writes WORKDIR/<name>.md."""
   start = time.perf_counter()
-  report = suites.SUITES[name](experiment)
+  report = SUITES[name](experiment)
   elapsed = time.perf_counter() - start
   compute = sum({r.name: r.wall_s for r in report.records}.values())
   figures = "".join(f"\n\n![{pathlib.Path(f).stem}]({pathlib.Path(f).name})"
@@ -44,8 +59,12 @@ def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  start = time.monotonic()
   with errors.reported_to_user():
-    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value)
+    deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
+    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline)
+    jax.config.update("jax_compilation_cache_dir",
+                      str(experiment.workdir.absolute() / "compile_cache"))
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
     for name in names:
       run_suite(name, experiment)

@@ -16,7 +16,9 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
   budget              a pruning run with a budget target instead of λ (budget.py, costs.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
-an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`).
+an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
+a deadline, the run in progress stops there with a checkpoint and no later run starts
+(errors.Preempted), so a suite can be driven in time-boxed slices.
 """
 import dataclasses
 import json
@@ -36,6 +38,7 @@ from allatt_jax import model as model_lib
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
+from allatt_jax.errors import Preempted
 from allatt_jax.experiments import heuristics
 
 RESULTS_FILE = "results.json"
@@ -75,8 +78,10 @@ class Record:
 class Experiment:
   """Creates, runs or reads back the runs of one experiment config and workdir."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir):
+  def __init__(self, config: ml_collections.ConfigDict, workdir,
+               deadline: float | None = None):
     self.config = config
+    self.deadline = deadline     # time.monotonic() value: stop training runs there
     self.settings = config.experiments
     self.workdir = pathlib.Path(workdir)
     self.base = config.copy_and_resolve_references()
@@ -161,10 +166,18 @@ class Experiment:
   def _run(self, name: str, kind: str, config: ml_collections.ConfigDict) -> Record:
     workdir = self.run_dir(name)
     if not (workdir / RESULTS_FILE).is_file():
+      if self.deadline is not None and time.monotonic() >= self.deadline:
+        raise Preempted(f"Time box reached before run {name} started. Rerun the same "
+                        "command to continue.")
       logging.info("Experiment run %s in %s", name, workdir)
       start = time.perf_counter()
-      train.train_and_evaluate(config, workdir)
-      _update_json(workdir / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
+      try:
+        train.train_and_evaluate(config, workdir, self.deadline)
+      finally:   # the run's wall time, summed over the slices that made it
+        if workdir.is_dir():
+          spent = _read_json(workdir / SUMMARY_FILE).get("wall_s", 0.0)
+          _update_json(workdir / SUMMARY_FILE,
+                       {"wall_s": spent + time.perf_counter() - start})
     results = json.loads((workdir / RESULTS_FILE).read_text())
     if "export" in results:
       exported = rundir.load_config(results["export"]["directory"])

@@ -235,7 +235,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
               f"test {metric}", "seed"), rows)
   trajectories = {}
   for r in records:
-    values = _scalars(exp.run_dir(r.name), ("open_controlled", "open_target"))
+    values = scalars(exp.run_dir(r.name), ("open_controlled", "open_target"))
     if values:
       trajectories[r.name] = {"step": values["step"], "open": values["open_controlled"],
                               "target": values["open_target"]}
@@ -244,7 +244,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
   return Report(md, [str(out)], records)
 
 
-def _scalars(workdir, tags) -> dict[str, list]:
+def scalars(workdir, tags) -> dict[str, list]:
   """Logged scalars of a run (its TensorBoard events), aligned on their steps."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found = {tag: {} for tag in tags}
