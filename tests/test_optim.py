@@ -93,7 +93,7 @@ def test_weight_decay_spares_layer_norms_biases_and_gates():
 
 def test_optax_lamb_stays_selectable():
   config = tiny_config(optimizer="optax_lamb")
-  params, grads = tiny_tree()
+  params, grads = jax.tree.map(lambda x: np.asarray(x, np.float32), tiny_tree())
   schedule = optim.learning_rate_schedule(config.train)
   ours, reference = optim.lamb(config.train, schedule, 0.0), optax.lamb(schedule)
   ours_state, ref_state = ours.init(params), reference.init(params)
