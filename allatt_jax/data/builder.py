@@ -1,81 +1,126 @@
-"""TFDS builders for wikitext103, wikitext2, ptb, text8, enwik8, wikitext_chars and
-text_files (the user's own folder; lm1b is TFDS's own builder, see lm1b.py).
+"""The TFDS builder `allatt_text`: every dataset of allatt_jax as token ids.
 
-Importing this module registers them, so `tfds.builder('wikitext103')` works too.
-Examples are raw text: one per line at word level, 1 MiB chunks for the others, in
-file order (`disable_shuffling`). Encoding to ids happens outside TFDS
-(`allatt_jax.data.corpus`), because a 100M-token int array is not a TFDS example.
+One builder, one config per dataset (`BUILDER_CONFIGS`): wikitext103, wikitext2,
+text8, enwik8, wikitext_chars (shipped in the package), ptb, lm1b (the ids of TFDS's
+own `lm1b` dataset, which TFDS prepares first) and text_files (your own folder,
+given as the manual folder). Importing this module registers it, so
+`tfds.builder('allatt_text/text8')` works; `as_dataset` yields a split's ids in order
+as {'ids': int32}. (An earlier allatt_jax registered one builder per dataset,
+`tfds.builder('text8')`.)
 
-Sources: the official archive is downloaded unless the folder `manual_dir` (TFDS's
-DownloadConfig, default `<data_dir>/downloads/manual`) holds the official files.
-The sizes and SHA-256 of the files read are stored in the dataset's metadata
-(`info.metadata['source_files']`), which keys the encoded cache.
+What the builder prepares is the encoded corpus itself, the one copy on disk: the
+sources are read, checked, hashed and split once, encoded, and written as
+train/valid/test.npy plus vocab.json into TFDS's dataset folder
+`<data_dir>/allatt_text/<config>/1.0.0/` (see cache.py), with what they were made
+from in TFDS's metadata. No TFDS records of the raw text are written: a run
+memory-maps the arrays, and a 100M-token int array is no TFDS example anyway.
+
+Sources: the official archive is downloaded (to `<data_dir>/downloads`) unless the
+folder `manual_dir` (TFDS's DownloadConfig) holds the official files.
 
 Checksums: `checksums.tsv` beside this module pins the archives whose SHA-256 is
 known (WikiText-103, WikiText-2, enwik8). text8.zip (31,344,016 bytes) is not
 pinned; to pin it, run once online
-  tfds build allatt_jax/data/tfds_builders.py --datasets=text8 --register_checksums
+  tfds build allatt_jax/data/builder.py --config=text8 --register_checksums
 (or `download_and_prepare` with `DownloadConfig(register_checksums=True)`), which
 adds its line to `checksums.tsv`; TFDS then verifies every later download.
 """
-from collections.abc import Iterable, Iterator
 import contextlib
-import os
+import dataclasses
 import pathlib
-import socket
 import sys
-import types
-from typing import ClassVar
-import urllib.parse
-import urllib.request
 
+from absl import logging
 from etils import epath
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from allatt_jax.data import cache
+from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
 from allatt_jax.errors import DataError
 
-VERSION = tfds.core.Version('1.0.0')
-_CHUNK_BYTES = 1 << 20
-_READ_BATCH = 4096
-_PROBE_SECONDS = 10
+_AS_DATASET_CHUNK = 1 << 16
 
 
-class _TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Raw text of one dataset, from the official archive or a manual folder."""
-  SPEC: ClassVar[specs.DatasetSpec]
-  VERSION = VERSION
+@dataclasses.dataclass(eq=False)
+class DatasetConfig(tfds.core.BuilderConfig):
+  """One dataset: its spec (files, source, tokenisation options)."""
+  spec: specs.DatasetSpec = specs.TEXT_FILES
+
+
+def dataset_config(spec: specs.DatasetSpec, name: str = '') -> DatasetConfig:
+  return DatasetConfig(name=name or spec.name, description=spec.description, spec=spec)
+
+
+class AllattText(tfds.core.DatasetBuilder):
+  """Token ids of one dataset, encoded from its official files or your folder."""
+  VERSION = tfds.core.Version(cache.VERSION)
+  BUILDER_CONFIGS = [dataset_config(specs.get_spec(name)) for name in specs.DATASETS]
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      'Put the official files of the dataset (an unzip of its archive) or, for '
+      'text_files, your train/valid/test files in the manual folder.')
   # Where TFDS looks for checksums.tsv. Its own lookup through package resources
   # fails for editable installs on Python >= 3.9 (it needs importlib_resources).
   code_path = epath.Path(__file__)
 
+  def __init__(self, *, source_files: dict | None = None,
+               encoding: encoding_lib.Encoding | None = None, **kwargs):
+    """`source_files`: the sources' fingerprint when the caller has hashed them;
+    `encoding`: ids an earlier allatt_jax encoded, written as they are."""
+    super().__init__(**kwargs)
+    self._known_source_files = source_files
+    self._ready_encoding = encoding
+
+  @property
+  def spec(self) -> specs.DatasetSpec:
+    return self.builder_config.spec
+
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        description=self.SPEC.description,
-        features=tfds.features.FeaturesDict(
-            {'text': tfds.features.Tensor(shape=(), dtype=np.object_)}),
-        homepage=self.SPEC.homepage,
-        citation=self.SPEC.citation,
+        features=tfds.features.FeaturesDict({'ids': tfds.features.Scalar(np.int32)}),
+        homepage=self.spec.homepage,
+        citation=self.spec.citation,
         disable_shuffling=True,
         metadata=tfds.core.MetadataDict(),
     )
 
-  def _split_generators(self, dl_manager):
-    paths = sources.locate(self.SPEC, self._source_dir(dl_manager))
-    sources.check(self.SPEC, paths)
-    self.info.metadata['source_files'] = sources.fingerprint(paths)
-    if len(self.SPEC.files) == len(specs.SPLITS):  # One file per split.
-      read = _lines if self.SPEC.level == 'word' else lambda path: _chunks(path.read_bytes())
-      return {split: self._generate_examples(read(paths[name]))
-              for split, name in zip(specs.SPLITS, self.SPEC.files)}
-    data = sources.read_stream(self.SPEC, paths[self.SPEC.files[0]])
-    parts, rule = sources.split_stream(self.SPEC, data)
-    self.info.metadata['split_rule'] = rule
-    return {split: self._generate_examples(_chunks(part))
-            for split, part in parts.items()}
+  def _download_and_prepare(self, dl_manager, download_config) -> None:
+    encoding = self._ready_encoding or self._encode(dl_manager, download_config)
+    folder = pathlib.Path(self.data_dir)  # TFDS's temporary folder, renamed when done
+    cache.write_arrays(folder, encoding)
+    self.info.metadata.update(cache.metadata(encoding, encoding_lib.settings(self.spec)))
+    self.info.set_splits(tfds.core.SplitDict([
+        tfds.core.SplitInfo(name=split, shard_lengths=[len(ids)], num_bytes=4 * len(ids))
+        for split, ids in encoding.splits.items()]))
+
+  def _encode(self, dl_manager, download_config) -> encoding_lib.Encoding:
+    spec = self.spec
+    if spec.tfds_name:
+      from allatt_jax.data import lm1b  # pylint: disable=g-import-not-at-top
+      text = lm1b.prepare(spec, self.data_dir_root, download_config.manual_dir)
+      vocab, splits = encoding_lib.encode_lines(spec, text.text_batches)
+      return encoding_lib.Encoding(vocab, splits, text.source_files, 'official')
+    paths = sources.locate(spec, self._source_dir(dl_manager))
+    sources.check(spec, paths)
+    source_files = self._known_source_files or sources.fingerprint(paths)
+    if len(spec.files) == 1:
+      texts, split_rule = sources.split_stream(
+          spec, sources.read_stream(spec, paths[spec.files[0]]))
+    else:
+      texts = {split: paths[name] for split, name in zip(specs.SPLITS, spec.files)}
+      split_rule = ('one file per split' if spec.name == specs.TEXT_FILES_NAME
+                    else 'official')
+    if spec.level == 'word':
+      vocab, splits = encoding_lib.encode_lines(
+          spec, lambda split: sources.line_batches(texts[split]))
+    else:
+      vocab, splits = encoding_lib.encode_texts(spec, {
+          split: text if isinstance(text, bytes) else text.read_bytes()
+          for split, text in texts.items()})
+    return encoding_lib.Encoding(vocab, splits, source_files, split_rule)
 
   def _source_dir(self, dl_manager) -> pathlib.Path:
     try:
@@ -84,99 +129,53 @@ class _TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       manual_dir = None
     if manual_dir is not None:
       try:
-        sources.locate(self.SPEC, manual_dir)
+        sources.locate(self.spec, manual_dir)
         return manual_dir
       except DataError:  # TFDS's shared default folder may hold other datasets
-        pass
-    if self.SPEC.url is None:
+        if self.spec.name == specs.TEXT_FILES_NAME:
+          raise
+    if self.spec.name == specs.TEXT_FILES_NAME:
+      raise self.spec.not_found('no folder given')
+    if self.spec.url is None:
       return specs.CORPUS_DIR
-    check_reachable(self.SPEC)
+    sources.check_reachable(self.spec)
     try:
-      extracted = dl_manager.download_and_extract(self.SPEC.url)
+      extracted = dl_manager.download_and_extract(self.spec.url)
     except Exception as e:  # Any download failure means the same to the user.
-      raise self.SPEC.not_found(f'downloading {self.SPEC.url} failed: {e}') from e
-    return pathlib.Path(extracted) / self.SPEC.archive_folder
+      raise self.spec.not_found(f'downloading {self.spec.url} failed: {e}') from e
+    return pathlib.Path(extracted) / self.spec.archive_folder
 
-  def _generate_examples(self, pieces: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
-    for number, piece in enumerate(pieces):
-      yield number, {'text': piece}
+  def _as_dataset(self, split, decoders=None, read_config=None, shuffle_files=False):
+    del decoders, read_config, shuffle_files  # The ids are read in order, as they are.
+    if str(split) not in specs.SPLITS:
+      raise ValueError(f'Split {split!r}: choose one of {", ".join(specs.SPLITS)}.')
+    ids = np.load(pathlib.Path(self.data_dir) / f'{split}.npy', mmap_mode='r')
 
-  def text_batches(self, split: str) -> Iterator[list[bytes]]:
-    """The split's examples in file order, in lists of up to a few thousand."""
-    return read_text_batches(self.info.splits[split].filepaths)
+    def chunks():
+      for start in range(0, len(ids), _AS_DATASET_CHUNK):
+        yield np.asarray(ids[start:start + _AS_DATASET_CHUNK])
 
-
-def read_text_batches(filepaths) -> Iterator[list[bytes]]:
-  """The 'text' of the examples in TFDS record files, in lists of a few thousand.
-
-  Reads the record files a batch at a time: TFDS's own per-example reader
-  manages about 15k examples/s here, minutes for WikiText-103's 1.8M lines.
-  """
-  parse_spec = {'text': tf.io.FixedLenFeature([], tf.string)}
-  records = tf.data.TFRecordDataset([os.fspath(path) for path in filepaths])
-  texts = records.batch(_READ_BATCH).map(
-      lambda serialized: tf.io.parse_example(serialized, parse_spec)['text'])
-  for batch in texts.as_numpy_iterator():
-    yield batch.tolist()
+    signature = tf.TensorSpec(shape=(None,), dtype=tf.int32)
+    return (tf.data.Dataset.from_generator(chunks, output_signature=signature)
+            .unbatch().map(lambda token: {'ids': token}))
 
 
-def check_reachable(spec: specs.DatasetSpec) -> None:
-  """Fails in seconds when offline; TFDS would retry for over three minutes."""
-  if urllib.request.getproxies():  # Only the proxy knows; let TFDS try.
-    return
-  parts = urllib.parse.urlsplit(spec.url)
-  port = parts.port or (443 if parts.scheme == 'https' else 80)
-  try:
-    socket.create_connection((parts.hostname, port), timeout=_PROBE_SECONDS).close()
-  except OSError as e:
-    raise spec.not_found(f'cannot reach {parts.hostname} to download it: {e}') from e
-
-
-def _lines(path: pathlib.Path) -> Iterator[bytes]:
-  with open(path, 'rb') as f:
-    for line in f:
-      yield line.rstrip(b'\n')
-
-
-def _chunks(data: bytes) -> Iterator[bytes]:
-  for start in range(0, len(data), _CHUNK_BYTES):
-    yield data[start:start + _CHUNK_BYTES]
-
-
-def _registered_builder(spec: specs.DatasetSpec) -> type[_TextBuilder]:
-  """The TFDS builder of one dataset, registered under its name (`tfds.builder(name)`
-  finds it; its data lives in DATA_DIR/<name>/<version>). `prepare` subclasses the
-  text_files one with the options of a run."""
-  namespace = dict(name=spec.name, SPEC=spec,
-                   MANUAL_DOWNLOAD_INSTRUCTIONS=spec.source_hint(), __module__=__name__)
-  class_name = ''.join(part.title() for part in spec.name.split('_'))
-  return types.new_class(class_name, (_TextBuilder,), {},
-                         lambda ns: ns.update(namespace))
-
-
-BUILDERS = {spec.name: _registered_builder(spec) for spec in (
-    specs.WIKITEXT103, specs.WIKITEXT2, specs.PTB, specs.TEXT8, specs.ENWIK8,
-    specs.WIKITEXT_CHARS, specs.TEXT_FILES)}
-
-
-def prepare(spec: specs.DatasetSpec, data_dir: str, source_dir: str | None,
-            expected_sources: dict | None) -> _TextBuilder:
-  """A prepared builder; regenerated when it was made from other files."""
-  cls = BUILDERS[spec.name]
-  if spec != cls.SPEC:  # text_files with its options
-    cls = types.new_class(cls.__name__, (cls,), {'skip_registration': True},
-                          lambda namespace: namespace.update(SPEC=spec, __module__=__name__))
-  # `text_batches` reads the record files itself.
-  builder = cls(data_dir=data_dir, file_format='tfrecord')
-  mode = tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS
-  if (builder.is_prepared() and expected_sources is not None
-      and builder.info.metadata.get('source_files') != expected_sources):
-    mode = tfds.download.GenerateMode.REUSE_CACHE_IF_EXISTS
-  config = tfds.download.DownloadConfig(
-      manual_dir=source_dir, download_mode=mode, try_download_gcs=False)
-  with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
-    builder.download_and_prepare(download_config=config)
-  if 'source_files' not in builder.info.metadata:
-    raise DataError(f'The TFDS dataset {builder.data_dir} was not made by this '
-                    'version of allatt_jax; delete it to rebuild.')
-  return builder
+def prepare(spec: specs.DatasetSpec, config_name: str, data_dir: str,
+            manual_dir: str | None, source_files: dict | None = None,
+            encoding: encoding_lib.Encoding | None = None) -> pathlib.Path:
+  """Prepares dataset `spec` as config `config_name` under `data_dir` (again, if a
+  stale version is there); returns its folder. `source_files` and `encoding`: see
+  AllattText. A text_files folder with its options is a config of its own."""
+  folder = cache.dataset_dir(data_dir, config_name)
+  registered = AllattText.builder_configs.get(config_name)
+  config = config_name if registered and registered.spec == spec else dataset_config(
+      spec, config_name)
+  with cache.set_aside(folder):
+    builder = AllattText(config=config, data_dir=data_dir, source_files=source_files,
+                         encoding=encoding)
+    download_config = tfds.download.DownloadConfig(
+        manual_dir=manual_dir, try_download_gcs=False)
+    logging.info("Preparing dataset '%s' into %s.", spec.name, folder)
+    with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
+      builder.download_and_prepare(download_config=download_config)
+  return folder
