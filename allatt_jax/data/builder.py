@@ -48,7 +48,7 @@ _AS_DATASET_CHUNK = 1 << 16
 @dataclasses.dataclass(eq=False)
 class DatasetConfig(tfds.core.BuilderConfig):
   """One dataset: its spec (files, source, tokenisation options)."""
-  spec: specs.DatasetSpec = specs.TEXT_FILES
+  spec: specs.DatasetSpec = dataclasses.field(default=specs.TEXT_FILES, repr=False)
 
 
 def dataset_config(spec: specs.DatasetSpec, name: str = '') -> DatasetConfig:
