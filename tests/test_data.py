@@ -1,6 +1,7 @@
 """Datasets: tokenisation, the TFDS builder and its prepared ids, errors, the CLI."""
 import hashlib
 import json
+import logging
 import lzma
 import os
 import shutil
@@ -170,6 +171,27 @@ def test_failed_cache_write_leaves_old_cache_and_no_partial_one(tmp_path, monkey
   assert (cache_dir / 'metadata.json').read_text() == old_fingerprint
   np.testing.assert_array_equal(np.load(cache_dir / 'train.npy'), before.splits['train'])
   assert [p.name for p in cache_dir.parent.iterdir()] == ['1.0.0']
+
+
+def test_dataset_prepared_meanwhile_by_another_process_is_used(tmp_path, monkeypatch, caplog):
+  caplog.set_level(logging.INFO)
+  data_fixtures.tiny_wikitext(tmp_path / 'raw')
+  real_prepare = builder.AllattText._download_and_prepare
+  others = []
+
+  def another_process_first(self, **kwargs):
+    monkeypatch.setattr(builder.AllattText, '_download_and_prepare', real_prepare)
+    # Another process of the run finishes the same dataset first.
+    others.append(data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw'))
+    return real_prepare(self, **kwargs)
+
+  monkeypatch.setattr(builder.AllattText, '_download_and_prepare', another_process_first)
+  corpus = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
+  assert len(others) == 1 and corpus.vocab == others[0].vocab
+  assert 'prepared concurrently; using that one' in caplog.text
+  np.testing.assert_array_equal(corpus.splits['train'], others[0].splits['train'])
+  assert [p.name for p in (tmp_path / 'data' / 'allatt_text' / 'wikitext2').iterdir()] == [
+      '1.0.0']
 
 
 def test_manual_dir_may_be_the_unzipped_archive_parent(tmp_path):

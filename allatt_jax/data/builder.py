@@ -106,20 +106,20 @@ class AllattText(tfds.core.DatasetBuilder):
     paths = sources.locate(spec, self._source_dir(dl_manager))
     sources.check(spec, paths)
     source_files = self._known_source_files or sources.fingerprint(paths)
-    if len(spec.files) == 1:
+    if len(spec.files) == 1:  # One file cut into splits: text8, enwik8, wikitext_chars.
       texts, split_rule = sources.split_stream(
           spec, sources.read_stream(spec, paths[spec.files[0]]))
+      vocab, splits = encoding_lib.encode_texts(spec, texts)
     else:
-      texts = {split: paths[name] for split, name in zip(specs.SPLITS, spec.files)}
+      files = {split: paths[name] for split, name in zip(specs.SPLITS, spec.files)}
       split_rule = ('one file per split' if spec.name == specs.TEXT_FILES_NAME
                     else 'official')
-    if spec.level == 'word':
-      vocab, splits = encoding_lib.encode_lines(
-          spec, lambda split: sources.line_batches(texts[split]))
-    else:
-      vocab, splits = encoding_lib.encode_texts(spec, {
-          split: text if isinstance(text, bytes) else text.read_bytes()
-          for split, text in texts.items()})
+      if spec.level == 'word':
+        vocab, splits = encoding_lib.encode_lines(
+            spec, lambda split: sources.line_batches(files[split]))
+      else:
+        vocab, splits = encoding_lib.encode_texts(
+            spec, {split: path.read_bytes() for split, path in files.items()})
     return encoding_lib.Encoding(vocab, splits, source_files, split_rule)
 
   def _source_dir(self, dl_manager) -> pathlib.Path:
@@ -170,12 +170,18 @@ def prepare(spec: specs.DatasetSpec, config_name: str, data_dir: str,
   registered = AllattText.builder_configs.get(config_name)
   config = config_name if registered and registered.spec == spec else dataset_config(
       spec, config_name)
+  download_config = tfds.download.DownloadConfig(
+      manual_dir=manual_dir, try_download_gcs=False)
+  logging.info("Preparing dataset '%s' into %s.", spec.name, folder)
   with cache.set_aside(folder):
     builder = AllattText(config=config, data_dir=data_dir, source_files=source_files,
                          encoding=encoding)
-    download_config = tfds.download.DownloadConfig(
-        manual_dir=manual_dir, try_download_gcs=False)
-    logging.info("Preparing dataset '%s' into %s.", spec.name, folder)
-    with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
-      builder.download_and_prepare(download_config=download_config)
+    try:
+      with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
+        builder.download_and_prepare(download_config=download_config)
+    except OSError:
+      # Several processes of a run may prepare it at once: the first rename wins.
+      if not (folder / 'dataset_info.json').is_file():
+        raise
+      logging.info('Dataset %s was prepared concurrently; using that one.', folder)
   return folder
