@@ -165,7 +165,8 @@ def _cached_or_built(spec, data_dir, manual_dir) -> Corpus:
 def _prepare(spec, config_name, key, data_dir, manual_dir, source_files) -> None:
   """Runs the TFDS builder, taking over what an earlier allatt_jax prepared."""
   from allatt_jax.data import builder  # pylint: disable=g-import-not-at-top
-  old_folders = cache.legacy_folders(data_dir, spec, key)
+  first_time = not cache.dataset_dir(data_dir, config_name).exists()
+  old_folders = cache.legacy_folders(data_dir, spec, key) if first_time else []
   adopted = None
   if old_folders:
     adopted = cache.legacy_encoding(old_folders[0], encoding_lib.settings(spec),
