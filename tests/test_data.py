@@ -348,6 +348,18 @@ def test_cli_prints_stats_json(tmp_path):
   assert stats['num_tokens'] == {'train': 1800, 'valid': 100, 'test': 100}
 
 
+def test_cli_help_describes_its_flags():
+  result = _run_cli('--help')
+  assert 'Traceback' not in result.stderr
+  assert 'allatt_text/<dataset>/1.0.0' in result.stdout
+  for flag, words in (('dataset', 'wikitext103|wikitext2'), ('manual_dir', 'official files'),
+                      ('data_dir', 'TFDS data folder'), ('level', 'word, char or byte'),
+                      ('files', 'train,valid,test'), ('min_count', 'rarer train words'),
+                      ('max_vocab', 'at most this many'), ('clean', 'text8'),
+                      ('make_embedded_corpus_from', 'wikitext_chars')):
+    assert f'--{flag}:' in result.stdout and words in result.stdout
+
+
 def test_cli_reports_data_errors_without_traceback(tmp_path):
   result = _run_cli('--dataset=enwik8', f'--manual_dir={tmp_path}')
   assert result.returncode == 1
