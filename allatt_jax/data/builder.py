@@ -3,7 +3,8 @@
 One builder, one config per dataset (`BUILDER_CONFIGS`): wikitext103, wikitext2,
 text8, enwik8, wikitext_chars (shipped in the package), ptb, lm1b (the ids of TFDS's
 own `lm1b` dataset, which TFDS prepares first) and text_files (your own folder,
-given as the manual folder). Importing this module registers it, so
+given as the manual folder; a run's folder and options get a config of their own,
+`text_files_<hash>`). Importing this module registers it, so
 `tfds.builder('allatt_text/text8')` works; `as_dataset` yields a split's ids in order
 as {'ids': int32}. (An earlier allatt_jax registered one builder per dataset,
 `tfds.builder('text8')`.)
