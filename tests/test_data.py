@@ -1,7 +1,10 @@
-"""Datasets: tokenisation, TFDS preparation, the encoded cache, errors, the CLI."""
+"""Datasets: tokenisation, the TFDS builder and its prepared ids, errors, the CLI."""
+import hashlib
 import json
+import logging
 import lzma
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,8 +16,11 @@ import pytest
 import data_fixtures
 from allatt_jax import data
 from allatt_jax.data import embedded
+from allatt_jax.data import encoding
 from allatt_jax.data import specs
-from allatt_jax.data import tfds_builders
+from allatt_jax.data import builder
+from allatt_jax.data import cache
+from allatt_jax.data import sources
 from allatt_jax.data import tokenization
 from allatt_jax.errors import DataError
 
@@ -26,13 +32,13 @@ needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} not pre
 def tfds_prepares(monkeypatch):
   """Names of the datasets TFDS is asked to prepare (it still does)."""
   calls = []
-  real_prepare = tfds_builders.prepare
+  real_prepare = builder.prepare
 
   def recording_prepare(spec, *args):
     calls.append(spec.name)
     return real_prepare(spec, *args)
 
-  monkeypatch.setattr(tfds_builders, 'prepare', recording_prepare)
+  monkeypatch.setattr(builder, 'prepare', recording_prepare)
   return calls
 
 
@@ -114,16 +120,17 @@ def test_second_load_uses_the_cache_without_tfds(tmp_path, tfds_prepares):
   assert second.vocab == first.vocab
   for split in specs.SPLITS:
     np.testing.assert_array_equal(second.splits[split], first.splits[split])
-  leftovers = [p.name for p in (tmp_path / 'data' / 'allatt_encoded').iterdir()]
-  assert leftovers == ['wikitext2']
+  leftovers = [p.name for p in (tmp_path / 'data' / 'allatt_text' / 'wikitext2').iterdir()]
+  assert leftovers == ['1.0.0']
 
 
-def test_changed_source_file_rebuilds_cache_and_tfds_data(tmp_path):
+def test_changed_source_file_rebuilds_the_prepared_dataset(tmp_path, tfds_prepares):
   splits = data_fixtures.tiny_wikitext(tmp_path / 'raw')
   before = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
   splits['valid'] = data_fixtures.wikitext_article('Birds', ['the dog sat .'])
   data_fixtures.write_wikitext(tmp_path / 'raw', splits)
   after = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
+  assert tfds_prepares == ['wikitext2', 'wikitext2']
   assert len(after.splits['valid']) != len(before.splits['valid'])
   assert after.splits['valid'].tolist() == data_fixtures.expected_word_ids(
       splits['valid'], after.vocab)
@@ -132,23 +139,23 @@ def test_changed_source_file_rebuilds_cache_and_tfds_data(tmp_path):
 def test_cache_from_other_settings_is_not_reused(tmp_path, tfds_prepares):
   data_fixtures.tiny_wikitext(tmp_path / 'raw')
   data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
-  fingerprint_file = tmp_path / 'data' / 'allatt_encoded' / 'wikitext2' / 'fingerprint.json'
-  fingerprint = json.loads(fingerprint_file.read_text())
-  fingerprint['encoding_version'] -= 1
-  fingerprint_file.write_text(json.dumps(fingerprint))
-  np.save(fingerprint_file.parent / 'valid.npy', np.zeros(3, np.int32))
+  metadata_file = cache.dataset_dir(tmp_path / 'data', 'wikitext2') / 'metadata.json'
+  metadata = json.loads(metadata_file.read_text())
+  metadata['settings']['encoding_version'] -= 1
+  metadata_file.write_text(json.dumps(metadata))
+  np.save(metadata_file.parent / 'valid.npy', np.zeros(3, np.int32))
   rebuilt = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
   assert tfds_prepares == ['wikitext2', 'wikitext2']
   assert len(rebuilt.splits['valid']) > 3
-  assert json.loads(fingerprint_file.read_text())['encoding_version'] == (
-      fingerprint['encoding_version'] + 1)
+  assert json.loads(metadata_file.read_text())['settings']['encoding_version'] == (
+      metadata['settings']['encoding_version'] + 1)
 
 
 def test_failed_cache_write_leaves_old_cache_and_no_partial_one(tmp_path, monkeypatch):
   splits = data_fixtures.tiny_wikitext(tmp_path / 'raw')
   before = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
-  cache_dir = tmp_path / 'data' / 'allatt_encoded' / 'wikitext2'
-  old_fingerprint = (cache_dir / 'fingerprint.json').read_text()
+  cache_dir = cache.dataset_dir(tmp_path / 'data', 'wikitext2')
+  old_fingerprint = (cache_dir / 'metadata.json').read_text()
   splits['test'] = data_fixtures.wikitext_article('Fish', ['a dog .'])
   data_fixtures.write_wikitext(tmp_path / 'raw', splits)
   real_save = np.save
@@ -161,9 +168,30 @@ def test_failed_cache_write_leaves_old_cache_and_no_partial_one(tmp_path, monkey
   monkeypatch.setattr(np, 'save', save_then_fail)
   with pytest.raises(OSError, match='disk full'):
     data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
-  assert (cache_dir / 'fingerprint.json').read_text() == old_fingerprint
+  assert (cache_dir / 'metadata.json').read_text() == old_fingerprint
   np.testing.assert_array_equal(np.load(cache_dir / 'train.npy'), before.splits['train'])
-  assert [p.name for p in cache_dir.parent.iterdir()] == ['wikitext2']
+  assert [p.name for p in cache_dir.parent.iterdir()] == ['1.0.0']
+
+
+def test_dataset_prepared_meanwhile_by_another_process_is_used(tmp_path, monkeypatch, caplog):
+  caplog.set_level(logging.INFO)
+  data_fixtures.tiny_wikitext(tmp_path / 'raw')
+  real_prepare = builder.AllattText._download_and_prepare
+  others = []
+
+  def another_process_first(self, **kwargs):
+    monkeypatch.setattr(builder.AllattText, '_download_and_prepare', real_prepare)
+    # Another process of the run finishes the same dataset first.
+    others.append(data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw'))
+    return real_prepare(self, **kwargs)
+
+  monkeypatch.setattr(builder.AllattText, '_download_and_prepare', another_process_first)
+  corpus = data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
+  assert len(others) == 1 and corpus.vocab == others[0].vocab
+  assert 'prepared concurrently; using that one' in caplog.text
+  np.testing.assert_array_equal(corpus.splits['train'], others[0].splits['train'])
+  assert [p.name for p in (tmp_path / 'data' / 'allatt_text' / 'wikitext2').iterdir()] == [
+      '1.0.0']
 
 
 def test_manual_dir_may_be_the_unzipped_archive_parent(tmp_path):
@@ -320,6 +348,18 @@ def test_cli_prints_stats_json(tmp_path):
   assert stats['num_tokens'] == {'train': 1800, 'valid': 100, 'test': 100}
 
 
+def test_cli_help_describes_its_flags():
+  result = _run_cli('--help')
+  assert 'Traceback' not in result.stderr
+  assert 'allatt_text/<dataset>/1.0.0' in result.stdout
+  for flag, words in (('dataset', 'wikitext103|wikitext2'), ('manual_dir', 'official files'),
+                      ('data_dir', 'TFDS data folder'), ('level', 'word, char or byte'),
+                      ('files', 'train,valid,test'), ('min_count', 'rarer train words'),
+                      ('max_vocab', 'at most this many'), ('clean', 'text8'),
+                      ('make_embedded_corpus_from', 'wikitext_chars')):
+    assert f'--{flag}:' in result.stdout and words in result.stdout
+
+
 def test_cli_reports_data_errors_without_traceback(tmp_path):
   result = _run_cli('--dataset=enwik8', f'--manual_dir={tmp_path}')
   assert result.returncode == 1
@@ -327,7 +367,112 @@ def test_cli_reports_data_errors_without_traceback(tmp_path):
   assert 'Traceback' not in result.stderr
 
 
-def test_all_datasets_are_registered_with_tfds():
+def test_one_builder_with_one_config_per_dataset_registered_with_tfds(tmp_path):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  assert set(data.DATASETS) <= set(tfds.list_builders(with_community_datasets=False))
-  assert tfds_builders.BUILDERS['text8'].url_infos is not None  # checksums.tsv is found
+  assert 'allatt_text' in tfds.list_builders(with_community_datasets=False)
+  assert [config.name for config in builder.AllattText.BUILDER_CONFIGS] == list(data.DATASETS)
+  assert builder.AllattText.url_infos is not None  # checksums.tsv is found
+  for name in data.DATASETS:
+    found = tfds.builder(f'allatt_text/{name}', data_dir=tmp_path)
+    assert found.builder_config.spec == specs.get_spec(name)
+    assert found.data_path == cache.dataset_dir(tmp_path, name)
+  # The TFDS way gives the ids a run reads.
+  found = tfds.builder('allatt_text/wikitext_chars', data_dir=tmp_path)
+  found.download_and_prepare()
+  corpus = data.load_corpus('wikitext_chars', tmp_path)
+  assert found.info.splits['valid'].num_examples == corpus.splits['valid'].size
+  ids = [int(example['ids']) for example in found.as_dataset(split='valid').take(300)]
+  assert ids == corpus.splits['valid'][:300].tolist()
+
+
+# One copy of the encoded corpus: sources hashed once, later loads read only it.
+
+@pytest.fixture
+def sha256_calls(monkeypatch):
+  """How many SHA-256 digests the process starts (it still computes them)."""
+  calls = []
+  real_sha256 = hashlib.sha256
+
+  def counting_sha256(*args, **kwargs):
+    calls.append(args)
+    return real_sha256(*args, **kwargs)
+
+  monkeypatch.setattr(hashlib, 'sha256', counting_sha256)
+  return calls
+
+
+def test_first_build_hashes_each_source_file_once(tmp_path, sha256_calls):
+  data_fixtures.tiny_wikitext(tmp_path / 'raw')
+  data.load_corpus('wikitext2', tmp_path / 'data', tmp_path / 'raw')
+  assert len(sha256_calls) == 3            # train, valid, test
+  data.load_corpus('wikitext_chars', tmp_path / 'data')
+  assert len(sha256_calls) == 4            # the one shipped file
+
+
+def test_second_load_reads_only_the_prepared_arrays(tmp_path):
+  data.load_corpus('wikitext_chars', tmp_path / 'data')
+  code = ('import sys; from allatt_jax.data import corpus; '
+          "loaded = corpus.load_corpus('wikitext_chars', sys.argv[1]); "
+          "print(type(loaded.splits['train']).__name__, "
+          "'tensorflow' in sys.modules, 'tensorflow_datasets' in sys.modules)")
+  result = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'data')],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ['memmap', 'False', 'False']
+
+
+@pytest.fixture
+def encodings(monkeypatch):
+  """Names of the word-level datasets encoded (they still are)."""
+  calls = []
+  real_encode = encoding.encode_lines
+  monkeypatch.setattr(encoding, 'encode_lines',
+                      lambda spec, *args: calls.append(spec.name) or real_encode(spec, *args))
+  return calls
+
+
+def _write_earlier_layout(data_dir, name, corpus, source_files):
+  """What an earlier allatt_jax left after preparing `name`: TFDS records of the raw
+  text in <name>/1.0.0, the ids in allatt_encoded/<name>/, downloads/ from TFDS."""
+  records = data_dir / name / '1.0.0'
+  records.mkdir(parents=True)
+  (records / 'dataset_info.json').write_text('{}')
+  (data_dir / 'downloads' / name).mkdir(parents=True)
+  (data_dir / 'downloads' / name / 'archive.zip').write_bytes(b'the only copy')
+  encoded = data_dir / 'allatt_encoded' / name
+  encoded.mkdir(parents=True)
+  for split, ids in corpus.splits.items():
+    np.save(encoded / f'{split}.npy', np.asarray(ids))
+  (encoded / 'vocab.json').write_text(json.dumps(list(corpus.vocab)))
+  (encoded / 'fingerprint.json').write_text(json.dumps(
+      {**encoding.settings(specs.get_spec(name)), 'split_rule': corpus.split_rule,
+       'source_files': source_files}))
+  return [encoded, records, data_dir / 'downloads' / name / 'archive.zip']
+
+
+def test_earlier_layout_is_taken_over_or_encoded_again(tmp_path, encodings, caplog):
+  splits = data_fixtures.tiny_wikitext(tmp_path / 'raw')
+  expected = data.load_corpus('wikitext2', tmp_path / 'new', tmp_path / 'raw')
+  source_files = sources.fingerprint(sources.locate(specs.WIKITEXT2, tmp_path / 'raw'))
+  earlier = _write_earlier_layout(tmp_path / 'old', 'wikitext2', expected, source_files)
+  assert encodings == ['wikitext2']
+  taken = data.load_corpus('wikitext2', tmp_path / 'old', tmp_path / 'raw')
+  assert encodings == ['wikitext2']        # the earlier ids are used, not encoded again
+  assert taken.vocab == expected.vocab and taken.split_rule == 'official'
+  for split in specs.SPLITS:
+    np.testing.assert_array_equal(taken.splits[split], expected.splits[split])
+  messages = [r.getMessage() for r in caplog.records if 'earlier allatt_jax' in r.getMessage()]
+  assert len(messages) == 1 and 'taking over its encoded ids' in messages[0]
+  assert all(path.exists() for path in earlier)   # nothing deleted
+  # Made from other files: encoded again from the sources, with one line saying so.
+  caplog.clear()
+  splits['test'] = data_fixtures.wikitext_article('Fish', ['a dog .'])
+  data_fixtures.write_wikitext(tmp_path / 'raw', splits)
+  shutil.rmtree(cache.dataset_dir(tmp_path / 'old', 'wikitext2'))
+  rebuilt = data.load_corpus('wikitext2', tmp_path / 'old', tmp_path / 'raw')
+  assert encodings == ['wikitext2', 'wikitext2']
+  assert rebuilt.splits['test'].tolist() == data_fixtures.expected_word_ids(
+      splits['test'], rebuilt.vocab)
+  messages = [r.getMessage() for r in caplog.records if 'earlier allatt_jax' in r.getMessage()]
+  assert len(messages) == 1 and 'encoding it again' in messages[0]
+  assert all(path.exists() for path in earlier)

@@ -15,7 +15,8 @@ from allatt_jax import score
 from allatt_jax import validation
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import specs
-from allatt_jax.data import tfds_builders
+from allatt_jax.data import builder
+from allatt_jax.data import sources
 from allatt_jax.errors import DataError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,8 +45,8 @@ def words(corpus, split):
 def tfds_prepares(monkeypatch):
   """Names of the datasets TFDS is asked to prepare (it still does)."""
   calls = []
-  real_prepare = tfds_builders.prepare
-  monkeypatch.setattr(tfds_builders, 'prepare',
+  real_prepare = builder.prepare
+  monkeypatch.setattr(builder, 'prepare',
                       lambda spec, *args: calls.append(spec.name) or real_prepare(spec, *args))
   return calls
 
@@ -124,10 +125,10 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
   assert 'zebra' in changed.vocab and len(tfds_prepares) == 2
   chars = load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST), level='char')  # an option
   assert chars.level == 'char' and len(tfds_prepares) == 3
-  caches = sorted((tmp_path / 'data' / 'allatt_encoded' / 'text_files').iterdir())
+  caches = sorted((tmp_path / 'data' / 'allatt_text').glob('text_files_*/1.0.0'))
   assert len(caches) == 2        # word and char, each with its own fingerprint
-  fingerprints = [json.loads((c / 'fingerprint.json').read_text()) for c in caches]
-  assert {f['options']['level'] for f in fingerprints} == {'word', 'char'}
+  fingerprints = [json.loads((c / 'metadata.json').read_text()) for c in caches]
+  assert {f['settings']['options']['level'] for f in fingerprints} == {'word', 'char'}
   load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST))   # back to word: nothing rebuilt
   assert len(tfds_prepares) == 3
 
@@ -265,7 +266,7 @@ def test_lm1b_through_tfds_builder(tmp_path, monkeypatch):
   (heldout_dir / 'news.en.heldout-00000-of-00050').write_text('\n'.join(heldout) + '\n')
   monkeypatch.setattr(tfds.download.DownloadManager, 'download_and_extract',
                       lambda self, url: tmp_path / 'extracted')
-  monkeypatch.setattr(tfds_builders, 'check_reachable', lambda spec: None)
+  monkeypatch.setattr(sources, 'check_reachable', lambda spec: None)
 
   corpus = corpus_lib.load_corpus('lm1b', str(tmp_path / 'data'))
   # Seen 3 times or more: . 4, <eos> 4, the 3, sat 3; the 7 others -> <unk>.

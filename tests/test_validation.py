@@ -277,7 +277,7 @@ def test_truncated_xz_corpus(tmp_path):
 def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
   manual_dir, data_dir = text8_dirs
   data_dir = shutil.copytree(data_dir, tmp_path / "data")
-  cache = data_dir / "allatt_encoded" / "text8"
+  cache = data_dir / "allatt_text" / "text8" / "1.0.0"
   expected = json.loads((cache / "vocab.json").read_text())
   train_npy = (cache / "train.npy").read_bytes()
   (cache / "train.npy").write_bytes(train_npy[:len(train_npy) // 2])  # a cut-off write

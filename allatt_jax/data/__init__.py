@@ -1,4 +1,4 @@
-"""Language-modelling data: datasets, tokenisation, cached encodings, batch streams."""
+"""Language-modelling data: datasets, tokenisation, prepared encodings, batch streams."""
 from allatt_jax.data.corpus import check_data_config
 from allatt_jax.data.corpus import Corpus
 from allatt_jax.data.corpus import load_corpus

@@ -1,7 +1,10 @@
 """Prepares a dataset (if needed) and prints its statistics as one JSON object.
 
+The ids are prepared once into <data_dir>/allatt_text/<dataset>/1.0.0/ and read
+from there by every run with the same data_dir.
+
   python -m allatt_jax.data --dataset=wikitext2 --manual_dir=DIR [--data_dir=DIR]
-  python -m allatt_jax.data --dataset=text_files --manual_dir=DIR --level=word \
+  python -m allatt_jax.data --dataset=text_files --manual_dir=DIR --level=word
       [--files=train.txt,valid.txt,test.txt --min_count=1 --max_vocab=0 --clean=]
   python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
 """
@@ -21,9 +24,11 @@ from allatt_jax.errors import DataError
 _DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
                              'Dataset to prepare.')
 _MANUAL_DIR = flags.DEFINE_string(
-    'manual_dir', None, 'Folder holding the official files (else TFDS downloads).')
+    'manual_dir', None, "Folder holding the dataset's official files, or your own "
+    'train/valid/test files for text_files (else TFDS downloads the official archive).')
 _DATA_DIR = flags.DEFINE_string(
-    'data_dir', None, 'TFDS data folder (default $TFDS_DATA_DIR or ~/tensorflow_datasets).')
+    'data_dir', None, 'TFDS data folder: the ids go to DATA_DIR/allatt_text/DATASET/1.0.0 '
+    '(default $TFDS_DATA_DIR or ~/tensorflow_datasets).')
 _LEVEL = flags.DEFINE_enum('level', '', ('',) + specs.LEVELS,
                            'text_files: word, char or byte (default word).')
 _FILES = flags.DEFINE_string('files', specs.DEFAULT_FILES,

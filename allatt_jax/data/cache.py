@@ -1,11 +1,17 @@
-"""Encoded splits on disk: int32 .npy (memory-mapped on load) + vocab.json.
+"""The prepared datasets on disk, read without TensorFlow.
 
-A cache folder holds exactly one encoding, described by fingerprint.json (the
-source files' sizes and hashes plus the tokenisation settings). It is used only
-when that description equals the one asked for; otherwise it is rebuilt. It is
-written into a temporary folder and renamed into place, so a crash never leaves
-a half-written cache where a reader would take it.
+`dataset_dir` is the folder the `allatt_text` TFDS builder (builder.py) prepares:
+train/valid/test.npy (int32 ids, memory-mapped on load), vocab.json, and TFDS's
+dataset_info.json and metadata.json, the latter recording what the ids were made
+from (`metadata`). TFDS writes it into a temporary folder renamed into place, and
+a rebuild moves the old folder aside until the new one is complete
+(`set_aside`), so a reader sees the old folder, none, or the new one.
+
+An earlier allatt_jax kept TFDS records of the raw text in `<data_dir>/<name>/1.0.0`
+and the ids in `<data_dir>/allatt_encoded/<name>/`; `legacy_encoding` finds those.
 """
+from collections.abc import Iterator
+import contextlib
 import json
 import os
 import pathlib
@@ -16,58 +22,104 @@ from absl import logging
 import numpy as np
 
 from allatt_jax.data import specs
+from allatt_jax.data.encoding import Encoding
 
-_FINGERPRINT = 'fingerprint.json'
+BUILDER_NAME = 'allatt_text'
+VERSION = '1.0.0'
 _VOCAB = 'vocab.json'
+_METADATA = 'metadata.json'  # where TFDS saves DatasetInfo.metadata
+_LEGACY_FINGERPRINT = 'fingerprint.json'
 
 
-def load(cache_dir: pathlib.Path, fingerprint: dict):
-  """(vocab, splits as read-only memmaps), or None when absent or stale."""
+def dataset_dir(data_dir, config_name: str) -> pathlib.Path:
+  """Where TFDS puts the `allatt_text/<config_name>` dataset under `data_dir`."""
+  return pathlib.Path(data_dir) / BUILDER_NAME / config_name / VERSION
+
+
+def metadata(encoding: Encoding, settings: dict) -> dict:
+  return {'settings': settings, 'source_files': encoding.source_files,
+          'split_rule': encoding.split_rule}
+
+
+def write_arrays(folder: pathlib.Path, encoding: Encoding) -> None:
+  for split, ids in encoding.splits.items():
+    np.save(folder / f'{split}.npy', np.asarray(ids, dtype=np.int32))
+  (folder / _VOCAB).write_text(json.dumps(list(encoding.vocab), ensure_ascii=False),
+                               encoding='utf-8')
+
+
+def load(folder: pathlib.Path, settings: dict, source_files: dict | None
+         ) -> Encoding | None:
+  """The prepared encoding with these settings (and these source files, unless
+  None: downloaded ones, recorded when prepared), or None to prepare it again."""
   try:
-    found = json.loads((cache_dir / _FINGERPRINT).read_text())
+    found = json.loads((folder / _METADATA).read_text())
   except FileNotFoundError:
     return None
   except (OSError, ValueError) as e:
-    logging.warning('Unreadable encoded cache %s (%s); rebuilding it.', cache_dir, e)
+    logging.warning('Unreadable prepared dataset %s (%s); rebuilding it.', folder, e)
     return None
-  if found != fingerprint:
-    logging.info('Encoded cache %s was made from other files or settings; '
-                 'rebuilding it.', cache_dir)
+  if found.get('settings') != settings or (
+      source_files is not None and found.get('source_files') != source_files):
+    logging.info('Prepared dataset %s was made from other files or settings; '
+                 'rebuilding it.', folder)
     return None
+  return _read_arrays(folder, found['source_files'], found['split_rule'])
+
+
+def _read_arrays(folder, source_files, split_rule) -> Encoding | None:
   try:
-    vocab = tuple(json.loads((cache_dir / _VOCAB).read_text(encoding='utf-8')))
-    splits = {split: np.load(cache_dir / f'{split}.npy', mmap_mode='r')
+    vocab = tuple(json.loads((folder / _VOCAB).read_text(encoding='utf-8')))
+    splits = {split: np.load(folder / f'{split}.npy', mmap_mode='r')
               for split in specs.SPLITS}
   except (OSError, ValueError) as e:
-    logging.warning('Damaged encoded cache %s (%s); rebuilding it.', cache_dir, e)
+    logging.warning('Damaged prepared dataset %s (%s); rebuilding it.', folder, e)
     return None
-  return vocab, splits
+  return Encoding(vocab, splits, source_files, split_rule)
 
 
-def write(cache_dir: pathlib.Path, fingerprint: dict, vocab, splits) -> None:
-  cache_dir.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(
-      tempfile.mkdtemp(prefix=f'.{cache_dir.name}.tmp-', dir=cache_dir.parent))
+@contextlib.contextmanager
+def set_aside(folder: pathlib.Path) -> Iterator[None]:
+  """Moves `folder` out of the way while it is prepared again: back if that fails,
+  deleted once it succeeds."""
+  if not folder.exists():
+    yield
+    return
+  old = pathlib.Path(tempfile.mkdtemp(prefix=f'.{folder.name}.old-', dir=folder.parent))
+  os.replace(folder, old)
   try:
-    for split, ids in splits.items():
-      np.save(staging / f'{split}.npy', np.asarray(ids, dtype=np.int32))
-    (staging / _VOCAB).write_text(json.dumps(list(vocab), ensure_ascii=False),
-                                  encoding='utf-8')
-    (staging / _FINGERPRINT).write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
-    _replace_dir(staging, cache_dir)
+    yield
+  except BaseException:
+    if not folder.exists():
+      os.replace(old, folder)
+    raise
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace_dir(new: pathlib.Path, target: pathlib.Path) -> None:
-  """Moves `new` to `target`; a reader sees the old folder, none, or the new one."""
-  old = None
-  if target.exists():
-    old = pathlib.Path(tempfile.mkdtemp(prefix=f'.{target.name}.old-', dir=target.parent))
-    os.replace(target, old)
-  try:
-    os.replace(new, target)
-  except OSError:  # Another process put its (equally fresh) cache there first.
-    logging.info('Encoded cache %s was written concurrently; using that one.', target)
-  if old is not None:
     shutil.rmtree(old, ignore_errors=True)
+
+
+def legacy_folders(data_dir, spec: specs.DatasetSpec, key: str) -> list[pathlib.Path]:
+  """The folders an earlier allatt_jax prepared for this dataset (encoded ids first)."""
+  data_dir = pathlib.Path(data_dir)
+  encoded = data_dir / 'allatt_encoded' / spec.name
+  if spec.name == specs.TEXT_FILES_NAME:
+    records = data_dir / 'allatt_text_files' / key / spec.name / VERSION
+    encoded = encoded / key
+  else:  # lm1b's records are TFDS's own dataset, which is still read.
+    records = None if spec.tfds_name else data_dir / spec.name / VERSION
+  return [folder for folder in (encoded, records) if folder and folder.is_dir()]
+
+
+def legacy_encoding(folder: pathlib.Path, settings: dict, source_files: dict | None
+                    ) -> Encoding | None:
+  """The ids an earlier allatt_jax encoded into `folder`, if they are the ones
+  these settings and source files give."""
+  try:
+    found = json.loads((folder / _LEGACY_FINGERPRINT).read_text())
+  except (OSError, ValueError):
+    return None
+  found_settings = {key: value for key, value in found.items()
+                    if key not in ('source_files', 'split_rule')}
+  if found_settings != settings or (
+      source_files is not None and found.get('source_files') != source_files):
+    return None
+  return _read_arrays(folder, found['source_files'], found['split_rule'])

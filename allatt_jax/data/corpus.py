@@ -1,9 +1,9 @@
-"""`load_corpus`: a dataset as encoded splits, prepared once and cached.
+"""`load_corpus`: a dataset as encoded splits, prepared once and memory-mapped.
 
-First run: check the source files, let TFDS prepare the raw text (download or
-manual folder), encode it, cache it under `<data_dir>/allatt_encoded/<name>/`.
-Later runs with a manual folder (or the shipped corpus) only hash the source
-files and memory-map the cache; TensorFlow is not even imported.
+First run: check and hash the source files, then let the `allatt_text` TFDS builder
+(builder.py) encode them into `<data_dir>/allatt_text/<name>/1.0.0/`. Later runs
+with a manual folder (or the shipped corpus) only hash the source files and
+memory-map the arrays; TensorFlow is not even imported.
 """
 from collections.abc import Mapping
 import dataclasses
@@ -11,27 +11,16 @@ import functools
 import hashlib
 import json
 import os
-import pathlib
 
 from absl import logging
 import numpy as np
 
 from allatt_jax.data import cache
+from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
 from allatt_jax.errors import DataError
-
-# Bump when the encoding of any dataset changes: every cache is then rebuilt.
-ENCODING_VERSION = 1
-
-_SETTINGS = {
-    'word': {'tokens': 'whitespace-split words, <eos> after every line',
-             'vocab': 'train only, descending frequency, ties by first occurrence',
-             'unknown': tokenization.UNK},
-    'char': {'tokens': 'characters', 'vocab': tokenization.TEXT8_ALPHABET},
-    'byte': {'tokens': 'bytes', 'vocab': 'id = byte value'},
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +84,7 @@ def load_corpus(name: str, data_dir: str | None = None,
 
   Args:
     name: one of DATASETS.
-    data_dir: TFDS data folder; the encoded cache goes to its `allatt_encoded/`.
+    data_dir: TFDS data folder; the prepared ids go to its `allatt_text/<name>/`.
     manual_dir: folder holding the official files; without it TFDS downloads them
       (wikitext_chars needs neither: it ships with the package; text_files needs it).
     **options: text_files only: level, files, min_count, max_vocab, clean (the keys
@@ -142,145 +131,50 @@ _OPTION_KEYS = ('level', 'files', 'min_count', 'max_vocab', 'clean')
 
 
 def _cached_or_built(spec, data_dir, manual_dir) -> Corpus:
-  cache_dir = pathlib.Path(data_dir) / 'allatt_encoded' / spec.name
-  if spec.tfds_name:
-    from allatt_jax.data import lm1b  # pylint: disable=g-import-not-at-top
-    builder = lm1b.prepare(spec, data_dir, manual_dir)
-    return _load_cached(spec, cache_dir, builder.source_files) or _encode_and_cache(
-        spec, cache_dir, builder, builder.source_files)
+  config_name = key = spec.name
   if spec.name == specs.TEXT_FILES_NAME:
     if manual_dir is None:
       raise spec.not_found('no folder given')
-    # One cache (and TFDS dataset) per folder and option set: switching between
-    # them rebuilds nothing and deletes nothing.
+    # One prepared dataset per folder and option set: switching between them
+    # rebuilds nothing and deletes nothing.
     key = hashlib.sha256(json.dumps(
         [os.path.abspath(os.path.expanduser(manual_dir)), specs.options(spec)]
     ).encode()).hexdigest()[:12]
-    cache_dir = cache_dir / key
-    data_dir = os.path.join(data_dir, 'allatt_text_files', key)
-  source_dir = manual_dir or (specs.CORPUS_DIR if spec.url is None else None)
+    config_name = f'{spec.name}_{key}'
   source_files = None
-  if source_dir is not None:
-    paths = sources.locate(spec, source_dir)
-    sources.check(spec, paths)
-    source_files = sources.fingerprint(paths)
-    sources.warn_if_unofficial(spec, source_files, paths)
-    found = _load_cached(spec, cache_dir, source_files)
-    if found is not None:
-      return found
-
-  from allatt_jax.data import tfds_builders  # pylint: disable=g-import-not-at-top
-  builder = tfds_builders.prepare(spec, data_dir, source_dir, source_files)
-  source_files = builder.info.metadata['source_files']
-  return (_load_cached(spec, cache_dir, source_files)
-          or _encode_and_cache(spec, cache_dir, builder, source_files))
-
-
-def _encode_and_cache(spec, cache_dir, builder, source_files) -> Corpus:
-  logging.info("Encoding dataset '%s' into %s.", spec.name, cache_dir)
-  split_rule = _split_rule(spec, source_files)
-  vocab, splits = _encode(spec, builder)
-  cache.write(cache_dir, _fingerprint(spec, source_files, split_rule), vocab, splits)
-  return _load_cached(spec, cache_dir, source_files) or Corpus(
-      spec.name, spec.level, vocab, splits, split_rule, spec.clean)
-
-
-def _fingerprint(spec, source_files, split_rule) -> dict:
-  fingerprint = {'dataset': spec.name, 'encoding_version': ENCODING_VERSION,
-                 'level': spec.level, 'settings': _SETTINGS[spec.level],
-                 'split_rule': split_rule, 'source_files': source_files}
-  if spec.name == specs.TEXT_FILES_NAME or spec.tfds_name:
-    fingerprint['options'] = {**specs.options(spec), 'add_unk': spec.add_unk}
-  return fingerprint
-
-
-def _load_cached(spec, cache_dir, source_files) -> Corpus | None:
-  split_rule = _split_rule(spec, source_files)
-  found = cache.load(cache_dir, _fingerprint(spec, source_files, split_rule))
+  if not spec.tfds_name:
+    source_dir = manual_dir or (specs.CORPUS_DIR if spec.url is None else None)
+    if source_dir is not None:  # Else TFDS downloads them, and records their hashes.
+      paths = sources.locate(spec, source_dir)
+      sources.check(spec, paths)
+      source_files = sources.fingerprint(paths)
+      sources.warn_if_unofficial(spec, source_files, paths)
+  settings = encoding_lib.settings(spec)
+  folder = cache.dataset_dir(data_dir, config_name)
+  found = cache.load(folder, settings, source_files)
   if found is None:
-    return None
-  vocab, splits = found
-  return Corpus(spec.name, spec.level, vocab, splits, split_rule, spec.clean)
+    _prepare(spec, config_name, key, data_dir, manual_dir, source_files)
+    found = cache.load(folder, settings, None)
+  if found is None:
+    raise DataError(f'The prepared dataset {folder} cannot be read; delete it to '
+                    'prepare it again.')
+  return Corpus(spec.name, spec.level, found.vocab, found.splits, found.split_rule,
+                spec.clean)
 
 
-def _split_rule(spec, source_files) -> str:
-  if spec.name == specs.TEXT_FILES_NAME:
-    return 'one file per split'
-  if spec.level == 'word':
-    return 'official'
-  if spec.url is None:  # The shipped corpus: its size is known only once unpacked.
-    return 'proportional {}/{}/{}'.format(*spec.proportions)
-  return spec.split_sizes(source_files[spec.files[0]]['size'])[1]
-
-
-def _encode(spec, builder) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
-  if spec.level == 'word':
-    return _encode_words(spec, builder)
-  data = {split: b''.join(chunk for batch in builder.text_batches(split)
-                          for chunk in batch)
-          for split in specs.SPLITS}
-  if spec.level == 'byte':
-    return (tokenization.byte_vocab(),
-            {split: np.frombuffer(text, dtype=np.uint8).astype(np.int32)
-             for split, text in data.items()})
-  if spec.name == specs.TEXT_FILES_NAME:
-    return _encode_own_chars(spec, data)
-  vocab = tuple(tokenization.TEXT8_ALPHABET)
-  table = tokenization.char_table(vocab)
-  return vocab, {split: tokenization.encode_ascii(text, table)
-                 for split, text in data.items()}
-
-
-def _encode_own_chars(spec, data: dict[str, bytes]):
-  """The user's text at char level (UTF-8, checked by sources.check)."""
-  texts = {split: text.decode('utf-8') for split, text in data.items()}
-  if spec.clean == 'text8':
-    vocab = tuple(tokenization.TEXT8_ALPHABET)
-    table = tokenization.char_table(vocab)
-    return vocab, {split: tokenization.encode_ascii(
-        tokenization.clean_text8_style(text).encode('ascii'), table)
-                   for split, text in texts.items()}
-  vocab, splits = tokenization.encode_chars(texts)
-  if spec.max_vocab and len(vocab) > spec.max_vocab:
-    raise DataError(
-        f"Dataset '{spec.name}': the text has {len(vocab)} different characters, "
-        f'more than data.max_vocab={spec.max_vocab}, and characters have no <unk> '
-        'to map the rest to. Raise or drop --config.data.max_vocab, clean the text '
-        'to a-z and space with --config.data.clean=text8, or use '
-        '--config.data.level=byte (256 values).')
-  return vocab, splits
-
-
-def _encode_words(spec, builder):
-  num_lines = {}
-
-  def line_batches(split):
-    num_lines[split] = 0
-    for batch in builder.text_batches(split):
-      num_lines[split] += len(batch)
-      try:
-        yield [line.decode('utf-8') for line in batch]
-      except UnicodeDecodeError as e:
-        raise DataError(f"Dataset '{spec.name}': the {split} file is not UTF-8 "
-                        f'text ({e}).') from e
-
-  vocab, train = tokenization.encode_train(line_batches('train'))
-  unknown = {'train': 0}
-  if spec.min_count > 1 or spec.max_vocab or spec.add_unk:
-    vocab, train, unknown['train'] = tokenization.limit_vocab(
-        vocab, train, spec.min_count, spec.max_vocab, spec.add_unk)
-  index = {word: i for i, word in enumerate(vocab)}
-  splits = {'train': train}
-  for split in specs.SPLITS[1:]:
-    encoded = [tokenization.encode_lines(batch, index) for batch in line_batches(split)]
-    splits[split] = np.concatenate([ids for ids, _ in encoded])
-    unknown[split] = sum(count for _, count in encoded)
-  for split in specs.SPLITS:
-    logging.info("Dataset '%s' %s: %d lines, %d tokens, %d words not in the "
-                 'vocabulary mapped to %s.', spec.name, split, num_lines[split],
-                 len(splits[split]), unknown[split], tokenization.UNK)
-  if spec.official_train_lines not in (None, num_lines['train']):
-    logging.warning("Dataset '%s': train has %d lines, the official file %d; results "
-                    'will not be comparable with published numbers.', spec.name,
-                    num_lines['train'], spec.official_train_lines)
-  return vocab, splits
+def _prepare(spec, config_name, key, data_dir, manual_dir, source_files) -> None:
+  """Runs the TFDS builder, taking over what an earlier allatt_jax prepared."""
+  from allatt_jax.data import builder  # pylint: disable=g-import-not-at-top
+  first_time = not cache.dataset_dir(data_dir, config_name).exists()
+  old_folders = cache.legacy_folders(data_dir, spec, key) if first_time else []
+  adopted = None
+  if old_folders:
+    adopted = cache.legacy_encoding(old_folders[0], encoding_lib.settings(spec),
+                                    source_files)
+    logging.warning(
+        "Dataset '%s': %s were prepared by an earlier allatt_jax; %s into %s. "
+        'They are no longer read and can be deleted.', spec.name,
+        ', '.join(map(str, old_folders)),
+        'taking over its encoded ids' if adopted else 'encoding it again',
+        cache.dataset_dir(data_dir, config_name))
+  builder.prepare(spec, config_name, data_dir, manual_dir, source_files, adopted)
