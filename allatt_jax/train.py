@@ -109,6 +109,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   if is_main:
     rundir.save_config(workdir, config)
     rundir.save_vocabulary(workdir, vocabulary)
+    rundir.save_tokenizer(workdir, corpus.tokenizer.to_dict())
   writer = metric_writers.create_default_writer(str(workdir), just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
@@ -216,7 +217,8 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
     host_variables = jax.device_get(variables)
   pruned_cfg, params = prune.prune_variables(setup.lm.cfg, host_variables)
   export_dir = workdir / export.EXPORT_DIR
-  export.save_export(export_dir, setup.config, pruned_cfg, params)
+  export.save_export(export_dir, setup.config, pruned_cfg, params,
+                     corpus.tokenizer.to_dict())
   lm = model_lib.TransformerLM(pruned_cfg)
   evaluator = evaluate.Evaluator.from_config(lm, setup.mesh, setup.config)
   results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
