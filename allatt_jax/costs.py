@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 import ml_collections
 from ml_collections import config_flags
@@ -219,6 +220,7 @@ def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelCon
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
   with errors.reported_to_user():
     if (_CONFIG.value is None) == (_CHECKPOINT.value is None):
       raise ConfigError("Give exactly one of --config (a run config file) and "
