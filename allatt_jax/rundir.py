@@ -21,6 +21,7 @@ from allatt_jax.errors import CheckpointError
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 TOKENIZER_FILE = "tokenizer.json"
+GATE_HISTORY_FILE = "gate_history.jsonl"   # pruning runs: open probabilities per log
 
 
 def run_path(path) -> epath.Path:

@@ -34,8 +34,6 @@ from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
 
-GATE_HISTORY_FILE = "gate_history.jsonl"
-
 
 def start(config: ml_collections.ConfigDict, workdir
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
@@ -284,5 +282,5 @@ def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> No
   probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
                                                  cfg.gate)).tolist() if g else []
            for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
-  with (rundir.run_path(workdir) / GATE_HISTORY_FILE).open("a") as f:
+  with (rundir.run_path(workdir) / rundir.GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")
