@@ -15,7 +15,10 @@ import pytest
 import allatt_jax
 from allatt_jax import config_base
 from allatt_jax import gates as gates_lib
+from allatt_jax import export
 from allatt_jax import model as model_lib
+from allatt_jax import pipeline
+from allatt_jax import plots
 from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
@@ -26,17 +29,34 @@ TEXT = "The river flows past the old mill, and the town of 1850 grew along its b
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  """A tiny baseline with the demo's head layout (4 layers of 8 heads)."""
+def stages(tmp_path_factory):
+  """The tiny demo's baseline and pruning configs with the demo's head layout (4
+  layers of 8 heads), in RUNS/baseline and RUNS/pruned."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
-  workdir = tmp_path_factory.mktemp("runs") / "baseline"
-  train.train_and_evaluate(config, workdir)
+  return pipeline.stage_configs(config, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def workdir(stages):
+  baseline_config, prune_config = stages
+  workdir = pathlib.Path(prune_config.init_from)
+  train.train_and_evaluate(baseline_config, workdir)
   return workdir
+
+
+@pytest.fixture(scope="module")
+def pruned_run(stages, workdir):
+  prune_config = stages[1]
+  # Gates start on the edge (logit 0, open) with a fast learning rate: within the
+  # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
+  # by its size, so from the usual init of 2 none would close).
+  prune_config.gates.update(dict(init=0.0, lam=0.05, learning_rate=0.1))
+  pruned_run = workdir.parent / "pruned"
+  train.train_and_evaluate(prune_config, pruned_run)
+  return pruned_run
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +215,38 @@ def test_readme_python_example_runs(workdir, tmp_path, capsys):
   printed = capsys.readouterr().out.splitlines()
   assert printed[0] == "(8, 8, 8, 8)"
   assert (tmp_path / "smaller" / rundir.TOKENIZER_FILE).is_file()
+
+
+def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
+  for directory in (pruned_run, pruned_run / export.EXPORT_DIR):
+    assert rundir.load_tokenizer(directory) == model.tokenizer.to_dict()
+
+
+def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
+  gated = allatt_jax.load(pruned_run)
+  exported = allatt_jax.load(pruned_run / export.EXPORT_DIR)
+  assert gated.lm.cfg.gated and sum(exported.heads_per_layer) < 32
+  np.testing.assert_allclose(np.asarray(gated.log_probs(ids)[0]),
+                             np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gated.prune_heads({}).log_probs(ids)[0]),
+                             np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
+  costs = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
+  assert costs["heads_per_layer"] == list(exported.heads_per_layer)
+  assert costs == exported.costs()
+  both = run_cli("costs", f"--checkpoint={pruned_run}", "--config=configs/demo.py",
+                 check=False)
+  assert both.returncode == 2 and "exactly one of --config" in both.stderr
+
+
+def test_export_of_an_earlier_step(pruned_run, tmp_path):
+  out = export.export_run(pruned_run, tmp_path / "step20", step=20)
+  assert allatt_jax.load(out).tokenizer.vocab_size == 27
+  with pytest.raises(CheckpointError, match="no checkpoint of step 25"):
+    export.export_run(pruned_run, tmp_path / "step25", step=25)
+
+
+def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):
+  out = plots.gate_figure(pruned_run, tmp_path / "gates.png")
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(CheckpointError, match="not a pruning run"):
+    plots.gate_figure(pruned_run.parent / "baseline")
