@@ -14,8 +14,11 @@ import pytest
 
 import allatt_jax
 from allatt_jax import config_base
+from allatt_jax import costs
+from allatt_jax import evaluate
 from allatt_jax import gates as gates_lib
 from allatt_jax import export
+from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import plots
@@ -170,15 +173,15 @@ def test_export_is_standalone(model, tmp_path):
 
   scored = json.loads(run_cli("score", f"--checkpoint={export}",
                               f"--text_file={tmp_path / 'text.txt'}", env=env).stdout)
-  evaluated = json.loads(run_cli("evaluate", f"--checkpoint={export}",
-                                 f"--text_file={tmp_path / 'text.txt'}", env=env).stdout)
-  assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
-  assert evaluated["tokens"] == scored["tokens"]
   sampled = run_cli("sample", f"--checkpoint={export}", "--prompt=the town",
                     "--num_tokens=20", env=env).stdout
   assert sampled.startswith("the town") and len(sampled.rstrip("\n")) == 28
-  costs = json.loads(run_cli("costs", f"--checkpoint={export}", env=env).stdout)
-  assert costs["heads_per_layer"] == [5, 8, 7, 8]
+  # In this process, the library behind evaluate --text_file and costs --checkpoint.
+  loaded = loader.load(export)
+  evaluated = evaluate.evaluate_model(loaded, text=TEXT)
+  assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
+  assert evaluated["tokens"] == scored["tokens"]
+  assert costs.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
   assert allatt_jax.load(export).score(TEXT)["bpc"] == pytest.approx(scored["bpc"],
                                                                       rel=1e-5)
   assert not any(empty.iterdir())
@@ -201,9 +204,8 @@ def test_evaluate_cli_picks_a_step(workdir):
   assert first["bpc"] != last["bpc"]
   results = json.loads((workdir / "results.json").read_text())
   assert last["bpc"] == pytest.approx(results["valid"], rel=1e-5)
-  missing = run_cli("evaluate", f"--checkpoint={workdir}", "--step=7", check=False)
-  assert missing.returncode == 2
-  assert "no checkpoint of step 7" in missing.stderr and "[20, 30]" in missing.stderr
+  with pytest.raises(CheckpointError, match=r"no checkpoint of step 7.*\[20, 30\]"):
+    allatt_jax.load(workdir, step=7)
 
 
 def test_readme_python_example_runs(workdir, tmp_path, capsys):
@@ -230,9 +232,9 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
   np.testing.assert_allclose(np.asarray(gated.prune_heads({}).log_probs(ids)[0]),
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
-  costs = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
-  assert costs["heads_per_layer"] == list(exported.heads_per_layer)
-  assert costs == exported.costs()
+  printed = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
+  assert printed["heads_per_layer"] == list(exported.heads_per_layer)
+  assert printed == exported.costs()
   both = run_cli("costs", f"--checkpoint={pruned_run}", "--config=configs/demo.py",
                  check=False)
   assert both.returncode == 2 and "exactly one of --config" in both.stderr
