@@ -190,9 +190,9 @@ def _checked_heads(cfg: model_lib.ModelConfig,
     bad = [h for h in layer_heads
            if not isinstance(h, (int, np.integer)) or not 0 <= h < count]
     if bad:
-      raise errors.ConfigError(
-          f"Layer {layer} has no head(s) {bad}: its heads are 0 .. {count - 1} "
-          f"(heads per layer: {list(cfg.layer_heads)}).")
+      has = f"its heads are 0 .. {count - 1}" if count else "it has no heads left"
+      raise errors.ConfigError(f"Layer {layer} has no head(s) {bad}: {has} (heads per "
+                               f"layer: {list(cfg.layer_heads)}).")
     checked[int(layer)] = sorted(set(int(h) for h in layer_heads))
   return checked
 
