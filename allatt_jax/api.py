@@ -112,8 +112,10 @@ class Model:
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:
-    """Parameters and MACs per token of this model at its eval lengths (costs.py)."""
-    return costs_lib.model_report(self.config, self.lm.cfg)
+    """Parameters and MACs per token of this model at its eval lengths (costs.py); a
+    gated model's closed heads count as removed, as in its export."""
+    return costs_lib.model_report(
+        self.config, costs_lib.running_model_config(self.lm.cfg, self.variables))
 
   def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
     """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's

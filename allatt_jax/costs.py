@@ -141,12 +141,16 @@ def trained_model_config(checkpoint, step: int | None = None
   """(run config, the model as it runs): an export's heads, or a run's with its
   closed gates removed (the heads its export would keep)."""
   config, lm, variables = loader.load_lm(checkpoint, step)
-  cfg = lm.cfg
-  if cfg.gated:
-    kept = prune.surviving_heads(cfg, variables["gates"])
-    cfg = dataclasses.replace(cfg, heads_per_layer=tuple(len(k) for k in kept),
-                              gated=False)
-  return config, cfg
+  return config, running_model_config(lm.cfg, variables)
+
+
+def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
+  """`cfg`, or for a gated model the ungated one of its open heads (its export's)."""
+  if not cfg.gated:
+    return cfg
+  kept = prune.surviving_heads(cfg, jax.device_get(variables["gates"]))
+  return dataclasses.replace(cfg, heads_per_layer=tuple(len(k) for k in kept),
+                             gated=False)
 
 
 def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.ModelConfig:

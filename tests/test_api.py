@@ -234,7 +234,7 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
   printed = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
   assert printed["heads_per_layer"] == list(exported.heads_per_layer)
-  assert printed == exported.costs()
+  assert printed == exported.costs() == gated.costs()
   both = run_cli("costs", f"--checkpoint={pruned_run}", "--config=configs/demo.py",
                  check=False)
   assert both.returncode == 2 and "exactly one of --config" in both.stderr
