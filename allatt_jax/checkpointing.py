@@ -115,7 +115,12 @@ def restore_variables(workdir, step: int | None = None) -> dict:
   """
   run = RunCheckpoints(workdir, async_save=False, read_only=True)
   try:
-    step = _finished_step(run) if step is None else step
+    if step is None:
+      step = _finished_step(run)
+    elif step not in run.manager.all_steps():
+      raise CheckpointError(
+          f"{run.directory} has no checkpoint of step {step}; its finished steps are "
+          f"{sorted(run.manager.all_steps())}.")
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
                           run.manager.item_metadata(step)["state"])
@@ -125,8 +130,10 @@ def restore_variables(workdir, step: int | None = None) -> dict:
   return jax.tree.map(np.asarray, restored.state["variables"])
 
 
-def save_model(directory, config: ml_collections.ConfigDict, params) -> None:
-  """A standalone model: its config and parameters (no optimizer, no gates)."""
+def save_model(directory, config: ml_collections.ConfigDict, params,
+               tokenizer: dict | None = None) -> None:
+  """A standalone model: its config, parameters (no optimizer, no gates) and, given
+  its description (`Tokenizer.to_dict()`), the tokenizer that reads text for it."""
   directory = rundir.run_path(directory)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory / "params", params, force=True)
@@ -134,6 +141,8 @@ def save_model(directory, config: ml_collections.ConfigDict, params) -> None:
   # the model back next, wait for it.
   if jax.process_index() == 0:
     rundir.save_config(directory, config)
+    if tokenizer is not None:
+      rundir.save_tokenizer(directory, tokenizer)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"save_model {directory}")
 
@@ -154,12 +163,17 @@ def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:
   return {k: v for k, v in shapes.items() if k.startswith(prefix)}
 
 
-def load_model(directory):
-  """(run config, variables) of an exported model or of a run's latest checkpoint."""
+def load_model(directory, step: int | None = None):
+  """(run config, variables) of an exported model or of a run's checkpoint `step`
+  (default: the latest); an export has no steps."""
   directory = rundir.run_path(directory)
   config = rundir.load_config(directory)
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
+    if step is not None:
+      raise CheckpointError(
+          f"{directory} is an exported model, which has no checkpoint steps; drop the "
+          "step, or point at the training run's workdir.")
     return config, {"params": jax.tree.map(np.asarray, params)}
-  return config, restore_variables(directory)
+  return config, restore_variables(directory, step)

@@ -21,6 +21,11 @@ Elementwise work (softmax, LayerNorm, rel_shift) is left out: it is a few percen
 the total at the sizes that matter, which the XLA cross-check bounds.
 
   python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
+  python -m allatt_jax.costs --checkpoint=RUN/pruned/export     # a trained model
+
+A config is costed at its training lengths; a trained model (`--checkpoint`: an
+export, or a run's workdir, whose closed gates count as removed heads) at its eval
+lengths, as it is used for scoring and sampling.
 """
 import dataclasses
 import json
@@ -29,11 +34,15 @@ from collections.abc import Sequence
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 import ml_collections
 from ml_collections import config_flags
 
+from allatt_jax import errors
+from allatt_jax import loader
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 from allatt_jax.errors import ConfigError
 
 EMBEDDING_PARAMS = ("embedding", "relative_table")
@@ -120,6 +129,30 @@ def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: i
                                             "macs_per_token_non_embedding")}}
 
 
+def model_report(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig,
+                 heads_kept: float | None = None) -> dict:
+  """The cost report of a trained model `cfg` at its run config's eval lengths."""
+  e = config.eval
+  return report(cfg, e.seq_len, e.mem_len, e.batch_size, heads_kept)
+
+
+def trained_model_config(checkpoint, step: int | None = None
+                         ) -> tuple[ml_collections.ConfigDict, model_lib.ModelConfig]:
+  """(run config, the model as it runs): an export's heads, or a run's with its
+  closed gates removed (the heads its export would keep)."""
+  config, lm, variables = loader.load_lm(checkpoint, step)
+  return config, running_model_config(lm.cfg, variables)
+
+
+def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
+  """`cfg`, or for a gated model the ungated one of its open heads (its export's)."""
+  if not cfg.gated:
+    return cfg
+  kept = prune.surviving_heads(cfg, jax.device_get(variables["gates"]))
+  return dataclasses.replace(cfg, heads_per_layer=tuple(len(k) for k in kept),
+                             gated=False)
+
+
 def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.ModelConfig:
   """The same model keeping round(F·H) heads in every layer."""
   if not 0.0 <= heads_kept <= 1.0:
@@ -191,18 +224,35 @@ def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelCon
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  config = _CONFIG.value
-  cfg = model_lib.ModelConfig.from_config(config)
-  train = config.train
-  print(json.dumps(report(cfg, train.seq_len, train.mem_len, train.batch_size,
-                          _HEADS_KEPT.value), indent=2))
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
+  with errors.reported_to_user():
+    if (_CONFIG.value is None) == (_CHECKPOINT.value is None):
+      raise ConfigError("Give exactly one of --config (a run config file) and "
+                        "--checkpoint (a run's workdir or an exported model).")
+    if _STEP.value is not None and _CHECKPOINT.value is None:
+      raise ConfigError("--step picks a checkpoint of --checkpoint's run; give "
+                        "--checkpoint too.")
+    if _CHECKPOINT.value is not None:
+      config, cfg = trained_model_config(_CHECKPOINT.value, _STEP.value)
+      result = model_report(config, cfg, _HEADS_KEPT.value)
+    else:
+      config = _CONFIG.value
+      train = config.train
+      result = report(model_lib.ModelConfig.from_config(config), train.seq_len,
+                      train.mem_len, train.batch_size, _HEADS_KEPT.value)
+  print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.",
-                                            lock_config=True)
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", None, "Run config file (costed at its training lengths); exclusive "
+      "with --checkpoint.", lock_config=True)
+  _CHECKPOINT = flags.DEFINE_string(
+      "checkpoint", None, "A run's workdir or an exported model: the trained model's "
+      "real heads per layer, at its eval lengths; exclusive with --config.")
+  _STEP = flags.DEFINE_integer("step", None, "With --checkpoint on a run's workdir: the "
+                               "checkpoint step (default: the latest).")
   _HEADS_KEPT = flags.DEFINE_float(
       "heads_kept", None, "Keep this fraction of every layer's heads and report the "
       "pruned model relative to the unpruned one.")
-  flags.mark_flags_as_required(["config"])
   app.run(main)

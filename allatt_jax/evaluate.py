@@ -1,22 +1,40 @@
-"""Evaluation with memory: every target token of a split scored exactly once.
+r"""Evaluation with memory: every target token of a split scored exactly once.
 
 The split is cut into B contiguous rows read segment by segment with the memory
 carried along each row (Transformer-XL's evaluation); padded positions of the last
 segment carry zero weight. Word-level corpora report perplexity, character/byte
 level ones bits per character.
+
+As a command, evaluates a trained model (a run's workdir, any checkpoint step, or an
+export) on a split of its dataset, or on a text file (read as one row, as
+`python -m allatt_jax.score` reads it, which needs no dataset), and prints a JSON
+summary:
+
+  python -m allatt_jax.evaluate --checkpoint=DIR [--step=N] [--split=valid|test]
+  python -m allatt_jax.evaluate --checkpoint=DIR --text_file=FILE
 """
 import functools
+import json
 import math
+import pathlib
+import sys
 import time
 
+from absl import app
+from absl import flags
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from allatt_jax import data as data_lib
+from allatt_jax import errors
+from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import sharding
+
+SPLITS = ("valid", "test")
 
 
 def metric_value(mean_nll: float, metric: str) -> float:
@@ -85,3 +103,67 @@ def evaluate_splits(evaluator: Evaluator, variables, corpus: data_lib.Corpus,
     results[split] = metric_value(scored["nll"], corpus.metric)
     results[f"{split}_nll"] = scored["nll"]
   return results
+
+
+def evaluate_model(model: loader.LoadedModel, *, split: str | None = None,
+                   text: str | None = None) -> dict:
+  """{'tokens', metric, 'nll'} of a loaded model on a split of its dataset (at the
+  run's eval batch and lengths) or on `text` (one row, as `score` reads it).
+
+  Raises:
+    DataError: the dataset cannot be loaded, or the text has fewer than 2 tokens.
+  """
+  e = model.config.eval
+  if text is not None:
+    tokens, _ = model.tokenizer.encode(text)
+    if len(tokens) < 2:
+      raise errors.DataError(f"The text has {len(tokens)} token(s) in the vocabulary; "
+                             "evaluation needs at least 2 (the first is context only).")
+    batch_size = 1
+  else:
+    tokens = data_lib.load_run_corpus(model.config).splits[split]
+    batch_size = e.batch_size
+  # One device: a model trained on a mesh evaluates anywhere, at any batch size.
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  evaluator = Evaluator(model.lm, mesh, batch_size=batch_size, seq_len=e.seq_len,
+                        mem_len=e.mem_len)
+  scored = evaluator.score(model.variables, tokens)
+  metric = model.tokenizer.metric
+  return {"tokens": scored["tokens"], metric: metric_value(scored["nll"], metric),
+          "nll": scored["nll"]}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
+  with errors.reported_to_user():
+    if _SPLIT.value not in SPLITS:
+      raise errors.ConfigError(f"--split={_SPLIT.value}: use one of {SPLITS}.")
+    text = None
+    if _TEXT_FILE.value:
+      try:
+        text = pathlib.Path(_TEXT_FILE.value).read_text(encoding="utf-8")
+      except (OSError, UnicodeDecodeError) as e:
+        raise errors.DataError(f"Cannot read the text file {_TEXT_FILE.value}: {e}") from e
+    model = loader.load(_CHECKPOINT.value, _STEP.value)
+    summary = evaluate_model(model, split=None if text is not None else _SPLIT.value,
+                             text=text)
+  source = {"file": _TEXT_FILE.value} if text is not None else {"split": _SPLIT.value}
+  json.dump({"checkpoint": _CHECKPOINT.value, "step": _STEP.value, **source, **summary},
+            sys.stdout, indent=2)
+  print()
+
+
+if __name__ == "__main__":
+  _CHECKPOINT = flags.DEFINE_string(
+      "checkpoint", None, "A run's workdir or an exported model folder.")
+  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
+                               "(default: the latest finished one).")
+  _SPLIT = flags.DEFINE_string("split", "test", "Split of the run's dataset: valid or "
+                               "test (needs the dataset).")
+  _TEXT_FILE = flags.DEFINE_string("text_file", None, "Evaluate this UTF-8 text file "
+                                   "instead of a split (needs no dataset).")
+  flags.mark_flags_as_required(["checkpoint"])
+  app.run(main)

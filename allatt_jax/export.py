@@ -1,11 +1,12 @@
 """Export a pruning run as a smaller, ungated model, its closed heads removed
-(`prune.prune_variables`): the model's config.json and params, loadable without the
-training run (`checkpointing.load_model`).
+(`prune.prune_variables`): the model's config.json, params and tokenizer.json,
+loadable and usable on text without the training run or its dataset
+(`loader.load`).
 
 A pruning run exports its final state itself; this command exports a run's latest
-checkpoint again, e.g. to another folder:
+checkpoint (or checkpoint --step) again, e.g. to another folder:
 
-  python -m allatt_jax.export --workdir=RUN [--out=DIR]
+  python -m allatt_jax.export --workdir=RUN [--step=N] [--out=DIR]
 """
 from absl import app
 from absl import flags
@@ -14,6 +15,7 @@ import ml_collections
 
 from allatt_jax import checkpointing
 from allatt_jax import errors
+from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import rundir
@@ -35,33 +37,39 @@ def exported_config(config: ml_collections.ConfigDict,
 
 
 def save_export(out_dir, config: ml_collections.ConfigDict,
-                pruned_cfg: model_lib.ModelConfig, params) -> None:
-  """Writes the pruned model of a run with `config` to `out_dir`."""
-  checkpointing.save_model(out_dir, exported_config(config, pruned_cfg), params)
+                pruned_cfg: model_lib.ModelConfig, params, tokenizer: dict) -> None:
+  """Writes the pruned model of a run with `config` to `out_dir`, with the run's
+  tokenizer (`Tokenizer.to_dict()`)."""
+  checkpointing.save_model(out_dir, exported_config(config, pruned_cfg), params,
+                           tokenizer)
 
 
-def export_run(workdir, out_dir=None) -> epath.Path:
-  """Exports a pruning run's latest checkpoint as a standalone smaller model."""
+def export_run(workdir, out_dir=None, step: int | None = None) -> epath.Path:
+  """Exports a pruning run's checkpoint `step` (default: the latest) as a standalone
+  smaller model; a run saved without its tokenizer gets its dataset's."""
   workdir = rundir.run_path(workdir)
   validation.check_export(workdir)
   config = rundir.load_config(workdir)
-  variables = checkpointing.restore_variables(workdir)
+  tokenizer = loader.load_tokenizer(workdir, config)
+  variables = checkpointing.restore_variables(workdir, step)
   pruned_cfg, params = prune.prune_variables(model_lib.ModelConfig.from_config(config),
                                              variables)
   out_dir = rundir.run_path(out_dir) if out_dir else workdir / EXPORT_DIR
-  save_export(out_dir, config, pruned_cfg, params)
+  save_export(out_dir, config, pruned_cfg, params, tokenizer.to_dict())
   return out_dir
 
 
 def main(argv):
   del argv
   with errors.reported_to_user():
-    out_dir = export_run(_WORKDIR.value, _OUT.value)
+    out_dir = export_run(_WORKDIR.value, _OUT.value, _STEP.value)
   print(f"Exported the pruned model to {out_dir}")
 
 
 if __name__ == "__main__":
   _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
   _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: WORKDIR/export).")
+  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the "
+                               "latest finished one).")
   flags.mark_flags_as_required(["workdir"])
   app.run(main)

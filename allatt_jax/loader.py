@@ -1,5 +1,10 @@
-"""Trained models for inference: a run's workdir or an exported model, with its
-dataset's vocabulary (`score`, `sample` and the demo's speed comparison read them)."""
+"""Trained models for inference: a run's workdir (any checkpoint step) or an exported
+model, with the tokenizer that reads text for it (`score`, `sample`, `evaluate`, the
+Python API and the demo's speed comparison read them).
+
+The tokenizer comes from the model's own `tokenizer.json`; runs and exports saved
+before it existed fall back to rebuilding it from their dataset.
+"""
 import dataclasses
 from typing import Any
 
@@ -10,37 +15,53 @@ from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import model as model_lib
+from allatt_jax import rundir
+from allatt_jax.data import tokenization
 
 
-def load_lm(checkpoint) -> tuple[ml_collections.ConfigDict, model_lib.TransformerLM, Any]:
+def load_lm(checkpoint, step: int | None = None
+            ) -> tuple[ml_collections.ConfigDict, model_lib.TransformerLM, Any]:
   """(run config, model, host variables) of a run workdir or an exported model."""
-  config, variables = checkpointing.load_model(checkpoint)
+  config, variables = checkpointing.load_model(checkpoint, step)
   return config, model_lib.TransformerLM.from_config(config), variables
+
+
+def load_tokenizer(checkpoint, config: ml_collections.ConfigDict) -> tokenization.Tokenizer:
+  """The tokenizer saved with a run or export; for older ones, its dataset's.
+
+  Raises:
+    DataError: nothing saved and the run's dataset cannot be loaded.
+  """
+  saved = rundir.load_tokenizer(checkpoint)
+  if saved is not None:
+    return tokenization.Tokenizer.from_dict(saved)
+  return data_lib.load_run_corpus(config).tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-  """A trained model ready for inference, with its dataset's vocabulary."""
+  """A trained model ready for inference, with its tokenizer."""
   config: ml_collections.ConfigDict      # the run config (eval lengths, dataset)
   lm: model_lib.TransformerLM
   variables: Any                         # on the default device
-  corpus: data_lib.Corpus
+  tokenizer: tokenization.Tokenizer
 
 
-def load(checkpoint) -> LoadedModel:
-  """The model of a run workdir or an exported model, and its dataset's vocabulary.
+def load(checkpoint, step: int | None = None) -> LoadedModel:
+  """The model of a run workdir (checkpoint `step`, default the latest) or of an
+  exported model, and its tokenizer.
 
   Raises:
-    CheckpointError: no model in `checkpoint`, or one whose vocabulary size is not
-      its dataset's.
-    DataError: the run's dataset cannot be loaded.
+    CheckpointError: no model (or no such step) in `checkpoint`, or one whose
+      vocabulary size is not its tokenizer's.
+    DataError: no saved tokenizer and the run's dataset cannot be loaded.
   """
-  config, lm, variables = load_lm(checkpoint)
-  corpus = data_lib.load_run_corpus(config)
-  if corpus.vocab_size != lm.cfg.vocab_size:
+  config, lm, variables = load_lm(checkpoint, step)
+  tokenizer = load_tokenizer(checkpoint, config)
+  if tokenizer.vocab_size != lm.cfg.vocab_size:
     raise errors.CheckpointError(
         f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "
-        f"dataset {config.data.name!r} has {corpus.vocab_size} types; the checkpoint "
-        "does not belong to this dataset (check data.name / data.data_dir in its "
-        "config.json).")
-  return LoadedModel(config, lm, jax.device_put(variables), corpus)
+        f"tokenizer (dataset {tokenizer.dataset!r}) has {tokenizer.vocab_size} types; "
+        "the checkpoint does not belong to this dataset (check data.name / "
+        "data.data_dir in its config.json, or its tokenizer.json).")
+  return LoadedModel(config, lm, jax.device_put(variables), tokenizer)

@@ -47,8 +47,7 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
   if jax.process_index() == 0:
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    plots.plot_gates(workdir / "pruned" / train.GATE_HISTORY_FILE, workdir / "gates.png",
-               prune_config.gates.freeze_step)
+    plots.gate_figure(workdir / "pruned", workdir / "gates.png")
     print(summary_table(report))
   return report
 

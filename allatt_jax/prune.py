@@ -11,6 +11,7 @@ attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forwa
 either keeps W_O's bias (a per-layer vector: the gated layer with every gate closed
 still adds it), as the parameter `model.HEADLESS_OUT_BIAS`.
 """
+from collections.abc import Iterable, Mapping
 import dataclasses
 
 import flax.linen as nn
@@ -40,6 +41,9 @@ _OUT_KERNEL = ("out", "kernel")
 _OUT_BIAS = ("out", "bias")
 # Sub-modules of a layer that exist only while it has heads.
 _ATTENTION_MODULES = ("attention", "attention_norm")
+# A gate logit far enough from 0 that its deterministic gate is exactly 1 (or, negated,
+# 0) in hard and soft mode alike.
+_CERTAIN_LOGIT = 10.0
 
 
 def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
@@ -132,6 +136,65 @@ def prune_variables(cfg: model_lib.ModelConfig,
   params = traverse_util.unflatten_dict(pruned)
   _check_matches_init(pruned_cfg, params)
   return pruned_cfg, params
+
+
+def remove_heads(cfg: model_lib.ModelConfig, variables,
+                 heads: Mapping[int, Iterable[int]]) -> tuple[model_lib.ModelConfig, dict]:
+  """The smaller model without the chosen heads, by the surgery of `prune_variables`.
+
+  Args:
+    cfg: the model's config, gated or not.
+    variables: its variables ({'params'}, and {'gates'} when gated).
+    heads: {layer: [head, ...]} to remove; head indices count the layer's current
+      heads (0 .. H_layer - 1).
+
+  Returns:
+    As `prune_variables`. An ungated model's other heads are unchanged (hard gates,
+    no output scale); a gated model has the chosen heads closed on top of its own
+    gates, and its output scale follows the closed gates as in its forward pass.
+
+  Raises:
+    ConfigError: a layer or head index out of range (the message names it).
+  """
+  removed = _checked_heads(cfg, heads)
+  if cfg.gated:
+    gates = {}
+    for layer, layer_gates in variables["gates"].items():
+      logits_H = np.array(layer_gates["attention"]["logits"], np.float32)
+      logits_H[removed.get(int(layer.removeprefix("layer_")), [])] = -_CERTAIN_LOGIT
+      gates[layer] = {"attention": {"logits": logits_H}}
+    return prune_variables(cfg, {"params": variables["params"], "gates": gates})
+  gated = dataclasses.replace(cfg, gated=True,
+                              gate=gates_lib.GateConfig(hard=True, scale_output=False))
+  gates = {}
+  for i, num_heads in enumerate(cfg.layer_heads):
+    if num_heads:
+      logits_H = np.full((num_heads,), _CERTAIN_LOGIT, np.float32)
+      logits_H[removed.get(i, [])] = -_CERTAIN_LOGIT
+      gates[f"layer_{i}"] = {"attention": {"logits": logits_H}}
+  pruned_cfg, params = prune_variables(gated, {"params": variables["params"],
+                                               "gates": gates})
+  return dataclasses.replace(pruned_cfg, gate=cfg.gate), params
+
+
+def _checked_heads(cfg: model_lib.ModelConfig,
+                   heads: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
+  checked = {}
+  for layer, layer_heads in heads.items():
+    if not isinstance(layer, (int, np.integer)) or not 0 <= layer < cfg.num_layers:
+      raise errors.ConfigError(
+          f"Layer {layer!r} does not exist: the model has layers 0 .. "
+          f"{cfg.num_layers - 1}. Give heads as {{layer: [head, ...]}}.")
+    layer_heads = list(layer_heads)
+    count = cfg.layer_heads[layer]
+    bad = [h for h in layer_heads
+           if not isinstance(h, (int, np.integer)) or not 0 <= h < count]
+    if bad:
+      has = f"its heads are 0 .. {count - 1}" if count else "it has no heads left"
+      raise errors.ConfigError(f"Layer {layer} has no head(s) {bad}: {has} (heads per "
+                               f"layer: {list(cfg.layer_heads)}).")
+    checked[int(layer)] = sorted(set(int(h) for h in layer_heads))
+  return checked
 
 
 def _check_matches_init(cfg: model_lib.ModelConfig, params) -> None:

@@ -1,8 +1,10 @@
 """A run directory's own files: where it is, its config and its vocabulary.
 
-A run's workdir holds `config.json` (the run config) and `vocabulary.json` (a
-fingerprint of the dataset's vocabulary) next to its checkpoints (checkpointing.py);
-an exported model has the same `config.json`. Files are written atomically (a
+A run's workdir holds `config.json` (the run config), `vocabulary.json` (a
+fingerprint of the dataset's vocabulary) and `tokenizer.json` (the vocabulary itself
+with its tokenisation rules, `data.tokenization.Tokenizer`) next to its checkpoints
+(checkpointing.py); an exported model has the same `config.json` and
+`tokenizer.json`, so it scores and samples text without the dataset. Files are written atomically (a
 temporary file renamed into place), so a reader never sees half of one.
 
 Every location goes through `run_path`, so a workdir may be a local folder or a
@@ -18,6 +20,8 @@ from allatt_jax.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
+TOKENIZER_FILE = "tokenizer.json"
+GATE_HISTORY_FILE = "gate_history.jsonl"   # pruning runs: open probabilities per log
 
 
 def run_path(path) -> epath.Path:
@@ -89,4 +93,16 @@ def save_vocabulary(directory, fingerprint: dict) -> None:
 def load_vocabulary(directory) -> dict | None:
   """The vocabulary fingerprint a run saved, or None (runs from before it was saved)."""
   path = run_path(directory) / VOCABULARY_FILE
+  return _read_json(path) if path.is_file() else None
+
+
+def save_tokenizer(directory, description: dict) -> None:
+  """Writes a `Tokenizer.to_dict()` description."""
+  _write_atomically(run_path(directory) / TOKENIZER_FILE,
+                    json.dumps(description, ensure_ascii=False))
+
+
+def load_tokenizer(directory) -> dict | None:
+  """The tokenizer description a run or export saved, or None (saved before it was)."""
+  path = run_path(directory) / TOKENIZER_FILE
   return _read_json(path) if path.is_file() else None

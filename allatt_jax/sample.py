@@ -1,6 +1,6 @@
 r"""Generates text from a trained model with the Transformer-XL memory.
 
-  python -m allatt_jax.sample --checkpoint=DIR --prompt="the history of" \
+  python -m allatt_jax.sample --checkpoint=DIR [--step=N] --prompt="the history of" \
       --num_tokens=200 [--temperature=1.0 --top_k=0 --seed=0]
 
 DIR is a run's workdir (baseline or pruning run; gated models use their
@@ -109,17 +109,17 @@ def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
   Raises:
     DataError: no token of the prompt is in the vocabulary.
   """
-  ids, skipped = model.corpus.encode(prompt)
+  ids, skipped = model.tokenizer.encode(prompt)
   if not len(ids):
-    hint = " (lower-case letters and spaces)" if model.corpus.level == "char" else ""
+    hint = " (lower-case letters and spaces)" if model.tokenizer.level == "char" else ""
     raise errors.DataError(f"The prompt {prompt!r} has no token in the vocabulary of "
-                           f"dataset {model.corpus.name!r}{hint}.")
+                           f"dataset {model.tokenizer.dataset!r}{hint}.")
   e = model.config.eval
   sampler = Sampler(model.lm, seq_len=e.seq_len, mem_len=e.mem_len,
                     temperature=temperature, top_k=top_k)
   generated = sampler.generate(model.variables, ids, num_tokens, seed)
-  return {"prompt": model.corpus.decode(ids),
-          "text": model.corpus.decode(np.concatenate([ids, generated])),
+  return {"prompt": model.tokenizer.decode(ids),
+          "text": model.tokenizer.decode(np.concatenate([ids, generated])),
           "generated_ids": generated, "skipped": skipped}
 
 
@@ -130,12 +130,12 @@ def main(argv):
   with errors.reported_to_user():
     if _NUM_TOKENS.value < 0:
       raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
-    model = loader.load(_CHECKPOINT.value)
+    model = loader.load(_CHECKPOINT.value, _STEP.value)
     result = sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
                          temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                          seed=_SEED.value)
   if result["skipped"]:
-    what = ("words read as <unk>" if model.corpus.level == "word"
+    what = ("words read as <unk>" if model.tokenizer.level == "word"
             else "characters dropped")
     logging.warning("Prompt tokens outside the vocabulary: %d (%s); the model reads "
                     "it as %r.", result["skipped"], what, result["prompt"])
@@ -145,6 +145,8 @@ def main(argv):
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
       "checkpoint", None, "A run's workdir or an exported model folder.")
+  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
+                               "(default: the latest finished one).")
   _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues.")
   _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")
   _TEMPERATURE = flags.DEFINE_float(

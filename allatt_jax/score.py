@@ -1,10 +1,10 @@
 r"""Scores a text file with a trained model: per-token log-probabilities, ppl or bpc.
 
-  python -m allatt_jax.score --checkpoint=DIR --text_file=FILE [--out=FILE.jsonl]
+  python -m allatt_jax.score --checkpoint=DIR [--step=N] --text_file=FILE [--out=FILE.jsonl]
 
 DIR is a run's workdir (baseline or pruning run; gated models use their
-deterministic gates) or an exported model. The text is tokenised with the run's
-dataset vocabulary and read as one row, segment by segment, with the Transformer-XL
+deterministic gates) or an exported model. The text is tokenised with the model's
+saved tokenizer (its dataset's vocabulary and rules) and read as one row, segment by segment, with the Transformer-XL
 memory carried across the whole file (the eval seq_len and mem_len of the run's
 config), exactly as `evaluate` reads a split: every token after the first, which is
 context only, is scored once. Prints a JSON summary; with --out, writes one JSON line
@@ -60,20 +60,20 @@ def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, 
   Raises:
     DataError: the text has fewer than two tokens of the vocabulary.
   """
-  ids, skipped = model.corpus.encode(text)
+  ids, skipped = model.tokenizer.encode(text)
   if len(ids) < 2:
     raise errors.DataError(
         f"The text has {len(ids)} token(s) in the vocabulary of dataset "
-        f"{model.corpus.name!r}; scoring needs at least 2 (the first one is context "
+        f"{model.tokenizer.dataset!r}; scoring needs at least 2 (the first one is context "
         "only).")
   e = model.config.eval
   log_probs = token_log_probs(model.lm, model.variables, ids, seq_len=e.seq_len,
                               mem_len=e.mem_len)
   nll = float(-log_probs.mean())
-  metric = model.corpus.metric
+  metric = model.tokenizer.metric
   summary = {"tokens": len(log_probs), metric: evaluate.metric_value(nll, metric),
              "nll": nll}
-  if model.corpus.level == "word":
+  if model.tokenizer.level == "word":
     summary["unk"] = skipped
   return summary, ids, log_probs
 
@@ -98,10 +98,10 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
   with errors.reported_to_user():
-    model = loader.load(_CHECKPOINT.value)
+    model = loader.load(_CHECKPOINT.value, _STEP.value)
     summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
     if _OUT.value:
-      write_token_log_probs(_OUT.value, model.corpus.vocab, ids, log_probs)
+      write_token_log_probs(_OUT.value, model.tokenizer.vocab, ids, log_probs)
   json.dump({"file": _TEXT_FILE.value, "checkpoint": _CHECKPOINT.value, **summary},
             sys.stdout, indent=2)
   print()
@@ -110,6 +110,8 @@ def main(argv):
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
       "checkpoint", None, "A run's workdir or an exported model folder.")
+  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
+                               "(default: the latest finished one).")
   _TEXT_FILE = flags.DEFINE_string("text_file", None, "UTF-8 text to score.")
   _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
                              "(JSON lines); none written without it.")

@@ -34,8 +34,6 @@ from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
 
-GATE_HISTORY_FILE = "gate_history.jsonl"
-
 
 def start(config: ml_collections.ConfigDict, workdir
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
@@ -109,6 +107,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   if is_main:
     rundir.save_config(workdir, config)
     rundir.save_vocabulary(workdir, vocabulary)
+    rundir.save_tokenizer(workdir, corpus.tokenizer.to_dict())
   writer = metric_writers.create_default_writer(str(workdir), just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
@@ -216,7 +215,8 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
     host_variables = jax.device_get(variables)
   pruned_cfg, params = prune.prune_variables(setup.lm.cfg, host_variables)
   export_dir = workdir / export.EXPORT_DIR
-  export.save_export(export_dir, setup.config, pruned_cfg, params)
+  export.save_export(export_dir, setup.config, pruned_cfg, params,
+                     corpus.tokenizer.to_dict())
   lm = model_lib.TransformerLM(pruned_cfg)
   evaluator = evaluate.Evaluator.from_config(lm, setup.mesh, setup.config)
   results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
@@ -282,5 +282,5 @@ def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> No
   probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
                                                  cfg.gate)).tolist() if g else []
            for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
-  with (rundir.run_path(workdir) / GATE_HISTORY_FILE).open("a") as f:
+  with (rundir.run_path(workdir) / rundir.GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")

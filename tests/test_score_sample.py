@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from allatt_jax import config_base
+from allatt_jax import data as data_lib
 from allatt_jax import evaluate
 from allatt_jax import model as model_lib
 from allatt_jax import sample
@@ -42,6 +43,11 @@ def model(workdir):
   return loader.load(workdir)
 
 
+@pytest.fixture(scope="module")
+def corpus(model):
+  return data_lib.load_run_corpus(model.config)
+
+
 def run_cli(module, *args):
   return subprocess.run([sys.executable, "-m", f"allatt_jax.{module}", *args],
                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
@@ -60,13 +66,13 @@ def full_prefix_log_probs(model, ids):
       model.variables, np.asarray(ids, np.int32)[None], lm=model.lm))
 
 
-def test_score_cli_output(model, workdir, tmp_path):
-  ids = model.corpus.splits["valid"][:150]
+def test_score_cli_output(model, corpus, workdir, tmp_path):
+  ids = corpus.splits["valid"][:150]
   ids = ids[:np.flatnonzero(ids)[-1] + 1]   # cleaning strips trailing spaces
   assert ids[0] != 0
   text_file, out = tmp_path / "text.txt", tmp_path / "scores.jsonl"
   # Character-level text is cleaned as text8 was: capitals read as lower case.
-  text_file.write_text(model.corpus.decode(ids).upper())
+  text_file.write_text(model.tokenizer.decode(ids).upper())
   summary = json.loads(run_cli("score", f"--checkpoint={workdir}",
                                f"--text_file={text_file}", f"--out={out}"))
 
@@ -75,15 +81,15 @@ def test_score_cli_output(model, workdir, tmp_path):
   assert summary["bpc"] == pytest.approx(summary["nll"] / math.log(2))
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["position"] for r in records] == list(range(1, len(ids)))
-  assert "".join(r["token"] for r in records) == model.corpus.decode(ids[1:])
+  assert "".join(r["token"] for r in records) == model.tokenizer.decode(ids[1:])
   assert all(r["log_prob"] <= 0 for r in records)
   assert -sum(r["log_prob"] for r in records) == pytest.approx(
       summary["nll"] * summary["tokens"], rel=1e-9)
 
 
-def test_score_matches_evaluate(model):
+def test_score_matches_evaluate(model, corpus):
   # Five full segments and a partial one, so memory and padding both matter.
-  tokens = np.asarray(model.corpus.splits["test"][:5 * 16 + 8])
+  tokens = np.asarray(corpus.splits["test"][:5 * 16 + 8])
   e = model.config.eval
   log_probs = score.token_log_probs(model.lm, model.variables, tokens, seq_len=e.seq_len,
                                     mem_len=e.mem_len)
@@ -93,27 +99,27 @@ def test_score_matches_evaluate(model):
   assert len(log_probs) == expected["tokens"] == len(tokens) - 1
   assert -log_probs.mean() == pytest.approx(expected["nll"], rel=1e-5)
 
-  summary, _, _ = score.score_text(model, model.corpus.decode(tokens))
+  summary, _, _ = score.score_text(model, model.tokenizer.decode(tokens))
   assert summary["bpc"] == pytest.approx(
       evaluate.metric_value(expected["nll"], "bpc"), rel=1e-5)
 
 
-def test_sampling_is_deterministic_per_seed(model):
+def test_sampling_is_deterministic_per_seed(model, corpus):
   sampler = sample.Sampler(model.lm, seq_len=16, mem_len=16)
-  prompt = np.asarray(model.corpus.splits["valid"][:40])
+  prompt = np.asarray(corpus.splits["valid"][:40])
   runs = [sampler.generate(model.variables, prompt, 30, seed) for seed in (0, 0, 1)]
   assert runs[0].shape == (30,) and runs[0].dtype == np.int32
   np.testing.assert_array_equal(runs[0], runs[1])
   assert np.any(runs[0] != runs[2])
 
 
-def test_generation_with_memory_equals_full_prefix(model):
+def test_generation_with_memory_equals_full_prefix(model, corpus):
   """Each single-token step sees what reading the whole prefix at once would see.
 
   The memory (24) holds the whole prefix, so steps after a prompt read in segments
   of 8 must give the same next-token distributions as one pass over the prefix.
   """
-  prefix = np.asarray(model.corpus.splits["valid"][:24])
+  prefix = np.asarray(corpus.splits["valid"][:24])
   expected = full_prefix_log_probs(model, prefix)
   sampler = sample.Sampler(model.lm, seq_len=8, mem_len=24)
   memory = sampler.consume(model.variables, prefix[:11], sampler.initial_memory())
@@ -123,8 +129,8 @@ def test_generation_with_memory_equals_full_prefix(model):
     np.testing.assert_allclose(logp, expected[position], atol=2e-5, err_msg=str(position))
 
 
-def test_top_k_one_is_greedy(model):
-  prompt = np.asarray(model.corpus.splits["valid"][:10])
+def test_top_k_one_is_greedy(model, corpus):
+  prompt = np.asarray(corpus.splits["valid"][:10])
   sampler = sample.Sampler(model.lm, seq_len=8, mem_len=24, top_k=1)
   generated = sampler.generate(model.variables, prompt, 12, seed=3)
   np.testing.assert_array_equal(generated, sampler.generate(model.variables, prompt, 12, 4))

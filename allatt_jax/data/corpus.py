@@ -33,43 +33,26 @@ class Corpus:
   split_rule: str = 'official'  # how train/valid/test were cut, e.g. 'proportional 90/5/5'
   clean: str = ''  # char level: 'text8' = text is cleaned as text8 was before lookup
 
+  @functools.cached_property
+  def tokenizer(self) -> tokenization.Tokenizer:
+    """The vocabulary with its rules: what a run saves so its models need no dataset."""
+    return tokenization.Tokenizer(self.name, self.level, self.vocab, self.clean)
+
   @property
   def vocab_size(self) -> int:
     return len(self.vocab)
 
   @property
   def metric(self) -> str:
-    return 'ppl' if self.level == 'word' else 'bpc'
-
-  @functools.cached_property
-  def _index(self) -> dict[str, int]:
-    return {token: i for i, token in enumerate(self.vocab)}
+    return self.tokenizer.metric
 
   def encode(self, text: str) -> tuple[np.ndarray, int]:
-    """Ids of `text` tokenised like the splits, and how many tokens were unknown.
-
-    Words: each newline is an <eos>; unknown words become <unk>. Characters: as
-    they are, or for text8-style corpora cleaned as text8 was (lower case, digits
-    spelled out, everything else a space); unknown ones are left out and counted.
-    Bytes: UTF-8.
-    """
-    if self.level == 'word':
-      return tokenization.encode_words(text, self._index)
-    if self.level == 'byte':
-      return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32), 0
-    if self.clean == 'text8':
-      text = tokenization.clean_text8_style(text)
-    ids = [self._index.get(c, -1) for c in text]
-    known = np.array([i for i in ids if i >= 0], dtype=np.int32)
-    return known, len(ids) - len(known)
+    """Ids of `text` tokenised like the splits, and how many tokens were unknown
+    (see `tokenization.Tokenizer.encode`)."""
+    return self.tokenizer.encode(text)
 
   def decode(self, ids) -> str:
-    if self.level == 'word':
-      return tokenization.decode_words(ids, self.vocab)
-    ids = np.asarray(ids).ravel()
-    if self.level == 'byte':
-      return bytes(ids.astype(np.uint8).tolist()).decode('utf-8', errors='replace')
-    return ''.join(self.vocab[i] for i in ids)
+    return self.tokenizer.decode(ids)
 
 
 def default_data_dir() -> str:

@@ -3,8 +3,14 @@
 Words: split on whitespace, one <eos> per line, vocabulary from train only in
 descending frequency (ties: first occurrence), <unk> an ordinary word.
 Characters: the text8 alphabet (space and a-z). Bytes: id = byte value.
+
+`Tokenizer` is a vocabulary with its rules, the one way text becomes ids outside
+the corpus build; it is saved as JSON beside a run's or an export's config, so a
+model scores and samples text without its dataset.
 """
 from collections.abc import Iterable, Mapping
+import dataclasses
+import functools
 import itertools
 import re
 import unicodedata
@@ -171,3 +177,72 @@ def encode_chars(texts: dict[str, str]) -> tuple[tuple[str, ...], dict[str, np.n
 def byte_vocab() -> tuple[str, ...]:
   """A printable name per byte: the character itself for printable ASCII."""
   return tuple(chr(b) if 0x20 <= b < 0x7f else f'<0x{b:02X}>' for b in range(256))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """A dataset's vocabulary and the rules that turn text into its ids."""
+  dataset: str
+  level: str  # 'word' | 'char' | 'byte'
+  vocab: tuple[str, ...]  # id -> token; for bytes a printable name per byte
+  clean: str = ''  # char level: 'text8' = text is cleaned as text8 was before lookup
+
+  FORMAT_VERSION = 1
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.vocab)
+
+  @property
+  def metric(self) -> str:
+    return 'ppl' if self.level == 'word' else 'bpc'
+
+  @functools.cached_property
+  def _index(self) -> dict[str, int]:
+    return {token: i for i, token in enumerate(self.vocab)}
+
+  def encode(self, text: str) -> tuple[np.ndarray, int]:
+    """Ids of `text` tokenised like the splits, and how many tokens were unknown.
+
+    Words: each newline is an <eos>; unknown words become <unk>. Characters: as
+    they are, or for text8-style corpora cleaned as text8 was (lower case, digits
+    spelled out, everything else a space); unknown ones are left out and counted.
+    Bytes: UTF-8.
+    """
+    if self.level == 'word':
+      return encode_words(text, self._index)
+    if self.level == 'byte':
+      return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32), 0
+    if self.clean == 'text8':
+      text = clean_text8_style(text)
+    ids = [self._index.get(c, -1) for c in text]
+    known = np.array([i for i in ids if i >= 0], dtype=np.int32)
+    return known, len(ids) - len(known)
+
+  def decode(self, ids) -> str:
+    if self.level == 'word':
+      return decode_words(ids, self.vocab)
+    ids = np.asarray(ids).ravel()
+    if self.level == 'byte':
+      return bytes(ids.astype(np.uint8).tolist()).decode('utf-8', errors='replace')
+    return ''.join(self.vocab[i] for i in ids)
+
+  def to_dict(self) -> dict:
+    return {'format_version': self.FORMAT_VERSION, 'dataset': self.dataset,
+            'level': self.level, 'clean': self.clean, 'vocab': list(self.vocab)}
+
+  @classmethod
+  def from_dict(cls, saved: Mapping) -> 'Tokenizer':
+    """The tokenizer `to_dict` described.
+
+    Raises:
+      DataError: the description is of an unknown format or level.
+    """
+    if saved.get('format_version') != cls.FORMAT_VERSION or saved.get('level') not in (
+        'word', 'char', 'byte'):
+      raise DataError(
+          f"Unknown tokenizer description (format_version={saved.get('format_version')!r}, "
+          f"level={saved.get('level')!r}); it was written by another version of "
+          'allatt_jax. Delete the file to read the vocabulary from the dataset instead.')
+    return cls(saved['dataset'], saved['level'], tuple(saved['vocab']),
+               saved.get('clean', ''))

@@ -222,7 +222,7 @@ class Experiment:
 
     config = base_config.copy_and_resolve_references()
     config.model.heads_per_layer = pruned_cfg.heads_per_layer
-    checkpointing.save_model(directory, config, params)
+    checkpointing.save_model(directory, config, params, corpus.tokenizer.to_dict())
     rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(
         corpus.name, corpus.vocab))
     (directory / MASK_FILE).write_text(json.dumps(

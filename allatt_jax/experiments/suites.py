@@ -92,7 +92,8 @@ def lambda_sweep(exp: runs_lib.Experiment) -> Report:
   sweep_file = exp.workdir / "lambda_sweep.png"
   plots.xy_figure(
       [plots.Series(f"λ={lam:g}", [100 * _sparsity(r, total) for r in records],
-                    [r.test for r in records], "o") for lam, records in sweep.items()],
+                    [r.test for r in records], marker, hollow=True)
+       for (lam, records), marker in zip(sweep.items(), plots.MARKERS)],
       "head sparsity (%)", f"test {metric}", "L0 pruning: sparsity and metric per λ",
       sweep_file, hline=("continued (unpruned)", reference))
   all_records = [base, *continued, *(r for rs in sweep.values() for r in rs)]
@@ -237,11 +238,19 @@ def budget(exp: runs_lib.Experiment) -> Report:
   for r in records:
     values = scalars(exp.run_dir(r.name), ("open_controlled", "open_target"))
     if values:
-      trajectories[r.name] = {"step": values["step"], "open": values["open_controlled"],
-                              "target": values["open_target"]}
+      trajectories[budget_label(r.extra)] = {
+          "step": values["step"], "open": values["open_controlled"],
+          "target": values["open_target"]}
   out = exp.workdir / "budget.png"
   plots.trajectories_figure(trajectories, out)
   return Report(md, [str(out)], records)
+
+
+def budget_label(extra: dict) -> str:
+  """'params 60% (19 heads)': what a budget run asked for, in words."""
+  key = extra["target_key"].removeprefix("target_")
+  of = "" if key == "sparsity" else " of baseline"
+  return f"{key} {100 * extra['fraction']:g}%{of} ({extra['target_heads']} heads)"
 
 
 def scalars(workdir, tags) -> dict[str, list]:

@@ -1,0 +1,152 @@
+"""The Python API: a trained model as one object.
+
+  import allatt_jax
+  model = allatt_jax.load("RUN/pruned/export")        # a run's workdir or an export
+  model.score("the river flows")                      # {'tokens', 'bpc' or 'ppl', 'nll'}
+  model.generate("the city", num_tokens=50)           # the continuation, as text
+  logp, memory = model.log_probs(ids)                 # Transformer-XL memory carried
+  smaller = model.prune_heads({0: [1, 3]})            # export's head surgery
+  smaller.save("DIR")                                 # a standalone exported model
+
+Everything the CLIs do goes through the same functions (`score.score_text`,
+`sample.sample_text`, `prune.remove_heads`, `checkpointing.save_model`), so a result
+here is the CLI's result.
+"""
+from collections.abc import Iterable, Mapping
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from allatt_jax import checkpointing
+from allatt_jax import costs as costs_lib
+from allatt_jax import errors
+from allatt_jax import export
+from allatt_jax import loader
+from allatt_jax import model as model_lib
+from allatt_jax import prune
+from allatt_jax import sample
+from allatt_jax import score
+from allatt_jax.data import tokenization
+
+
+@functools.partial(jax.jit, static_argnames="lm")
+def _log_probs(variables, inputs_BxT, memory, *, lm):
+  return lm.apply(variables, inputs_BxT, memory, method=lm.log_probs)
+
+
+class Model:
+  """A trained model (baseline, pruning run with its deterministic gates, or export)
+  with its tokenizer; `load` makes one."""
+
+  def __init__(self, loaded: loader.LoadedModel):
+    self._loaded = loaded
+
+  @property
+  def config(self) -> ml_collections.ConfigDict:
+    """The run config (data, eval lengths, the model section of this model)."""
+    return self._loaded.config
+
+  @property
+  def lm(self) -> model_lib.TransformerLM:
+    return self._loaded.lm
+
+  @property
+  def variables(self):
+    return self._loaded.variables
+
+  @property
+  def tokenizer(self) -> tokenization.Tokenizer:
+    return self._loaded.tokenizer
+
+  @property
+  def heads_per_layer(self) -> tuple[int, ...]:
+    """Heads of each layer (a gated model's count its closed heads too)."""
+    return self.lm.cfg.layer_heads
+
+  def score(self, text: str) -> dict:
+    """{'tokens', 'bpc' or 'ppl', 'nll' (nats per token), and 'unk' for words} of
+    `text`, read as `python -m allatt_jax.score` reads a file."""
+    return score.score_text(self._loaded, text)[0]
+
+  def log_probs(self, token_ids, memory=None):
+    """(log-probabilities (..., T, V) of the next token at every position, new memory).
+
+    token_ids: (T,) or (B, T) ids, read in segments of the run's eval.seq_len.
+    memory: what the previous call returned, to continue the same text(s); None
+    starts with empty memory of the run's eval.mem_len positions.
+
+    Raises:
+      ValueError: ids outside the vocabulary, or not 1-D/2-D.
+    """
+    ids = np.asarray(token_ids)
+    if (ids.ndim not in (1, 2) or not ids.shape[-1]
+        or not np.issubdtype(ids.dtype, np.integer)):
+      raise ValueError(f"token_ids must be integer ids of shape (T,) or (B, T) with "
+                       f"T >= 1, not {ids.dtype} {ids.shape}.")
+    if ids.size and not (0 <= ids.min() and ids.max() < self.lm.cfg.vocab_size):
+      raise ValueError(f"token_ids must lie in [0, {self.lm.cfg.vocab_size}); got "
+                       f"{ids.min()} .. {ids.max()}.")
+    ids_BxT = ids.reshape(-1, ids.shape[-1]).astype(np.int32)
+    if memory is None:
+      memory = model_lib.init_memory(self.lm.cfg, ids_BxT.shape[0],
+                                     self.config.eval.mem_len)
+    # Segments of at most eval.seq_len: what the relative positions were trained for.
+    seq_len, segments = self.config.eval.seq_len, []
+    for start in range(0, ids_BxT.shape[1], seq_len):
+      logp_BxTxV, memory = _log_probs(self.variables, ids_BxT[:, start:start + seq_len],
+                                      memory, lm=self.lm)
+      segments.append(logp_BxTxV)
+    logp_BxTxV = jnp.concatenate(segments, axis=1)
+    return logp_BxTxV.reshape(*ids.shape, -1), memory
+
+  def generate(self, prompt: str, num_tokens: int = 100, temperature: float = 1.0,
+               top_k: int = 0, seed: int = 0) -> str:
+    """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it."""
+    if num_tokens < 0:
+      raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
+    result = sample.sample_text(self._loaded, prompt, num_tokens,
+                                temperature=temperature, top_k=top_k, seed=seed)
+    return self.tokenizer.decode(result["generated_ids"])
+
+  def costs(self) -> dict:
+    """Parameters and MACs per token of this model at its eval lengths (costs.py); a
+    gated model's closed heads count as removed, as in its export."""
+    return costs_lib.model_report(
+        self.config, costs_lib.running_model_config(self.lm.cfg, self.variables))
+
+  def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
+    """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's
+    heads), cut out of the parameters as an export cuts closed heads; a gated
+    model's closed gates go too.
+
+    Raises:
+      ConfigError: a layer or head that does not exist.
+    """
+    host_variables = jax.device_get(self.variables)
+    pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads)
+    config = export.exported_config(self.config, pruned_cfg)
+    return Model(loader.LoadedModel(config, model_lib.TransformerLM.from_config(config),
+                                    jax.device_put({"params": params}), self.tokenizer))
+
+  def save(self, directory) -> None:
+    """Writes this model as a standalone export (config, params, tokenizer) that
+    `load` and every CLI read; a gated model is saved without its closed heads."""
+    model = self.prune_heads({}) if self.lm.cfg.gated else self
+    checkpointing.save_model(directory, model.config,
+                             jax.device_get(model.variables["params"]),
+                             self.tokenizer.to_dict())
+
+
+def load(directory, step: int | None = None) -> Model:
+  """The model in `directory`: a run's workdir (checkpoint `step`, default the
+  latest) or an exported model. Needs neither the dataset nor the network when the
+  model carries its tokenizer.json.
+
+  Raises:
+    CheckpointError: no model (or no such step) there.
+    DataError: an older model without tokenizer.json whose dataset is missing.
+  """
+  return Model(loader.load(directory, step))

@@ -1,0 +1,254 @@
+"""The Python API (`allatt_jax.load`) and standalone models, on a tiny trained run."""
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import allatt_jax
+from allatt_jax import config_base
+from allatt_jax import costs
+from allatt_jax import evaluate
+from allatt_jax import gates as gates_lib
+from allatt_jax import export
+from allatt_jax import loader
+from allatt_jax import model as model_lib
+from allatt_jax import pipeline
+from allatt_jax import plots
+from allatt_jax import rundir
+from allatt_jax import train
+from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEXT = "The river flows past the old mill, and the town of 1850 grew along its banks."
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+  """The tiny demo's baseline and pruning configs with the demo's head layout (4
+  layers of 8 heads), in RUNS/baseline and RUNS/pruned."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.model.update(dict(num_layers=4, num_heads=8))
+  config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
+  config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
+  return pipeline.stage_configs(config, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def workdir(stages):
+  baseline_config, prune_config = stages
+  workdir = pathlib.Path(prune_config.init_from)
+  train.train_and_evaluate(baseline_config, workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def pruned_run(stages, workdir):
+  prune_config = stages[1]
+  # Gates start on the edge (logit 0, open) with a fast learning rate: within the
+  # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
+  # by its size, so from the usual init of 2 none would close).
+  prune_config.gates.update(dict(init=0.0, lam=0.05, learning_rate=0.1))
+  pruned_run = workdir.parent / "pruned"
+  train.train_and_evaluate(prune_config, pruned_run)
+  return pruned_run
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+  return allatt_jax.load(workdir)
+
+
+@pytest.fixture(scope="module")
+def ids(model):
+  return model.tokenizer.encode(TEXT)[0]
+
+
+def masked_log_probs(model, ids, removed):
+  """The unpruned model with `removed` heads masked by hard gates (no output scale)."""
+  cfg = dataclasses.replace(model.lm.cfg, gated=True,
+                            gate=gates_lib.GateConfig(hard=True, scale_output=False))
+  gates = {f"layer_{i}": {"attention": {"logits": np.array(
+      [-1.0 if h in removed.get(i, ()) else 1.0 for h in range(heads)], np.float32)}}
+           for i, heads in enumerate(cfg.layer_heads)}
+  lm = model_lib.TransformerLM(cfg)
+  memory = model_lib.init_memory(cfg, 1, model.config.eval.mem_len)
+  logp, _ = lm.apply({"params": model.variables["params"], "gates": gates},
+                     ids[None], memory, method=lm.log_probs)
+  return np.asarray(logp[0])
+
+
+def run_cli(module, *args, env=None, check=True):
+  return subprocess.run([sys.executable, "-m", f"allatt_jax.{module}", *args],
+                        capture_output=True, text=True, cwd=ROOT, check=check,
+                        env={**os.environ, **(env or {})})
+
+
+def test_import_is_light_and_exposes_the_api():
+  out = subprocess.run(
+      [sys.executable, "-c", "import sys, allatt_jax; print('jax' in sys.modules, "
+       "'load' in dir(allatt_jax), 'Model' in dir(allatt_jax))"],
+      capture_output=True, text=True, check=True).stdout.split()
+  assert out == ["False", "True", "True"]
+
+
+def test_run_saves_its_tokenizer(workdir, model):
+  saved = rundir.load_tokenizer(workdir)
+  assert saved["level"] == "char" and saved["clean"] == "text8"
+  assert len(saved["vocab"]) == model.lm.cfg.vocab_size == 27
+
+
+@pytest.mark.parametrize("removed", [{0: [1, 5], 2: [0]}, {1: list(range(8))}],
+                         ids=["some", "a_whole_layer"])
+def test_prune_heads_equals_masking_them(model, ids, removed):
+  ids = ids[:model.config.eval.seq_len]   # one segment: the masked model's reading
+  smaller = model.prune_heads(removed)
+  assert smaller.heads_per_layer == tuple(
+      8 - len(removed.get(i, ())) for i in range(4))
+  logp, _ = smaller.log_probs(ids)
+  np.testing.assert_allclose(np.asarray(logp), masked_log_probs(model, ids, removed),
+                             atol=1e-5)
+  assert smaller.costs()["params_non_embedding"] < model.costs()["params_non_embedding"]
+
+
+def test_bad_heads_are_named(model):
+  with pytest.raises(ConfigError, match=r"Layer 4 does not exist.*0 \.\. 3"):
+    model.prune_heads({4: [0]})
+  with pytest.raises(ConfigError, match=r"Layer 1 has no head\(s\) \[8, -1\]"):
+    model.prune_heads({1: [0, 8, -1]})
+  with pytest.raises(ConfigError, match=r"Layer 0 has no head\(s\) \[5\]: its heads are 0 \.\. 3"):
+    model.prune_heads({0: [0, 1, 2, 3]}).prune_heads({0: [5]})
+
+
+def test_save_load_round_trip_is_exact(model, ids, tmp_path):
+  smaller = model.prune_heads({0: [3], 3: [0, 1, 2, 3, 4, 5, 6, 7]})
+  smaller.save(tmp_path / "smaller")
+  loaded = allatt_jax.load(tmp_path / "smaller")
+  assert loaded.heads_per_layer == smaller.heads_per_layer == (7, 8, 8, 0)
+  for a, b in zip(jax.tree.leaves(loaded.variables), jax.tree.leaves(smaller.variables)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(loaded.log_probs(ids)[0]),
+                                np.asarray(smaller.log_probs(ids)[0]))
+  assert loaded.tokenizer == smaller.tokenizer
+  with pytest.raises(CheckpointError, match="no checkpoint steps"):
+    allatt_jax.load(tmp_path / "smaller", step=3)
+
+
+def test_log_probs_carry_memory_and_match_score(model, ids):
+  e = model.config.eval
+  head = ids[:e.seq_len + 1]
+  logp, memory = model.log_probs(head[:-1])
+  assert logp.shape == (e.seq_len, model.lm.cfg.vocab_size)
+  nll = -np.mean(np.asarray(logp)[np.arange(e.seq_len), head[1:]])
+  assert model.score(model.tokenizer.decode(head))["nll"] == pytest.approx(nll, rel=1e-5)
+  with_memory, _ = model.log_probs(ids[e.seq_len:2 * e.seq_len], memory)
+  without, _ = model.log_probs(ids[e.seq_len:2 * e.seq_len])
+  assert not np.allclose(np.asarray(with_memory), np.asarray(without))
+  with pytest.raises(ValueError, match="must lie in"):
+    model.log_probs(np.array([0, 27]))
+
+
+def test_export_is_standalone(model, tmp_path):
+  """An export copied elsewhere scores, samples, evaluates a file and reports its
+  costs with an empty TFDS folder: nothing is prepared there."""
+  model.prune_heads({0: [0, 1, 2], 2: [7]}).save(tmp_path / "made")
+  export = tmp_path / "elsewhere" / "export"
+  shutil.copytree(tmp_path / "made", export)
+  empty = tmp_path / "empty_tfds"
+  empty.mkdir()
+  config = json.loads((export / "config.json").read_text())
+  config["data"]["data_dir"] = str(empty)
+  config["data"].pop("manual_dir", None)
+  (export / "config.json").write_text(json.dumps(config))
+  env = {"TFDS_DATA_DIR": str(empty)}
+  (tmp_path / "text.txt").write_text(TEXT)
+
+  scored = json.loads(run_cli("score", f"--checkpoint={export}",
+                              f"--text_file={tmp_path / 'text.txt'}", env=env).stdout)
+  sampled = run_cli("sample", f"--checkpoint={export}", "--prompt=the town",
+                    "--num_tokens=20", env=env).stdout
+  assert sampled.startswith("the town") and len(sampled.rstrip("\n")) == 28
+  # In this process, the library behind evaluate --text_file and costs --checkpoint.
+  loaded = loader.load(export)
+  evaluated = evaluate.evaluate_model(loaded, text=TEXT)
+  assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
+  assert evaluated["tokens"] == scored["tokens"]
+  assert costs.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
+  assert allatt_jax.load(export).score(TEXT)["bpc"] == pytest.approx(scored["bpc"],
+                                                                      rel=1e-5)
+  assert not any(empty.iterdir())
+
+
+def test_model_saved_before_tokenizers_loads_through_its_dataset(model, ids, tmp_path):
+  model.save(tmp_path / "old")
+  (tmp_path / "old" / rundir.TOKENIZER_FILE).unlink()
+  old = allatt_jax.load(tmp_path / "old")
+  assert old.tokenizer == model.tokenizer
+  np.testing.assert_array_equal(np.asarray(old.log_probs(ids)[0]),
+                                np.asarray(model.log_probs(ids)[0]))
+
+
+def test_evaluate_cli_picks_a_step(workdir):
+  last = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--split=valid").stdout)
+  first = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--step=20",
+                             "--split=valid").stdout)
+  assert first["step"] == 20 and first["tokens"] == last["tokens"] > 0
+  assert first["bpc"] != last["bpc"]
+  results = json.loads((workdir / "results.json").read_text())
+  assert last["bpc"] == pytest.approx(results["valid"], rel=1e-5)
+  with pytest.raises(CheckpointError, match=r"no checkpoint of step 7.*\[20, 30\]"):
+    allatt_jax.load(workdir, step=7)
+
+
+def test_readme_python_example_runs(workdir, tmp_path, capsys):
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("## Python API"):]
+  example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  shutil.copytree(workdir, tmp_path / "baseline")
+  exec(example.replace("/tmp/allatt_demo", str(tmp_path)), {})  # pylint: disable=exec-used
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[0] == "(8, 8, 8, 8)"
+  assert (tmp_path / "smaller" / rundir.TOKENIZER_FILE).is_file()
+
+
+def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
+  for directory in (pruned_run, pruned_run / export.EXPORT_DIR):
+    assert rundir.load_tokenizer(directory) == model.tokenizer.to_dict()
+
+
+def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
+  gated = allatt_jax.load(pruned_run)
+  exported = allatt_jax.load(pruned_run / export.EXPORT_DIR)
+  assert gated.lm.cfg.gated and sum(exported.heads_per_layer) < 32
+  np.testing.assert_allclose(np.asarray(gated.log_probs(ids)[0]),
+                             np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gated.prune_heads({}).log_probs(ids)[0]),
+                             np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
+  printed = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
+  assert printed["heads_per_layer"] == list(exported.heads_per_layer)
+  assert printed == exported.costs() == gated.costs()
+  both = run_cli("costs", f"--checkpoint={pruned_run}", "--config=configs/demo.py",
+                 check=False)
+  assert both.returncode == 2 and "exactly one of --config" in both.stderr
+
+
+def test_export_of_an_earlier_step(pruned_run, tmp_path):
+  out = export.export_run(pruned_run, tmp_path / "step20", step=20)
+  assert allatt_jax.load(out).tokenizer.vocab_size == 27
+  with pytest.raises(CheckpointError, match="no checkpoint of step 25"):
+    export.export_run(pruned_run, tmp_path / "step25", step=25)
+
+
+def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):
+  out = plots.gate_figure(pruned_run, tmp_path / "gates.png")
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(CheckpointError, match="not a pruning run"):
+    plots.gate_figure(pruned_run.parent / "baseline")
