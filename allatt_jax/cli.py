@@ -13,6 +13,7 @@ the package (`--config=wt103_prune.py:lam=0.015` works from any folder).
 import difflib
 import functools
 import importlib.util
+import os
 import pathlib
 import re
 import sys
@@ -161,6 +162,10 @@ def _parse_flags(argv):
       return flags.FLAGS(argv)
     except flags.Error as e:
       message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+      # absl's words for a missing required flag: "flag --x=None: Flag --x must have a
+      # value other than None."
+      message = re.sub(r"flag (--\w+)=None: Flag --\w+ must have a value other than "
+                       r"None\.", r"\1 is required.", message)
       raise errors.FlagError(f"{message} (--help lists the flags).") from None
 
 
@@ -177,6 +182,10 @@ def _reported_main(main, argv):
       raise errors.FlagError(str(e)) from None
     except (errors.AllattError, errors.Preempted):
       raise
+    except BrokenPipeError:
+      # The reader of the output went away (`| head`): nothing is wrong, nothing to say.
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      sys.exit(1)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
       print(f"error: {BUG_REPORT}", file=sys.stderr)

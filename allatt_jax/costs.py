@@ -27,12 +27,11 @@ import json
 import math
 from collections.abc import Sequence
 
-from absl import app
 from absl import flags
 import jax
 import ml_collections
-from ml_collections import config_flags
 
+from allatt_jax import cli
 from allatt_jax import model as model_lib
 from allatt_jax.errors import ConfigError
 
@@ -199,10 +198,10 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.",
-                                            lock_config=True)
+  _CONFIG = cli.DEFINE_config("config", "Run config whose model is costed (at its "
+                              "train batch, segment and memory lengths).")
   _HEADS_KEPT = flags.DEFINE_float(
-      "heads_kept", None, "Keep this fraction of every layer's heads and report the "
-      "pruned model relative to the unpruned one.")
-  flags.mark_flags_as_required(["config"])
-  app.run(main)
+      "heads_kept", None, "Keep this fraction of every layer's heads (rounded per "
+      "layer) and report the pruned model relative to the unpruned one.",
+      lower_bound=0.0, upper_bound=1.0)
+  cli.run(main)

@@ -1,18 +1,20 @@
-"""Export a pruning run as a smaller, ungated model, its closed heads removed
-(`prune.prune_variables`): the model's config.json and params, loadable without the
-training run (`checkpointing.load_model`).
+"""Exports a pruning run as a smaller model without gates or its closed heads.
+
+The export holds the model's config.json and params (heads removed by
+`prune.prune_variables`), loadable without the training run
+(`checkpointing.load_model`).
 
 A pruning run exports its final state itself; this command exports a run's latest
 checkpoint again, e.g. to another folder:
 
   python -m allatt_jax.export --workdir=RUN [--out=DIR]
 """
-from absl import app
 from absl import flags
 from etils import epath
 import ml_collections
 
 from allatt_jax import checkpointing
+from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -61,7 +63,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
-  _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: WORKDIR/export).")
-  flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  _WORKDIR = flags.DEFINE_string(
+      "workdir", None, "The --workdir of a pruning run (gates.enabled); its latest "
+      "complete checkpoint is exported.", required=True)
+  _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: "
+                             "WORKDIR/export, replacing the run's own export).")
+  cli.run(main)

@@ -11,13 +11,13 @@ itself, so the prompt is never recomputed. The same seed gives the same text.
 """
 import functools
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import loader
 from allatt_jax import model as model_lib
@@ -124,8 +124,7 @@ def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
   with errors.reported_to_user():
     if _NUM_TOKENS.value < 0:
@@ -144,13 +143,15 @@ def main(argv):
 
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model folder.")
-  _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues.")
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint; gated "
+      "models use their deterministic gates) or an exported model folder.",
+      required=True)
+  _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "
+                                "(tokenised with the run's vocabulary).", required=True)
   _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")
   _TEMPERATURE = flags.DEFINE_float(
       "temperature", 1.0, "Divides the log-probabilities before sampling; 0 = greedy.")
   _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
                                 "0 = all.")
   _SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
-  flags.mark_flags_as_required(["checkpoint", "prompt"])
-  app.run(main)
+  cli.run(main)

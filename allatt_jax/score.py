@@ -15,13 +15,13 @@ import json
 import pathlib
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import evaluate
@@ -94,8 +94,7 @@ def read_text(path) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
   with errors.reported_to_user():
     model = loader.load(_CHECKPOINT.value)
@@ -109,9 +108,12 @@ def main(argv):
 
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model folder.")
-  _TEXT_FILE = flags.DEFINE_string("text_file", None, "UTF-8 text to score.")
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint; gated "
+      "models use their deterministic gates) or an exported model folder.",
+      required=True)
+  _TEXT_FILE = flags.DEFINE_string(
+      "text_file", None, "UTF-8 text to score, read as one row with the run's "
+      "vocabulary.", required=True)
   _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
                              "(JSON lines); none written without it.")
-  flags.mark_flags_as_required(["checkpoint", "text_file"])
-  app.run(main)
+  cli.run(main)
