@@ -110,16 +110,14 @@ def check_override_keys(name: str, config: config_dict.ConfigDict, argv) -> None
         node, path = node[key], path + [key]
         continue
       where = ".".join([name, *path])
-      wanted = ".".join(path + [key])
+      if not isinstance(node, config_dict.ConfigDict):
+        raise errors.ConfigError(f"--{name}.{match.group(1)}: {where} is a value, not a "
+                                 f"section; set it with --{where}=VALUE.")
       known = _key_paths(config)
-      close = difflib.get_close_matches(wanted, known, n=3, cutoff=0.6)
+      close = difflib.get_close_matches(".".join(path + [key]), known, n=3, cutoff=0.6)
       close += [k for k in known if k.rsplit(".", 1)[-1] == key and k not in close]
-      if close:
-        hint = "did you mean " + ", ".join(f"--{name}.{k}" for k in close) + "?"
-      elif isinstance(node, config_dict.ConfigDict):
-        hint = f"{where} holds {', '.join(node)}."
-      else:
-        hint = f"{where} is a value, not a section."
+      hint = ("did you mean " + ", ".join(f"--{name}.{k}" for k in close) + "?" if close
+              else f"{where} holds {', '.join(node)}.")
       raise errors.ConfigError(f"--{name}.{match.group(1)}: {where} has no key {key!r}; "
                                f"{hint}")
 
