@@ -7,6 +7,7 @@ subfolder of the workdir, so a rerun resumes whatever was not finished.
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
 import json
+import sys
 
 from etils import epath
 import jax
@@ -138,3 +139,11 @@ def summary_table(report: dict) -> str:
   lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
   lines.insert(1, "-+-".join("-" * w for w in widths))
   return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
+
+
+if __name__ == "__main__":
+  # A library module: point whoever runs it to the command that does.
+  print("error: the pipeline runs through main: python -m allatt_jax.main "
+        "--config=configs/demo.py --workdir=DIR (python -m allatt_jax lists the "
+        "commands).", file=sys.stderr)
+  sys.exit(2)
