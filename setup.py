@@ -6,8 +6,20 @@ setuptools.setup(
     version="0.1.0",
     description=("Train All-attention Transformer language models and prune their "
                  "attention heads layer by layer with trainable L0 gates."),
-    packages=setuptools.find_packages(include=["allatt_jax", "allatt_jax.*"]),
+    # configs/ is installed as allatt_jax/configs, so that `--config=demo.py` finds a
+    # shipped config from any folder (allatt_jax/cli.py).
+    packages=[*setuptools.find_packages(include=["allatt_jax", "allatt_jax.*"]),
+              "allatt_jax.configs"],
+    package_dir={"allatt_jax.configs": "configs"},
     package_data={"allatt_jax": ["corpus/*.xz", "corpus/*.md", "data/checksums.tsv"]},
+    entry_points={"console_scripts": [
+        "allatt-jax = allatt_jax.__main__:main",
+        "allatt-train = allatt_jax.__main__:train",
+        "allatt-evaluate = allatt_jax.__main__:evaluate",
+        "allatt-score = allatt_jax.__main__:score",
+        "allatt-sample = allatt_jax.__main__:sample",
+        "allatt-export = allatt_jax.__main__:export",
+    ]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.12",

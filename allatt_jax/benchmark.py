@@ -30,15 +30,14 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from absl import app
 from absl import flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from ml_collections import config_flags
 
+from allatt_jax import cli
 from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import prune
@@ -359,8 +358,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file.",
-                                            lock_config=True)
+  _CONFIG = cli.DEFINE_config(
+      "config", "Config of the model to time; its `benchmark` section (if any) sets "
+      "steps, rounds and head fractions (configs/bench_cpu.py).")
   _OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file.")
-  flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

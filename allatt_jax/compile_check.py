@@ -19,13 +19,13 @@ import json
 import math
 import time
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_flags
 
+from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import run_setup
 from allatt_jax import sharding
@@ -112,20 +112,18 @@ def _mesh_shape(text: str, devices: int) -> tuple[int, int]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   wanted = _DEVICES.value
   if wanted:
     # Read once, when the first device is touched: nothing has touched one yet.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", wanted)
-  with errors.reported_to_user():
-    devices = jax.device_count()
-    if wanted and devices != wanted:
-      raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
-    mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
-    report = check(_CONFIG.value, mesh,
-                   name=config_flags.get_config_filename(flags.FLAGS["config"]))
+  devices = jax.device_count()
+  if wanted and devices != wanted:
+    raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
+  mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
+  report = check(_CONFIG.value, mesh,
+                 name=config_flags.get_config_filename(flags.FLAGS["config"]))
   print(report.summary())
   if _JSON.value:
     with open(_JSON.value, "w") as f:
@@ -133,10 +131,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (path.py:arg).")
+  _CONFIG = cli.DEFINE_config("config", "Run config whose train step is compiled.")
   _DEVICES = flags.DEFINE_integer(
-      "devices", 0, "Fake CPU devices to compile for (default: the devices JAX sees).")
+      "devices", 0, "Fake CPU devices to compile for (default: the devices JAX sees).",
+      lower_bound=0)
   _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL mesh sizes; -1 fills (default: all data).")
   _JSON = flags.DEFINE_string("json", "", "Also write the report to this JSON file.")
-  flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

@@ -32,14 +32,11 @@ import json
 import math
 from collections.abc import Sequence
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import ml_collections
-from ml_collections import config_flags
 
-from allatt_jax import errors
+from allatt_jax import cli
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -62,7 +59,7 @@ def layer_param_count(cfg: model_lib.ModelConfig, heads: int) -> int:
 
 def layer_macs_per_token(cfg: model_lib.ModelConfig, heads: int, seq_len: int,
                          mem_len: int, batch_size: int) -> float:
-  d, dh, hd = cfg.d_model, cfg.head_dim, heads * cfg.head_dim
+  d, hd = cfg.d_model, heads * cfg.head_dim
   keys = seq_len + mem_len
   macs = 0.0
   if heads:
@@ -224,35 +221,34 @@ def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelCon
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
-  with errors.reported_to_user():
-    if (_CONFIG.value is None) == (_CHECKPOINT.value is None):
-      raise ConfigError("Give exactly one of --config (a run config file) and "
-                        "--checkpoint (a run's workdir or an exported model).")
-    if _STEP.value is not None and _CHECKPOINT.value is None:
-      raise ConfigError("--step picks a checkpoint of --checkpoint's run; give "
-                        "--checkpoint too.")
-    if _CHECKPOINT.value is not None:
-      config, cfg = trained_model_config(_CHECKPOINT.value, _STEP.value)
-      result = model_report(config, cfg, _HEADS_KEPT.value)
-    else:
-      config = _CONFIG.value
-      train = config.train
-      result = report(model_lib.ModelConfig.from_config(config), train.seq_len,
-                      train.mem_len, train.batch_size, _HEADS_KEPT.value)
+  if (_CONFIG.value is None) == (_CHECKPOINT.value is None):
+    raise ConfigError("Give exactly one of --config (a run config file) and "
+                      "--checkpoint (a run's workdir or an exported model).")
+  if _STEP.value is not None and _CHECKPOINT.value is None:
+    raise ConfigError("--step picks a checkpoint of --checkpoint's run; give "
+                      "--checkpoint too.")
+  if _CHECKPOINT.value is not None:
+    config, cfg = trained_model_config(_CHECKPOINT.value, _STEP.value)
+    result = model_report(config, cfg, _HEADS_KEPT.value)
+  else:
+    config = _CONFIG.value
+    train = config.train
+    result = report(model_lib.ModelConfig.from_config(config), train.seq_len,
+                    train.mem_len, train.batch_size, _HEADS_KEPT.value)
   print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", None, "Run config file (costed at its training lengths); exclusive "
-      "with --checkpoint.", lock_config=True)
+  _CONFIG = cli.DEFINE_config(
+      "config", "Run config whose model is costed (at its train batch, segment and "
+      "memory lengths); exclusive with --checkpoint.", required=False)
   _CHECKPOINT = flags.DEFINE_string(
       "checkpoint", None, "A run's workdir or an exported model: the trained model's "
       "real heads per layer, at its eval lengths; exclusive with --config.")
   _STEP = flags.DEFINE_integer("step", None, "With --checkpoint on a run's workdir: the "
-                               "checkpoint step (default: the latest).")
+                               "checkpoint step (default: the latest).", lower_bound=0)
   _HEADS_KEPT = flags.DEFINE_float(
-      "heads_kept", None, "Keep this fraction of every layer's heads and report the "
-      "pruned model relative to the unpruned one.")
-  app.run(main)
+      "heads_kept", None, "Keep this fraction of every layer's heads (rounded per "
+      "layer) and report the pruned model relative to the unpruned one.",
+      lower_bound=0.0, upper_bound=1.0)
+  cli.run(main)

@@ -1,8 +1,8 @@
 """Errors that tell the user what is wrong and how to fix it.
 
 Every check that can fail on user input (a config, a dataset, a checkpoint) raises one
-of these before any expensive work starts; `main` prints the message without a
-traceback.
+of these before any expensive work starts; every command prints the message without a
+traceback (`cli.run`).
 """
 import contextlib
 import sys
@@ -14,6 +14,10 @@ class AllattError(Exception):
 
 class ConfigError(AllattError):
   """A run config is inconsistent or out of range."""
+
+
+class FlagError(AllattError):
+  """A command-line flag is missing, unknown or out of range."""
 
 
 class DataError(AllattError):

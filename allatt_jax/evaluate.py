@@ -20,14 +20,13 @@ import pathlib
 import sys
 import time
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import loader
@@ -135,21 +134,16 @@ def evaluate_model(model: loader.LoadedModel, *, split: str | None = None,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
-  with errors.reported_to_user():
-    if _SPLIT.value not in SPLITS:
-      raise errors.ConfigError(f"--split={_SPLIT.value}: use one of {SPLITS}.")
-    text = None
-    if _TEXT_FILE.value:
-      try:
-        text = pathlib.Path(_TEXT_FILE.value).read_text(encoding="utf-8")
-      except (OSError, UnicodeDecodeError) as e:
-        raise errors.DataError(f"Cannot read the text file {_TEXT_FILE.value}: {e}") from e
-    model = loader.load(_CHECKPOINT.value, _STEP.value)
-    summary = evaluate_model(model, split=None if text is not None else _SPLIT.value,
-                             text=text)
+  del argv   # cli.run refuses extra arguments
+  text = None
+  if _TEXT_FILE.value:
+    try:
+      text = pathlib.Path(_TEXT_FILE.value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+      raise errors.DataError(f"Cannot read the text file {_TEXT_FILE.value}: {e}") from e
+  model = loader.load(_CHECKPOINT.value, _STEP.value)
+  summary = evaluate_model(model, split=None if text is not None else _SPLIT.value,
+                           text=text)
   source = {"file": _TEXT_FILE.value} if text is not None else {"split": _SPLIT.value}
   json.dump({"checkpoint": _CHECKPOINT.value, "step": _STEP.value, **source, **summary},
             sys.stdout, indent=2)
@@ -158,12 +152,13 @@ def main(argv):
 
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model folder.")
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
+      "--step; gated models use their deterministic gates) or an exported model folder.",
+      required=True)
   _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).")
-  _SPLIT = flags.DEFINE_string("split", "test", "Split of the run's dataset: valid or "
-                               "test (needs the dataset).")
+                               "(default: the latest finished one).", lower_bound=0)
+  _SPLIT = flags.DEFINE_enum("split", "test", SPLITS, "Split of the run's dataset "
+                             "(needs the dataset).")
   _TEXT_FILE = flags.DEFINE_string("text_file", None, "Evaluate this UTF-8 text file "
                                    "instead of a split (needs no dataset).")
-  flags.mark_flags_as_required(["checkpoint"])
-  app.run(main)
+  cli.run(main)

@@ -1,20 +1,20 @@
-"""Export a pruning run as a smaller, ungated model, its closed heads removed
-(`prune.prune_variables`): the model's config.json, params and tokenizer.json,
-loadable and usable on text without the training run or its dataset
-(`loader.load`).
+"""Exports a pruning run as a smaller model without gates or its closed heads.
+
+The export holds the model's config.json, params (heads removed by
+`prune.prune_variables`) and tokenizer.json: loadable and usable on text without the
+training run or its dataset (`loader.load`).
 
 A pruning run exports its final state itself; this command exports a run's latest
 checkpoint (or checkpoint --step) again, e.g. to another folder:
 
   python -m allatt_jax.export --workdir=RUN [--step=N] [--out=DIR]
 """
-from absl import app
 from absl import flags
 from etils import epath
 import ml_collections
 
 from allatt_jax import checkpointing
-from allatt_jax import errors
+from allatt_jax import cli
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -61,15 +61,16 @@ def export_run(workdir, out_dir=None, step: int | None = None) -> epath.Path:
 
 def main(argv):
   del argv
-  with errors.reported_to_user():
-    out_dir = export_run(_WORKDIR.value, _OUT.value, _STEP.value)
+  out_dir = export_run(_WORKDIR.value, _OUT.value, _STEP.value)
   print(f"Exported the pruned model to {out_dir}")
 
 
 if __name__ == "__main__":
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
-  _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: WORKDIR/export).")
+  _WORKDIR = flags.DEFINE_string(
+      "workdir", None, "The --workdir of a pruning run (gates.enabled); its latest "
+      "complete checkpoint is exported unless --step says which.", required=True)
+  _OUT = flags.DEFINE_string("out", None, "Where to write the model (default: "
+                             "WORKDIR/export, replacing the run's own export).")
   _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the "
-                               "latest finished one).")
-  flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+                               "latest finished one).", lower_bound=0)
+  cli.run(main)

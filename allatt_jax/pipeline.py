@@ -7,11 +7,13 @@ subfolder of the workdir, so a rerun resumes whatever was not finished.
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
 import json
+import sys
 
 from etils import epath
 import jax
 import ml_collections
 
+from allatt_jax import console
 from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import loader
@@ -37,15 +39,28 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
+  is_main = jax.process_index() == 0
+  if is_main:
+    console.banner(f"Baseline: {baseline_config.train.num_steps} steps of "
+                   f"{baseline_config.model.kind} on {baseline_config.data.name} in "
+                   f"{workdir / 'baseline'}")
   baseline = train.train_and_evaluate(baseline_config, workdir / "baseline")
+  if is_main:
+    console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline with "
+                   f"L0 gates (λ={prune_config.gates.lam}, frozen at step "
+                   f"{prune_config.gates.freeze_step}) in {workdir / 'pruned'}")
   pruned = train.train_and_evaluate(prune_config, workdir / "pruned")
 
+  if is_main:
+    console.banner("Evaluation: inference speed of both models on valid "
+                   f"({config.pipeline.speed_batches} batches, best of 3)")
   baseline_model = loader.load_lm(workdir / "baseline")[1:]
   pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
   speed = _measure_speed(baseline_config, config.pipeline.speed_batches, baseline_model,
                          pruned_model)
   report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
-  if jax.process_index() == 0:
+  if is_main:
+    console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
     plots.gate_figure(workdir / "pruned", workdir / "gates.png")
     print(summary_table(report))
@@ -123,3 +138,11 @@ def summary_table(report: dict) -> str:
   lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
   lines.insert(1, "-+-".join("-" * w for w in widths))
   return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
+
+
+if __name__ == "__main__":
+  # A library module: point whoever runs it to the command that does.
+  print("error: the pipeline runs through main: python -m allatt_jax.main "
+        "--config=configs/demo.py --workdir=DIR (python -m allatt_jax lists the "
+        "commands).", file=sys.stderr)
+  sys.exit(2)

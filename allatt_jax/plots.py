@@ -7,13 +7,12 @@ import dataclasses
 import json
 import pathlib
 
-from absl import app
 from absl import flags
-from absl import logging
 from etils import epath
 import matplotlib
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import checkpointing
 from allatt_jax import costs
 from allatt_jax import errors
@@ -226,11 +225,8 @@ def _draw_gates(records, kept, layer_heads, gates_config, out_file) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
-  with errors.reported_to_user():
-    out_file = gate_figure(_WORKDIR.value, _OUT.value)
+  del argv   # cli.run refuses extra arguments
+  out_file = gate_figure(_WORKDIR.value, _OUT.value)
   print(f"Wrote {out_file}")
 
 
@@ -239,4 +235,4 @@ if __name__ == "__main__":
   _OUT = flags.DEFINE_string("out", None, "Where to write the figure "
                              "(default: WORKDIR/gates.png).")
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  cli.run(main)

@@ -12,10 +12,9 @@ import pathlib
 import re
 import textwrap
 
-from absl import app
 from absl import flags
-from absl import logging
 
+from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import loader
 from allatt_jax import pipeline
@@ -109,15 +108,12 @@ def generated_blocks(workdir) -> dict[str, str]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
+  del argv   # cli.run refuses extra arguments
   readme = pathlib.Path(_README.value)
-  with errors.reported_to_user():
-    if not readme.is_file():
-      raise errors.ConfigError(f"--readme={readme}: no such file.")
-    readme.write_text(rewrite_blocks(readme.read_text(),
-                                     generated_blocks(_WORKDIR.value)))
+  if not readme.is_file():
+    raise errors.ConfigError(f"--readme={readme}: no such file.")
+  readme.write_text(rewrite_blocks(readme.read_text(),
+                                   generated_blocks(_WORKDIR.value)))
   print(f"Rewrote the generated blocks of {readme} from {_WORKDIR.value}")
 
 
@@ -126,4 +122,4 @@ if __name__ == "__main__":
                                  "(python -m allatt_jax.main --config=configs/demo.py).")
   _README = flags.DEFINE_string("readme", "README.md", "The README to rewrite.")
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  cli.run(main)

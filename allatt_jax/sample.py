@@ -11,13 +11,13 @@ itself, so the prompt is never recomputed. The same seed gives the same text.
 """
 import functools
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import loader
 from allatt_jax import model as model_lib
@@ -124,16 +124,13 @@ def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
-  with errors.reported_to_user():
-    if _NUM_TOKENS.value < 0:
-      raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
-    model = loader.load(_CHECKPOINT.value, _STEP.value)
-    result = sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
-                         temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                         seed=_SEED.value)
+  del argv
+  if _NUM_TOKENS.value < 0:
+    raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
+  model = loader.load(_CHECKPOINT.value, _STEP.value)
+  result = sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
+                       temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                       seed=_SEED.value)
   if result["skipped"]:
     what = ("words read as <unk>" if model.tokenizer.level == "word"
             else "characters dropped")
@@ -144,15 +141,17 @@ def main(argv):
 
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model folder.")
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
+      "--step; gated models use their deterministic gates) or an exported model folder.",
+      required=True)
   _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).")
-  _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues.")
+                               "(default: the latest finished one).", lower_bound=0)
+  _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "
+                                "(tokenised with the run's vocabulary).", required=True)
   _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")
   _TEMPERATURE = flags.DEFINE_float(
       "temperature", 1.0, "Divides the log-probabilities before sampling; 0 = greedy.")
   _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
                                 "0 = all.")
   _SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
-  flags.mark_flags_as_required(["checkpoint", "prompt"])
-  app.run(main)
+  cli.run(main)

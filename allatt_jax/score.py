@@ -15,13 +15,12 @@ import json
 import pathlib
 import sys
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import evaluate
@@ -94,14 +93,11 @@ def read_text(path) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore step at INFO
-  with errors.reported_to_user():
-    model = loader.load(_CHECKPOINT.value, _STEP.value)
-    summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
-    if _OUT.value:
-      write_token_log_probs(_OUT.value, model.tokenizer.vocab, ids, log_probs)
+  del argv
+  model = loader.load(_CHECKPOINT.value, _STEP.value)
+  summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
+  if _OUT.value:
+    write_token_log_probs(_OUT.value, model.tokenizer.vocab, ids, log_probs)
   json.dump({"file": _TEXT_FILE.value, "checkpoint": _CHECKPOINT.value, **summary},
             sys.stdout, indent=2)
   print()
@@ -109,11 +105,14 @@ def main(argv):
 
 if __name__ == "__main__":
   _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model folder.")
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
+      "--step; gated models use their deterministic gates) or an exported model folder.",
+      required=True)
   _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).")
-  _TEXT_FILE = flags.DEFINE_string("text_file", None, "UTF-8 text to score.")
+                               "(default: the latest finished one).", lower_bound=0)
+  _TEXT_FILE = flags.DEFINE_string(
+      "text_file", None, "UTF-8 text to score, read as one row with the run's "
+      "vocabulary.", required=True)
   _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
                              "(JSON lines); none written without it.")
-  flags.mark_flags_as_required(["checkpoint", "text_file"])
-  app.run(main)
+  cli.run(main)

@@ -9,8 +9,6 @@ import sys
 import time
 
 from absl import logging
-from clu import metric_writers
-from clu import periodic_actions
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ import numpy as np
 import tqdm
 
 from allatt_jax import checkpointing
+from allatt_jax import console
 from allatt_jax import data as data_lib
 from allatt_jax import evaluate
 from allatt_jax import export
@@ -34,6 +33,9 @@ from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
 
+# Train metrics that only mean something with gates; a baseline run does not log them.
+GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
+
 
 def start(config: ml_collections.ConfigDict, workdir
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
@@ -41,13 +43,15 @@ def start(config: ml_collections.ConfigDict, workdir
   neither the dataset nor a compiled step (config, workdir, resume, `init_from`).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config, or an unwritable workdir.
+    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, or a
+      pruning run without `init_from`.
     CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
       `workdir` holds a checkpoint of a run with other shapes than this config gives.
   """
   workdir = rundir.run_path(workdir)
   setup = run_setup.resolve(config)
   validation.check_workdir(workdir)
+  validation.check_pruning_has_a_baseline(config)
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
   try:
     validation.check_start(config, checkpoints, setup.abstract_state)
@@ -57,6 +61,17 @@ def start(config: ml_collections.ConfigDict, workdir
   return setup, checkpoints
 
 
+def _clu():
+  """clu's metric_writers and periodic_actions, imported when a run starts: they
+  import TensorFlow, which takes seconds (a command's flag errors and --help should
+  not wait for it) and prints C++ start-up notices (oneDNN) to stderr before any log
+  level applies."""
+  with console.native_stderr_hidden(not console.verbose_requested()):
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  return metric_writers, periodic_actions
+
+
 def _new_state(setup: run_setup.RunSetup):
   """A fresh state; a pruning run's takes the params of `init_from` (a run or an
   exported model), its gates at their init and its optimizer fresh.
@@ -64,9 +79,10 @@ def _new_state(setup: run_setup.RunSetup):
   `validation.check_start` has checked that those params' shapes fit the config.
   """
   state = setup.new_state()
-  if not setup.config.init_from:
+  source_dir = validation.init_source(setup.config)
+  if not source_dir:
     return state
-  _, source = checkpointing.load_model(setup.config.init_from)
+  _, source = checkpointing.load_model(source_dir)
   variables = {**state.variables, "params": source["params"]}
   with sharding.activate(setup.mesh):
     fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=setup.optimizer.init(v)),
@@ -101,13 +117,14 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   corpus = run_setup.load_corpus(config)
   latest = checkpoints.latest_step()
   vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
-  validation.check_vocabulary(vocabulary, workdir, config.init_from,
+  validation.check_vocabulary(vocabulary, workdir, validation.init_source(config),
                               resuming=latest is not None)
   is_main = jax.process_index() == 0
   if is_main:
     rundir.save_config(workdir, config)
     rundir.save_vocabulary(workdir, vocabulary)
     rundir.save_tokenizer(workdir, corpus.tokenizer.to_dict())
+  metric_writers, periodic_actions = _clu()
   writer = metric_writers.create_default_writer(str(workdir), just_logging=not is_main)
   train_cfg = config.train
   tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
@@ -122,6 +139,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   else:
     state = _new_state(setup)
   gated = "gates" in state.variables
+  num_heads = sum(setup.lm.cfg.layer_heads) if gated else 0
 
   batch = sharding.batch_sharding(setup.mesh)
   step_fns = {sample: setup.train_step(sample_gates=sample)
@@ -161,16 +179,20 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
 
         if log:
           summary = _summarise(_without_steps(pending, done, nonfinite) or pending,
-                               corpus.metric)
+                               corpus.metric, gated)
           if train_cfg.skip_nonfinite_steps:
             summary["nonfinite_steps"] = len(nonfinite)
             if nonfinite:
               logging.warning("Skipped the updates of steps %s: non-finite loss or "
                               "gradient.", [s for s, _, _ in nonfinite])
-          elapsed = time.perf_counter() - interval_start
-          summary["tokens_per_s"] = len(pending) * tokens_per_step / elapsed
+          steps_per_s = len(pending) / (time.perf_counter() - interval_start)
+          summary["tokens_per_s"] = steps_per_s * tokens_per_step
           writer.write_scalars(done, summary)
           progress.set_postfix(loss=f"{summary['nll']:.3f}")
+          if is_main:
+            progress.write(_progress_line(done, train_cfg.num_steps, steps_per_s, summary,
+                                          corpus.metric, num_heads))
+            sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
           if gated and is_main:
             _append_gate_history(workdir, done, state.variables["gates"], setup.lm.cfg)
           pending, interval_start = [], time.perf_counter()
@@ -198,6 +220,9 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   writer.write_scalars(train_cfg.num_steps, {f"final/{k}": v for k, v in results.items()})
   writer.flush()
   results["metric"] = corpus.metric
+  if is_main:
+    print(_results_line("final" + (" (gated)" if gated else ""), results, corpus.metric),
+          flush=True)
   if gated:
     results["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables)
   if is_main:
@@ -215,6 +240,11 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
     host_variables = jax.device_get(variables)
   pruned_cfg, params = prune.prune_variables(setup.lm.cfg, host_variables)
   export_dir = workdir / export.EXPORT_DIR
+  is_main = jax.process_index() == 0
+  if is_main:
+    console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(setup.lm.cfg.layer_heads)}"
+                   f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}) "
+                   f"to {export_dir}; evaluating it")
   export.save_export(export_dir, setup.config, pruned_cfg, params,
                      corpus.tokenizer.to_dict())
   lm = model_lib.TransformerLM(pruned_cfg)
@@ -222,6 +252,8 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
   results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(lm.cfg.layer_heads)
   results["directory"] = str(export_dir)
+  if is_main:
+    print(_results_line("exported model", results, corpus.metric), flush=True)
   return results
 
 
@@ -262,11 +294,30 @@ def _nonfinite_error(step: int, metric: str, value: float,
       "train.skip_nonfinite_steps=True to drop such steps' updates and go on.")
 
 
-def _summarise(pending, metric: str) -> dict[str, float]:
+def _progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
+                   metric: str, num_heads: int) -> str:
+  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus the open
+  heads and λ of a pruning run (`num_heads` > 0)."""
+  line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
+          f"loss {summary['loss']:.4f}  {steps_per_s:.1f} steps/s  "
+          f"ETA {console.duration((num_steps - step) / steps_per_s)}")
+  if num_heads:
+    line += (f"  open heads {summary['open_actual/total']:.1f}/{num_heads}  "
+             f"λ {summary['lambda']:.4g}")
+  return line
+
+
+def _results_line(name: str, results: dict, metric: str) -> str:
+  return f"{name}: valid {metric} {results['valid']:.4f}  test {metric} {results['test']:.4f}"
+
+
+def _summarise(pending, metric: str, gated: bool) -> dict[str, float]:
   """Means over the logging interval; per-layer vectors become one scalar per layer."""
   fetched = jax.device_get(pending)
   summary = {}
   for key in fetched[0]:
+    if not gated and key in GATE_METRICS:
+      continue
     mean = np.mean([m[key] for m in fetched], axis=0)
     if np.ndim(mean):
       summary.update({f"{key}/layer_{i}": float(v) for i, v in enumerate(mean)})

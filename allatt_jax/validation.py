@@ -1,9 +1,9 @@
 """Checks of a run's config and inputs, made before any data is loaded or code compiled.
 
-`check_config` runs first, inside `run_setup.resolve`; `check_workdir` and
-`check_start` (resume and `init_from`, against the abstract state the setup built)
-come next in `train.start`, `check_vocabulary` once the dataset is loaded, and
-`check_export` guards an export. A failed check raises one error (see errors.py) that
+`check_config` runs first, inside `run_setup.resolve`; `check_workdir`,
+`check_pruning_has_a_baseline` and `check_start` (resume and `init_from`, against the
+abstract state the setup built) come next in `train.start`, `check_vocabulary` once
+the dataset is loaded, and `check_export` guards an export. A failed check raises one error (see errors.py) that
 says what is wrong, where (the config key, flag or file) and how to fix it, instead of
 a trace-time or orbax traceback minutes later.
 """
@@ -28,6 +28,8 @@ from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
 
 REL_POS = ("learned", "sinusoidal")
+# config.init_from of a pruning run that deliberately starts from fresh parameters.
+FROM_SCRATCH = "none"
 
 # Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
 _MINIMUM = {
@@ -76,8 +78,29 @@ def check_start(config: ml_collections.ConfigDict,
   """
   state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   _check_resume(config, checkpoints, state_shapes)
-  if config.init_from:
+  if init_source(config):
     _check_init_from(config, state_shapes)
+
+
+def init_source(config: ml_collections.ConfigDict) -> str:
+  """The run or export whose parameters the run starts from; '' for a fresh start
+  (init_from unset, or FROM_SCRATCH)."""
+  return "" if config.init_from in ("", FROM_SCRATCH) else config.init_from
+
+
+def check_pruning_has_a_baseline(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError for a pruning run that does not say what it starts from.
+
+  Pruning an untrained model is almost always a forgotten flag, which would only show
+  in the results after the whole pruning schedule; from scratch is an explicit choice.
+  """
+  if config.gates.enabled and not config.init_from:
+    raise ConfigError(
+        "config.gates.enabled=True makes this a pruning run, which starts from a "
+        "trained baseline, but config.init_from is not set. Add "
+        "--config.init_from=BASELINE_WORKDIR (a finished baseline run's --workdir, or "
+        "an exported model); to prune a model trained from scratch, "
+        f"--config.init_from={FROM_SCRATCH}.")
 
 
 def _value(config, key):

@@ -11,10 +11,10 @@ import pathlib
 import sys
 import time
 
-from absl import app
 import jax
 from orbax.checkpoint._src.path import atomicity
 
+from allatt_jax import cli
 from allatt_jax import main
 
 
@@ -34,4 +34,4 @@ if __name__ == "__main__":
   stall_commit_of(*sys.argv[1:3])
   del sys.argv[1:3]
   jax.config.config_with_absl()
-  app.run(main.main)
+  cli.run(main.main)

@@ -39,6 +39,7 @@ def get_config(arg=None):
   # Gates freeze where the first start stops: each start compiles one step mode.
   c.gates.update(dict(enabled=True, lam=0.01, init=0.0, l0_warmup_steps=0,
                       freeze_step=3))
+  c.init_from = "none"   # pruning from scratch, on purpose
   return c
 '''
 # The LoggingWriter line of a logging step: "[step] ..., loss=..., ...".
@@ -54,9 +55,11 @@ def _free_port() -> int:
 def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=None,
             devices=1):
   """Starts one `allatt_jax.main` process; output goes to a log file next to workdir."""
+  # --verbosity=1: every process's metric lines (clu's logging writer), which
+  # _LOSS_LINE reads.
   args = [sys.executable, "-m", "allatt_jax.main", f"--config={config_file}",
           f"--workdir={workdir}", f"--config.data.data_dir={data_dir}",
-          f"--config.train.num_steps={num_steps}"]
+          f"--config.train.num_steps={num_steps}", "--verbosity=1"]
   if process_id is not None:
     args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={process_id}", "--config.mesh.data=2", "--config.mesh.model=2"]

@@ -46,11 +46,12 @@ def get_config(arg=None):
   c.train.update(dict(num_steps={num_steps}, log_every_steps=1))
   c.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=20, freeze_step={freeze},
                       learning_rate=0.05))
+  c.init_from = "none"   # pruning from scratch, on purpose
   c.eval.every_steps = 0
   c.checkpoint.update(dict(every_steps={every}, keep=3))
   return c
 """
-STEP_LOGGED = re.compile(r"\] \[(\d+)\] ")     # clu's logging writer: "[step] key=value"
+STEP_LOGGED = re.compile(r"^step +(\d+)/", re.M)     # the progress line of a logged step
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,15 @@ from there by every run with the same data_dir.
   python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
 """
 import json
-import sys
 
-from absl import app
 from absl import flags
 import numpy as np
 
+from allatt_jax import cli
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import embedded
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
-from allatt_jax.errors import DataError
 
 _DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
                              'Dataset to prepare.')
@@ -34,9 +32,11 @@ _LEVEL = flags.DEFINE_enum('level', '', ('',) + specs.LEVELS,
 _FILES = flags.DEFINE_string('files', specs.DEFAULT_FILES,
                              'text_files: the train,valid,test file names.')
 _MIN_COUNT = flags.DEFINE_integer(
-    'min_count', 1, 'text_files, word level: rarer train words become <unk>.')
+    'min_count', 1, 'text_files, word level: rarer train words become <unk>.',
+    lower_bound=1)
 _MAX_VOCAB = flags.DEFINE_integer(
-    'max_vocab', 0, 'text_files: at most this many types (0: no limit); the rest <unk>.')
+    'max_vocab', 0, 'text_files: at most this many types (0: no limit); the rest <unk>.',
+    lower_bound=0)
 _CLEAN = flags.DEFINE_enum('clean', '', specs.CLEANING,
                            'text_files, char level: text8 = clean as text8 was.')
 _MAKE_EMBEDDED = flags.DEFINE_string(
@@ -63,19 +63,16 @@ def stats(corpus: corpus_lib.Corpus) -> dict:
 
 def main(argv):
   del argv
-  try:
-    if _MAKE_EMBEDDED.value:
-      path = embedded.make_embedded_corpus(_MAKE_EMBEDDED.value)
-      print(json.dumps({'written': str(path), 'bytes': path.stat().st_size}))
-      return
-    corpus = corpus_lib.load_corpus(
-        _DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value, level=_LEVEL.value,
-        files=_FILES.value, min_count=_MIN_COUNT.value, max_vocab=_MAX_VOCAB.value,
-        clean=_CLEAN.value)
-  except DataError as e:
-    sys.exit(f'error: {e}')
+  if _MAKE_EMBEDDED.value:
+    path = embedded.make_embedded_corpus(_MAKE_EMBEDDED.value)
+    print(json.dumps({'written': str(path), 'bytes': path.stat().st_size}))
+    return
+  corpus = corpus_lib.load_corpus(
+      _DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value, level=_LEVEL.value,
+      files=_FILES.value, min_count=_MIN_COUNT.value, max_vocab=_MAX_VOCAB.value,
+      clean=_CLEAN.value)
   print(json.dumps(stats(corpus), ensure_ascii=False))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

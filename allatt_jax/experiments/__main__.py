@@ -18,26 +18,27 @@ compile them again.
 import pathlib
 import time
 
-from absl import app
 from absl import flags
 import jax
-from ml_collections import config_flags
 
-from allatt_jax import errors
+from allatt_jax import cli
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
 
 SUITES = {**suites.SUITES, "repro": repro.repro}
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config (e.g. configs/exp_chars.py).", lock_config=False)
-_SUITE = flags.DEFINE_enum("suite", None, [*SUITES, "all"], "Which suite to run.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, tables and figures go.")
+_CONFIG = cli.DEFINE_config(
+    "config", "Experiment config (configs/exp_chars.py; configs/repro_wt2.py for "
+    "--suite=repro).", lock_config=False)
+_SUITE = flags.DEFINE_enum("suite", None, [*SUITES, "all"], "Which suite to run.",
+                           required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Where the runs, tables and figures go; a rerun reuses its "
+    "finished runs.", required=True)
 _MAX_MINUTES = flags.DEFINE_float(
     "max_minutes", None, "Stop training after this many minutes with a checkpoint and "
-    "exit with status 143; rerun to continue.")
-flags.mark_flags_as_required(["config", "suite", "workdir"])
+    "exit with status 143; rerun to continue.", lower_bound=0.0)
 
 
 def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
@@ -57,19 +58,17 @@ def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   start = time.monotonic()
-  with errors.reported_to_user():
-    deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
-    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline)
-    jax.config.update("jax_compilation_cache_dir",
-                      str(experiment.workdir.absolute() / "compile_cache"))
-    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
-    for name in names:
-      run_suite(name, experiment)
-      print((experiment.workdir / f"{name}.md").read_text())
+  deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
+  experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline)
+  jax.config.update("jax_compilation_cache_dir",
+                    str(experiment.workdir.absolute() / "compile_cache"))
+  names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+  for name in names:
+    run_suite(name, experiment)
+    print((experiment.workdir / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

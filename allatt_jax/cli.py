@@ -1,0 +1,195 @@
+"""What every `python -m allatt_jax.<command>` shares: config flags and one error path.
+
+A command defines its flags, a config flag with `DEFINE_config` if it reads a run
+config, and ends with `cli.run(main)`. Then every expected failure, at flag parsing
+or in `main` (a flag out of range or unknown, a config file missing or failing to
+load, an unknown override key, an AllattError: bad config, data or checkpoint),
+prints one `error: ...` line and exits with status 2; only a bug prints a traceback.
+Library chatter stays hidden unless `--verbosity=1` (see console.py).
+
+Config files are found by path, or by file name among the configs installed with
+the package (`--config=wt103_prune.py:lam=0.015` works from any folder).
+"""
+import difflib
+import functools
+import importlib.util
+import os
+import pathlib
+import re
+import sys
+import traceback
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_dict
+from ml_collections import config_flags
+
+from allatt_jax import console
+from allatt_jax import errors
+
+# Flags defined through this module belong to the command that calls it (its --help).
+flags.disclaim_key_flags()
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+# Installed, setup.py puts configs/ into the package; in a checkout it is its sibling.
+CONFIG_DIR = (_PACKAGE_DIR / "configs" if (_PACKAGE_DIR / "configs").is_dir()
+              else _PACKAGE_DIR.parent / "configs")
+
+BUG_REPORT = ("This is a bug (or a failure of the machine: disk, memory, network), not "
+              "a problem with your input: please report it with the command line and "
+              "the traceback above.")
+
+
+def config_names() -> list[str]:
+  """The file names of the shipped configs."""
+  return sorted(p.name for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
+
+
+def find_config(path: str) -> pathlib.Path:
+  """The config file `path` names: a file, else a shipped config of that file name.
+
+  Raises:
+    ConfigError: neither exists.
+  """
+  given = pathlib.Path(path)
+  if given.is_file():
+    return given
+  name = given.name if given.suffix == ".py" else f"{given.name}.py"
+  shipped = CONFIG_DIR / name
+  if path and shipped.is_file():
+    return shipped
+  raise errors.ConfigError(
+      f"--config={path}: no such file, nor a shipped config of that name. Give the "
+      f"path of a config file, or one of: {', '.join(config_names())}.")
+
+
+def load_config(spec: str) -> config_dict.ConfigDict:
+  """`get_config(arg)` of the config file of `spec` ('path.py' or 'path.py:arg').
+
+  Raises:
+    ConfigError: the file is missing, or importing it or calling get_config fails.
+  """
+  path, has_arg, arg = spec.partition(":")
+  file = find_config(path)
+  try:
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(*([arg] if has_arg else []))
+  except Exception as e:  # pylint: disable=broad-except  (any error of the user's file)
+    last_line = traceback.format_exception_only(e)[-1].strip().rstrip(".")
+    raise errors.ConfigError(
+        f"--config={spec}: {file} failed to load: {last_line}. Fix the file, or the "
+        "argument after ':' (its docstring lists them).") from None
+  if not isinstance(config, config_dict.ConfigDict):
+    raise errors.ConfigError(f"--config={spec}: get_config() of {file} returned "
+                             f"{type(config).__name__}, not a ConfigDict.")
+  return config
+
+
+def _key_paths(config: config_dict.ConfigDict, prefix: str = "") -> list[str]:
+  paths = []
+  for key, value in config.items():
+    paths.append(prefix + key)
+    if isinstance(value, config_dict.ConfigDict):
+      paths += _key_paths(value, f"{prefix}{key}.")
+  return paths
+
+
+def check_override_keys(name: str, config: config_dict.ConfigDict, argv) -> None:
+  """Raises ConfigError naming the first `--NAME.a.b=` of `argv` that is no key of
+  `config`, with the closest existing keys."""
+  for arg in argv:
+    match = re.match(rf"-{{1,2}}(?:no)?{re.escape(name)}\.([^=\s]+)", arg)
+    if not match:
+      continue
+    node, path = config, []
+    for key in (part.split("[")[0] for part in match.group(1).split(".")):
+      if isinstance(node, config_dict.ConfigDict) and key in node:
+        node, path = node[key], path + [key]
+        continue
+      where = ".".join([name, *path])
+      if not isinstance(node, config_dict.ConfigDict):
+        raise errors.ConfigError(f"--{name}.{match.group(1)}: {where} is a value, not a "
+                                 f"section; set it with --{where}=VALUE.")
+      known = _key_paths(config)
+      close = difflib.get_close_matches(".".join(path + [key]), known, n=3, cutoff=0.6)
+      close += [k for k in known if k.rsplit(".", 1)[-1] == key and k not in close]
+      hint = ("did you mean " + ", ".join(f"--{name}.{k}" for k in close) + "?" if close
+              else f"{where} holds {', '.join(node)}.")
+      raise errors.ConfigError(f"--{name}.{match.group(1)}: {where} has no key {key!r}; "
+                               f"{hint}")
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+  """Parses `--NAME=path.py[:arg]` as config_flags does, with shipped-config lookup
+  and one-line errors."""
+
+  def __init__(self, name: str, lock_config: bool):
+    self.name, self.lock_config = name, lock_config
+
+  def parse(self, argument):
+    config = load_config(argument)
+    check_override_keys(self.name, config,
+                        flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False))
+    if self.lock_config:
+      config.lock()
+    return config
+
+  def flag_type(self):
+    return "config file"
+
+
+def DEFINE_config(name: str, help_string: str, *, lock_config: bool = True,  # pylint: disable=invalid-name
+                  required: bool = True) -> flags.FlagHolder:
+  """A config-file flag (`--NAME=path.py[:arg]`, overrides `--NAME.key=value`)."""
+  holder = config_flags.DEFINE_config_file(
+      name, None, f"{help_string} A path, or the name of a shipped config "
+      f"({', '.join(config_names())}), optionally followed by ':ARG'; override any "
+      f"key with --{name}.SECTION.KEY=VALUE.", lock_config=lock_config)
+  flags.FLAGS[name].parser = _ConfigFileParser(name, lock_config=lock_config)
+  if required:
+    flags.mark_flag_as_required(name)
+  return holder
+
+
+def _parse_flags(argv):
+  with errors.reported_to_user():
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+      # absl's words for a missing required flag: "flag --x=None: Flag --x must have a
+      # value other than None."
+      message = re.sub(r"flag (--\w+)=None: Flag --\w+ must have a value other than "
+                       r"None\.", r"\1 is required.", message)
+      raise errors.FlagError(f"{message} (--help lists the flags).") from None
+
+
+def _reported_main(main, argv):
+  if flags.FLAGS.verbosity < 1:
+    logging.get_absl_handler().addFilter(console.LibraryChatterFilter())
+  with errors.reported_to_user():
+    if len(argv) > 1:
+      raise errors.FlagError(f"unexpected arguments {argv[1:]}: flags take the form "
+                             "--name=value (--help lists them).")
+    try:
+      return main(argv)
+    except app.UsageError as e:
+      raise errors.FlagError(str(e)) from None
+    except (errors.AllattError, errors.Preempted):
+      raise
+    except BrokenPipeError:
+      # The reader of the output went away (`| head`): nothing is wrong, nothing to say.
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      sys.exit(1)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+      print(f"error: {BUG_REPORT}", file=sys.stderr)
+      sys.exit(1)
+
+
+def run(main) -> None:
+  """absl's `app.run(main)` with the error path of every command (module docstring)."""
+  app.run(functools.partial(_reported_main, main), flags_parser=_parse_flags)

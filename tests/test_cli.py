@@ -1,0 +1,224 @@
+"""The commands' shared command line: bad input is one `error:` line and exit status 2
+before any work, for every command; shipped configs by name; the command list; a quiet
+console.
+
+Each command runs as a subprocess (every one imports JAX: a few seconds each), with
+inputs that fail before anything is compiled.
+"""
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from allatt_jax import cli
+from allatt_jax import config_base
+from allatt_jax import console
+from allatt_jax import rundir
+from allatt_jax import train
+from allatt_jax.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def command(*args, cwd=ROOT, tmp=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if tmp is not None:
+    env["TFDS_DATA_DIR"] = str(tmp / "tfds")
+  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                        cwd=cwd, env=env, timeout=120)
+
+
+def assert_one_error_line(result, *names):
+  """Exit status 2, no traceback, and an `error:` line naming each of `names`."""
+  output = result.stdout + result.stderr
+  assert result.returncode == 2, output
+  assert "Traceback" not in output, output
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1, output
+  for name in names:
+    assert name in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def prune_config():
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.gates.update(dict(enabled=True, freeze_step=15))
+  return config
+
+
+# --- One bad input per command.
+
+def test_main_unknown_override_key_names_the_closest_keys(tmp_path):
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path}", "--config.train.no_such_key=1")
+  assert_one_error_line(result, "--config.train.no_such_key", "config.train has no key",
+                        "--config.train.num_steps")
+
+
+def test_main_missing_config_file_lists_the_shipped_configs(tmp_path):
+  result = command("allatt_jax.main", "--config=configs/nope.py", f"--workdir={tmp_path}")
+  assert_one_error_line(result, "--config=configs/nope.py", "demo.py", "wt103_prune.py")
+
+
+def test_main_config_failing_to_load_names_the_file_and_the_error(tmp_path):
+  broken = tmp_path / "broken.py"
+  broken.write_text("def get_config(arg=None):\n  return undefined_name\n")
+  result = command("allatt_jax.main", f"--config={broken}:x", f"--workdir={tmp_path}")
+  assert_one_error_line(result, str(broken), "NameError: name 'undefined_name' is not "
+                        "defined")
+
+
+def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
+  rundir.save_config(tmp_path, prune_config)
+  result = command("allatt_jax.export", f"--workdir={tmp_path}")
+  assert_one_error_line(result, str(tmp_path))
+
+
+def test_score_of_a_folder_without_a_model(tmp_path):
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
+                   f"--text_file={tmp_path / 'missing.txt'}")
+  assert_one_error_line(result, str(tmp_path), "no config.json")
+
+
+def test_sample_negative_token_count(tmp_path):
+  result = command("allatt_jax.sample", f"--checkpoint={tmp_path}", "--prompt=the",
+                   "--num_tokens=-1")
+  assert_one_error_line(result, "--num_tokens=-1")
+
+
+def test_costs_fraction_out_of_range():
+  result = command("allatt_jax.costs", "--config=configs/demo.py", "--heads_kept=1.5")
+  assert_one_error_line(result, "--heads_kept=1.5", "[0.0, 1.0]")
+
+
+def test_benchmark_unknown_flag():
+  result = command("allatt_jax.benchmark", "--config=configs/bench_cpu.py", "--rounds=3")
+  assert_one_error_line(result, "'rounds'")
+
+
+def test_compile_check_bad_mesh():
+  result = command("allatt_jax.compile_check", "--config=configs/wt103_base.py:tiny",
+                   "--mesh=3")
+  assert_one_error_line(result, "--mesh='3'", "DATA,MODEL")
+
+
+def test_data_missing_folder(tmp_path):
+  result = command("allatt_jax.data", "--dataset=text_files",
+                   f"--manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
+  assert_one_error_line(result, str(tmp_path / "nowhere"))
+
+
+def test_experiments_missing_required_flag(tmp_path):
+  result = command("allatt_jax.experiments", "--config=exp_chars.py:tiny",
+                   f"--workdir={tmp_path}")
+  assert_one_error_line(result, "--suite is required")
+
+
+def test_a_bug_prints_its_traceback_and_asks_for_a_report():
+  result = subprocess.run(
+      [sys.executable, "-c", "from allatt_jax import cli\n"
+       "def main(argv):\n  return {}['missing']\ncli.run(main)"],
+      capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1
+  assert "Traceback" in result.stderr and "KeyError: 'missing'" in result.stderr
+  assert result.stderr.strip().endswith(f"error: {cli.BUG_REPORT}")
+
+
+# --- Pruning needs a baseline.
+
+def test_pruning_without_init_from_is_refused_before_work(tmp_path, prune_config):
+  with pytest.raises(ConfigError, match=r"config.init_from is not set.*"
+                     r"--config.init_from=BASELINE_WORKDIR.*--config.init_from=none"):
+    train.start(prune_config, tmp_path)
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
+  config = prune_config.copy_and_resolve_references()
+  config.init_from = "none"
+  _, checkpoints = train.start(config, tmp_path)
+  checkpoints.close()
+
+
+# --- Configs by name, from any folder.
+
+def test_shipped_config_by_name_from_another_folder(tmp_path):
+  result = command("allatt_jax.costs", "--config=wt103_prune.py:lam=0.015",
+                   "--heads_kept=0.5", cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  assert '"relative_params"' in result.stdout
+
+
+def test_find_config():
+  assert cli.find_config("configs/demo.py") == pathlib.Path("configs/demo.py")
+  for name in ("demo.py", "demo", "/elsewhere/demo.py"):
+    assert cli.find_config(name) == cli.CONFIG_DIR / "demo.py"
+  with pytest.raises(ConfigError, match=r"--config=demo2.py: .*one of: bench_cpu.py, "):
+    cli.find_config("demo2.py")
+
+
+def test_override_keys_are_checked_against_the_config():
+  config = config_base.load(ROOT / "configs" / "demo.py")
+  cli.check_override_keys("config", config, ["prog", "--config.gates.lam=0.1",
+                                             "--noconfig.gates.enabled", "--other.x=1"])
+  with pytest.raises(ConfigError, match=r"--config.lam: config has no key 'lam'; did "
+                     r"you mean .*--config.gates.lam"):
+    cli.check_override_keys("config", config, ["prog", "--config.lam=0.1"])
+  with pytest.raises(ConfigError, match="config.train.seq_len is a value, not a section"):
+    cli.check_override_keys("config", config, ["prog", "--config.train.seq_len.x=1"])
+
+
+# --- The command list, and a quiet console.
+
+def test_the_command_list_names_every_command():
+  result = command("allatt_jax")
+  assert result.returncode == 0, result.stderr
+  listed = [line.split()[0] for line in result.stdout.splitlines()
+            if line.startswith("  ")]
+  assert listed == list(cli_commands())
+  assert all(len(line.split()) > 2 for line in result.stdout.splitlines()
+             if line.startswith("  "))
+
+
+def cli_commands():
+  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
+  return commands.COMMANDS
+
+
+def test_help_describes_the_flags():
+  result = command("allatt_jax.main", "--help")
+  for flag in ("--config", "--workdir", "shipped config", "demo.py"):
+    assert flag in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("argv,verbose", [
+    (["prog"], False), (["prog", "--verbosity=1"], True), (["prog", "-v", "2"], True),
+    (["prog", "--verbosity", "0"], False), (["prog", "--verbosity=x"], False),
+])
+def test_verbosity_read_before_flag_parsing(argv, verbose):
+  assert console.verbose_requested(argv) is verbose
+
+
+def test_library_records_below_error_are_hidden():
+  keep = console.LibraryChatterFilter().filter
+  record = lambda path, level: logging.LogRecord("absl", level, path, 1, "m", (), None)
+  assert keep(record(str(ROOT / "allatt_jax" / "train.py"), logging.INFO))
+  assert not keep(record("/site-packages/orbax/checkpoint/x.py", logging.INFO))
+  assert not keep(record("/site-packages/jax/_src/xla_bridge.py", logging.WARNING))
+  assert keep(record("/site-packages/orbax/checkpoint/x.py", logging.ERROR))
+
+
+def test_native_stderr_hidden_unless_the_block_fails(capfd):
+  with console.native_stderr_hidden():
+    os.write(2, b"native notice\n")
+  assert "native notice" not in capfd.readouterr().err
+  with pytest.raises(RuntimeError):
+    with console.native_stderr_hidden():
+      os.write(2, b"why it failed\n")
+      raise RuntimeError
+  assert "why it failed" in capfd.readouterr().err
