@@ -117,8 +117,8 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
                                   train_cfg.seq_len, *sharding.process_rows(setup.mesh))
   if latest is not None:
-    logging.info("Resuming from step %d in %s", latest, checkpoints.directory)
-    state, data_state = checkpoints.restore(latest, setup.abstract_state)
+    resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
+    logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
     stream.set_state(data_state)
   else:
     state = _new_state(setup)

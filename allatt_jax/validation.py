@@ -192,9 +192,16 @@ def check_workdir(workdir: epath.Path) -> None:
 
 
 def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shapes):
-  if (step := checkpoints.latest_step()) is None:
+  # The newest checkpoint whose metadata reads: the run resumes from it or an older
+  # one (an unreadable one is skipped then, with a warning).
+  for step in checkpoints.steps():
+    try:
+      found = checkpoints.state_shapes(step)
+      break
+    except CheckpointError:
+      continue
+  else:
     return
-  found = checkpoints.state_shapes(step)
   if found == state_shapes:
     return
   workdir = checkpoints.directory.parent
