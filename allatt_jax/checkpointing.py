@@ -95,7 +95,7 @@ class RunCheckpoints:
     failures = []
     for step in self.steps():
       try:
-        return step, restore(step), [s for s, _ in failures]
+        restored = restore(step)
       # Damaged files fail in many ways: OSError, ValueError (UnicodeDecodeError,
       # JSON), KeyError (a missing item), and TensorStore's plain Exception.
       except Exception as e:  # pylint: disable=broad-except
@@ -103,6 +103,13 @@ class RunCheckpoints:
         failures.append((step, reason))
         logging.warning("Checkpoint %s is unreadable (%s); trying the one before it.",
                         self.directory / str(step), reason)
+        continue
+      skipped = [s for s, _ in failures]
+      if skipped:
+        logging.warning("Using the checkpoint of step %d in %s, the newest that "
+                        "restores (skipped: %s).", step, self.directory,
+                        ", ".join(map(str, skipped)))
+      return step, restored, skipped
     if not failures:
       raise CheckpointError(
           f"No checkpoint in {self.directory}. Train the run first, or point at a "

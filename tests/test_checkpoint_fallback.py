@@ -125,6 +125,8 @@ def test_readers_and_export_fall_back_but_an_explicit_step_does_not(finished_run
     export.export_run(workdir, tmp_path / "export")
   assert f"Checkpoint {workdir / 'checkpoints' / str(NUM_STEPS)} is unreadable (" in (
       caplog.text)
+  assert (f"Using the checkpoint of step 4 in {workdir / 'checkpoints'}, the newest that "
+          f"restores (skipped: {NUM_STEPS}).") in caplog.text
   assert (workdir / "checkpoints" / str(NUM_STEPS)).is_dir()   # readers move nothing
   assert_bit_identical(checkpointing.restore_variables(workdir, step=4), expected)
 
