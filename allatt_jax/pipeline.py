@@ -2,12 +2,12 @@
 
 The config describes the baseline run; its `pipeline` section lists what the pruning
 run changes (`prune_train`, `prune_gates`). Each stage is an ordinary run in its own
-subfolder of the workdir, so a rerun resumes whatever was not finished.
+subfolder of the workdir, so a rerun resumes whatever was not finished. SIGTERM stops
+the pipeline at the next safe point (a training step, the end of a phase or a stage;
+see preemption.py) with exit status 143, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
-import json
-
 from etils import epath
 import jax
 import ml_collections
@@ -16,6 +16,7 @@ from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import loader
 from allatt_jax import plots
+from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import sharding
@@ -37,19 +38,30 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
-  baseline = train.train_and_evaluate(baseline_config, workdir / "baseline")
-  pruned = train.train_and_evaluate(prune_config, workdir / "pruned")
+  # One watch for the whole pipeline: SIGTERM between stages stops it there too.
+  with preemption.PreemptionWatch() as watch:
+    baseline = train.train_and_evaluate(baseline_config, workdir / "baseline",
+                                        watch=watch)
+    watch.stop_if_asked(f"the baseline stage (in {workdir / 'baseline'})",
+                        "go on with the pruning stage")
+    pruned = train.train_and_evaluate(prune_config, workdir / "pruned", watch=watch)
+    watch.stop_if_asked(f"the pruning stage (in {workdir / 'pruned'})",
+                        "go on with the speed comparison and the report")
 
-  baseline_model = loader.load_lm(workdir / "baseline")[1:]
-  pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
-  speed = _measure_speed(baseline_config, config.pipeline.speed_batches, baseline_model,
-                         pruned_model)
-  report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
-  if jax.process_index() == 0:
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    plots.plot_gates(workdir / "pruned" / train.GATE_HISTORY_FILE, workdir / "gates.png",
-               prune_config.gates.freeze_step)
-    print(summary_table(report))
+    baseline_model = loader.load_lm(workdir / "baseline")[1:]
+    pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
+    speed = _measure_speed(baseline_config, config.pipeline.speed_batches,
+                           baseline_model, pruned_model)
+    watch.stop_if_asked("the speed comparison (not kept)",
+                        "measure it again and write the report")
+    # The last safe point is behind: a SIGTERM now lets the report (a second's work)
+    # finish, and the command ends with everything done.
+    report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
+    if jax.process_index() == 0:
+      rundir.write_json(workdir / "report.json", report)
+      plots.plot_gates(workdir / "pruned" / train.GATE_HISTORY_FILE, workdir / "gates.png",
+                       prune_config.gates.freeze_step)
+      print(summary_table(report))
   return report
 
 
