@@ -24,6 +24,7 @@ import jax
 from ml_collections import config_flags
 
 from allatt_jax import errors
+from allatt_jax import preemption
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
@@ -52,7 +53,8 @@ def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
           f"Wall time of this invocation: {elapsed / 60:.1f} min; of its "
           f"{len({r.name for r in report.records})} runs when they were made: "
           f"{compute / 60:.1f} min.\n")
-  (experiment.workdir / f"{name}.md").write_text(text)
+  if jax.process_index() == 0:
+    (experiment.workdir / f"{name}.md").write_text(text)
   return report
 
 
@@ -60,15 +62,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   start = time.monotonic()
-  with errors.reported_to_user():
+  with errors.reported_to_user(), preemption.PreemptionWatch() as watch:
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
-    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline)
+    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
     for name in names:
       run_suite(name, experiment)
-      print((experiment.workdir / f"{name}.md").read_text())
+      if jax.process_index() == 0:
+        print((experiment.workdir / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
