@@ -182,8 +182,8 @@ def _check_batches(config, data: int) -> None:
         f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}.")
   micro = t.batch_size // accum
   batches = [(f"config.train.batch_size={t.batch_size}", t.batch_size),
-             (f"its micro-batch (batch_size / config.train.grad_accum_steps = "
-              f"{t.batch_size} / {accum}) = {micro}", micro),
+             (f"the micro-batch config.train.batch_size / grad_accum_steps = "
+              f"{t.batch_size} / {accum} = {micro}", micro),
              (f"config.eval.batch_size={e.batch_size}", e.batch_size)]
   bad = [name for name, rows in batches if rows % data]
   if not bad:

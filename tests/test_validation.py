@@ -326,11 +326,11 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
   with pytest.raises(ConfigError) as raised:
     check()
   assert str(raised.value) == (
-      "its micro-batch (batch_size / config.train.grad_accum_steps = 8 / 4) = 2 is not "
+      "the micro-batch config.train.batch_size / grad_accum_steps = 8 / 4 = 2 is not "
       "divisible by the data-parallel size (4: config.mesh.data=-1 on 8 devices, 2 "
       "processes each reading its share), which splits every batch into equal rows per "
-      "data shard. Found: config.train.batch_size=8 (ok); its micro-batch (batch_size / "
-      "config.train.grad_accum_steps = 8 / 4) = 2 (not divisible); "
+      "data shard. Found: config.train.batch_size=8 (ok); the micro-batch "
+      "config.train.batch_size / grad_accum_steps = 8 / 4 = 2 (not divisible); "
       "config.eval.batch_size=12 (ok). Fix: config.train.batch_size a multiple of 4 x "
       "grad_accum_steps = 16 (e.g. 16), config.eval.batch_size a multiple of 4 (e.g. "
       "12), or a config.mesh with a smaller data axis.")
