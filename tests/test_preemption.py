@@ -5,6 +5,7 @@ phase, to the results of an uninterrupted run.
 Each phase gets the signal from inside, when it starts (os.kill from a wrapper of a
 function the phase calls), so the tests do not depend on timing.
 """
+import json
 import os
 import pathlib
 import signal
@@ -181,7 +182,6 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
 
 def pipeline_report(workdir) -> dict:
   """report.json without the measured speeds, which vary from run to run."""
-  import json
   report = json.loads((workdir / "report.json").read_text())
   report["speed"] = {k: v for k, v in report["speed"].items() if "macs" in k}
   return report
