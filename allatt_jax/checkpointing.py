@@ -7,9 +7,18 @@ position). orbax writes each step to `<step>.orbax-checkpoint-tmp` and renames i
 complete, so a save killed half-way is never picked up by restore; the next run's
 manager deletes such leftovers.
 
+A finished checkpoint can still be damaged later (a truncated file, a disk error).
+Readers then fall back to the newest checkpoint that restores, with a warning naming
+each one skipped; a resuming run also moves the skipped ones to
+`unreadable_checkpoints/<step>` in the workdir, kept for inspection, because orbax
+would neither save that step again nor leave it alone when it prunes old steps.
+
 An exported model is a folder with `config.json` (its run config, model section
 describing the smaller model) and `params/`: loadable without the training run.
 """
+from typing import Any, Callable
+
+from absl import logging
 import flax
 import jax
 from jax.experimental import multihost_utils
@@ -19,6 +28,8 @@ import orbax.checkpoint as ocp
 
 from allatt_jax import rundir
 from allatt_jax.errors import CheckpointError
+
+UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 class RunCheckpoints:
@@ -49,30 +60,106 @@ class RunCheckpoints:
         data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})))
 
   def restore(self, step: int, abstract_state):
-    """State (placed per `abstract_state`'s shardings) and data-stream state."""
+    """State (placed per `abstract_state`'s shardings) and data-stream state; orbax's
+    error if the checkpoint is unreadable."""
     target = flax.serialization.to_state_dict(abstract_state)
-    restored = self.restore_items(step, state=ocp.args.StandardRestore(target),
-                                  data=ocp.args.JsonRestore())
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     state = flax.serialization.from_state_dict(abstract_state, restored.state)
     return state, {k: np.int64(v) for k, v in restored.data.items()}
+
+  def restore_newest(self, abstract_state) -> tuple[int, Any, dict]:
+    """(step, state, data-stream state) of the newest checkpoint that restores.
+
+    Newer, unreadable checkpoints are moved to UNREADABLE_DIR, so that the run can
+    save those steps again.
+
+    Raises:
+      CheckpointError: no checkpoint restores; the message lists each one's failure.
+    """
+    step, (state, data_state), skipped = self.newest_restorable(
+        lambda s: self.restore(s, abstract_state))
+    if skipped:
+      self._set_aside(skipped, step)
+    return step, state, data_state
+
+  def newest_restorable(self, restore: Callable[[int], Any]
+                        ) -> tuple[int, Any, list[int]]:
+    """(step, restore(step), steps skipped) for the newest step `restore` reads whole.
+
+    Each unreadable checkpoint is logged with its reason and skipped, never deleted.
+
+    Raises:
+      CheckpointError: there is no checkpoint, or none restores.
+    """
+    failures = []
+    for step in self.steps():
+      try:
+        restored = restore(step)
+      # Damaged files fail in many ways: OSError, ValueError (UnicodeDecodeError,
+      # JSON), KeyError (a missing item), and TensorStore's plain Exception.
+      except Exception as e:  # pylint: disable=broad-except
+        reason = _reason(e)
+        failures.append((step, reason))
+        logging.warning("Checkpoint %s is unreadable (%s); trying the one before it.",
+                        self.directory / str(step), reason)
+        continue
+      skipped = [s for s, _ in failures]
+      if skipped:
+        logging.warning("Using the checkpoint of step %d in %s, the newest that "
+                        "restores (skipped: %s).", step, self.directory,
+                        ", ".join(map(str, skipped)))
+      return step, restored, skipped
+    if not failures:
+      raise CheckpointError(
+          f"No checkpoint in {self.directory}. Train the run first, or point at a "
+          "workdir whose checkpoints/ folder holds a finished save.")
+    tried = "; ".join(f"step {s}: {reason}" for s, reason in failures)
+    raise CheckpointError(
+        f"No checkpoint in {self.directory} restores ({tried}). Restore those folders "
+        "from a copy, or move checkpoints/ aside to start the run from scratch.")
+
+  def _set_aside(self, steps: list[int], restored: int) -> None:
+    aside = self.directory.parent / UNREADABLE_DIR
+    # Every process has tried the same files; one moves them, the others wait.
+    if jax.process_index() == 0:
+      aside.mkdir(parents=True, exist_ok=True)
+      for step in steps:
+        target = aside / str(step)
+        for n in range(1, 1000):   # a step damaged again after an earlier move
+          if not target.exists():
+            break
+          target = aside / f"{step}-{n}"
+        (self.directory / str(step)).rename(target)
+        logging.warning("Resuming from step %d: moved the unreadable checkpoint of step "
+                        "%d to %s (kept for inspection; the run saves that step again).",
+                        restored, step, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"set aside {self.directory}")
+    self.manager.reload()
 
   def restore_items(self, step: int, **items):
     """The named items of a checkpoint (orbax restore args by item name)."""
     try:
       return self.manager.restore(step, args=ocp.args.Composite(**items))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
       raise CheckpointError(
-          f"Checkpoint {self.directory / str(step)} is unreadable ({e}). If it is "
-          "damaged, delete that folder: the run then resumes from the checkpoint "
-          "before it.") from e
+          f"Checkpoint {self.directory / str(step)} is unreadable ({_reason(e)}).") from e
+
+  def steps(self) -> list[int]:
+    """The steps of the finished checkpoints, newest first."""
+    return sorted(self.manager.all_steps(), reverse=True)
 
   def state_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
     """{'variables/params/...': shape} of a saved state, read from its metadata only."""
     try:
       metadata = self.manager.item_metadata(step)["state"]
-    except (OSError, ValueError) as e:
+    except Exception as e:  # pylint: disable=broad-except  (see newest_restorable)
       raise CheckpointError(
-          f"Checkpoint {self.directory / str(step)} is unreadable ({e}).") from e
+          f"Checkpoint {self.directory / str(step)} is unreadable ({_reason(e)}).") from e
+    if metadata is None:
+      raise CheckpointError(
+          f"Checkpoint {self.directory / str(step)} is unreadable (no state metadata).")
     return tree_shapes(metadata)
 
   def wait(self) -> None:
@@ -87,6 +174,13 @@ def tree_shapes(tree) -> dict[str, tuple[int, ...]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path):
           tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _reason(error: Exception) -> str:
+  """The first line of an error, without the long TensorStore spec some carry."""
+  lines = str(error).strip().splitlines() or [""]
+  reason = lines[0].split(" See full TensorStore details")[0][:300]
+  return reason if type(error) is Exception else f"{type(error).__name__}: {reason}"
 
 
 def _finished_step(run: RunCheckpoints) -> int:
@@ -108,27 +202,38 @@ def latest_finished_step(workdir) -> int:
 
 
 def restore_variables(workdir, step: int | None = None) -> dict:
-  """The model variables of a run's checkpoint (latest by default), as host arrays.
+  """The model variables of a run's checkpoint, as host arrays.
 
-  Arrays are read whole onto this host's CPU rather than onto the mesh that saved
-  them, so a checkpoint from a pod or a multi-device run loads on any machine.
+  By default the newest checkpoint that restores (unreadable newer ones are skipped
+  with a warning); with `step`, that checkpoint or a CheckpointError. Arrays are read
+  whole onto this host's CPU rather than onto the mesh that saved them, so a
+  checkpoint from a pod or a multi-device run loads on any machine.
   """
   run = RunCheckpoints(workdir, async_save=False, read_only=True)
+  host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+
+  def read(s):
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+                          run.manager.item_metadata(s)["state"])
+    restored = run.manager.restore(
+        s, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return jax.tree.map(np.asarray, restored.state["variables"])
+
   try:
     if step is None:
-      step = _finished_step(run)
-    elif step not in run.manager.all_steps():
+      return run.newest_restorable(read)[1]
+    if step not in run.manager.all_steps():
       raise CheckpointError(
-          f"{run.directory} has no checkpoint of step {step}; its finished steps are "
-          f"{sorted(run.manager.all_steps())}.")
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
-                          run.manager.item_metadata(step)["state"])
-    restored = run.restore_items(step, state=ocp.args.StandardRestore(target))
+          f"No checkpoint of step {step} in {run.directory}; it holds steps "
+          f"{sorted(run.manager.all_steps()) or 'none'}. Choose one of those.")
+    try:
+      return read(step)
+    except Exception as e:  # pylint: disable=broad-except  (see newest_restorable)
+      raise CheckpointError(
+          f"Checkpoint {run.directory / str(step)} is unreadable ({_reason(e)}). Leave "
+          "out the step to use the newest checkpoint that restores.") from e
   finally:
     run.close()
-  return jax.tree.map(np.asarray, restored.state["variables"])
-
 
 def save_model(directory, config: ml_collections.ConfigDict, params,
                tokenizer: dict | None = None) -> None:
@@ -157,23 +262,23 @@ def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:
     return {prefix + k: v for k, v in tree_shapes(metadata).items()}
   run = RunCheckpoints(directory, async_save=False, read_only=True)
   try:
-    shapes = run.state_shapes(_finished_step(run))
+    shapes = run.newest_restorable(run.state_shapes)[1]
   finally:
     run.close()
   return {k: v for k, v in shapes.items() if k.startswith(prefix)}
 
 
 def load_model(directory, step: int | None = None):
-  """(run config, variables) of an exported model or of a run's checkpoint `step`
-  (default: the latest); an export has no steps."""
+  """(run config, variables) of an exported model, or of a run's checkpoint (`step`,
+  or by default the newest that restores: see `restore_variables`)."""
   directory = rundir.run_path(directory)
   config = rundir.load_config(directory)
   if (directory / "params").is_dir():
-    with ocp.StandardCheckpointer() as checkpointer:
-      params = checkpointer.restore(directory / "params")
     if step is not None:
       raise CheckpointError(
-          f"{directory} is an exported model, which has no checkpoint steps; drop the "
-          "step, or point at the training run's workdir.")
+          f"{directory} is an exported model: it has one set of parameters, no steps. "
+          "Leave out the step, or point at the training run's workdir.")
+    with ocp.StandardCheckpointer() as checkpointer:
+      params = checkpointer.restore(directory / "params")
     return config, {"params": jax.tree.map(np.asarray, params)}
   return config, restore_variables(directory, step)

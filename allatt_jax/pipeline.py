@@ -2,11 +2,12 @@
 
 The config describes the baseline run; its `pipeline` section lists what the pruning
 run changes (`prune_train`, `prune_gates`). Each stage is an ordinary run in its own
-subfolder of the workdir, so a rerun resumes whatever was not finished.
+subfolder of the workdir, so a rerun resumes whatever was not finished. SIGTERM stops
+the pipeline at the next safe point (a training step, the end of a phase or a stage;
+see preemption.py) with exit status 143, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
-import json
 import sys
 
 from etils import epath
@@ -18,6 +19,7 @@ from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import loader
 from allatt_jax import plots
+from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import sharding
@@ -40,30 +42,41 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
   is_main = jax.process_index() == 0
-  if is_main:
-    console.banner(f"Baseline: {baseline_config.train.num_steps} steps of "
-                   f"{baseline_config.model.kind} on {baseline_config.data.name} in "
-                   f"{workdir / 'baseline'}")
-  baseline = train.train_and_evaluate(baseline_config, workdir / "baseline")
-  if is_main:
-    console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline with "
-                   f"L0 gates (λ={prune_config.gates.lam}, frozen at step "
-                   f"{prune_config.gates.freeze_step}) in {workdir / 'pruned'}")
-  pruned = train.train_and_evaluate(prune_config, workdir / "pruned")
+  # One watch for the whole pipeline: SIGTERM between stages stops it there too.
+  with preemption.PreemptionWatch() as watch:
+    if is_main:
+      console.banner(f"Baseline: {baseline_config.train.num_steps} steps of "
+                     f"{baseline_config.model.kind} on {baseline_config.data.name} in "
+                     f"{workdir / 'baseline'}")
+    baseline = train.train_and_evaluate(baseline_config, workdir / "baseline",
+                                        watch=watch)
+    watch.stop_if_asked(f"the baseline stage (in {workdir / 'baseline'})",
+                        "go on with the pruning stage")
+    if is_main:
+      console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline "
+                     f"with L0 gates (λ={prune_config.gates.lam}, frozen at step "
+                     f"{prune_config.gates.freeze_step}) in {workdir / 'pruned'}")
+    pruned = train.train_and_evaluate(prune_config, workdir / "pruned", watch=watch)
+    watch.stop_if_asked(f"the pruning stage (in {workdir / 'pruned'})",
+                        "go on with the speed comparison and the report")
 
-  if is_main:
-    console.banner("Evaluation: inference speed of both models on valid "
-                   f"({config.pipeline.speed_batches} batches, best of 3)")
-  baseline_model = loader.load_lm(workdir / "baseline")[1:]
-  pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
-  speed = _measure_speed(baseline_config, config.pipeline.speed_batches, baseline_model,
-                         pruned_model)
-  report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
-  if is_main:
-    console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
-    (workdir / "report.json").write_text(json.dumps(report, indent=2))
-    plots.gate_figure(workdir / "pruned", workdir / "gates.png")
-    print(summary_table(report))
+    if is_main:
+      console.banner("Evaluation: inference speed of both models on valid "
+                     f"({config.pipeline.speed_batches} batches, best of 3)")
+    baseline_model = loader.load_lm(workdir / "baseline")[1:]
+    pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
+    speed = _measure_speed(baseline_config, config.pipeline.speed_batches,
+                           baseline_model, pruned_model)
+    watch.stop_if_asked("the speed comparison (not kept)",
+                        "measure it again and write the report")
+    # The last safe point is behind: a SIGTERM now lets the report (a second's work)
+    # finish, and the command ends with everything done.
+    report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
+    if is_main:
+      console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
+      rundir.write_json(workdir / "report.json", report)
+      plots.gate_figure(workdir / "pruned", workdir / "gates.png")
+      print(summary_table(report))
   return report
 
 

@@ -9,6 +9,7 @@ import pathlib
 
 from absl import flags
 from etils import epath
+import jax
 import matplotlib
 import numpy as np
 
@@ -142,9 +143,10 @@ def trajectories_figure(runs: dict[str, dict[str, list]], out_file) -> None:
 
 
 def _save(fig, out_file) -> None:
-  pathlib.Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-  fig.tight_layout()
-  fig.savefig(out_file, dpi=100)
+  if jax.process_index() == 0:    # every process of a multi-host run draws; one writes
+    pathlib.Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=100)
   plt.close(fig)
 
 

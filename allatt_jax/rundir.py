@@ -39,6 +39,11 @@ def _write_atomically(path: epath.Path, text: str) -> None:
   tmp.replace(path)
 
 
+def write_json(path, value) -> None:
+  """`value` as JSON in `path`, written atomically (a reader sees all of it or none)."""
+  _write_atomically(run_path(path), json.dumps(value, indent=2))
+
+
 def _read_json(path: epath.Path):
   try:
     return json.loads(path.read_text())

@@ -2,7 +2,9 @@
 
 A run is a baseline run (no gates) or a pruning run (`gates.enabled`, usually with
 `init_from` a baseline workdir). Restarting on the same workdir resumes from the
-latest checkpoint, data position and memory included.
+latest checkpoint, data position and memory included. The phases after training (the
+final evaluation; a pruning run's export) each record their result in
+PHASES_FILE when done, so a rerun after a preemption does not redo them.
 """
 import json
 import sys
@@ -35,6 +37,7 @@ from allatt_jax.errors import TrainingError
 
 # Train metrics that only mean something with gates; a baseline run does not log them.
 GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
+PHASES_FILE = "finished_phases.json"
 
 
 def start(config: ml_collections.ConfigDict, workdir
@@ -91,28 +94,32 @@ def _new_state(setup: run_setup.RunSetup):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       deadline: float | None = None) -> dict:
+                       deadline: float | None = None,
+                       watch: preemption.PreemptionWatch | None = None) -> dict:
   """Trains (or resumes) the run in `workdir`; returns the final metrics.
 
-  Past `deadline` (a time.monotonic() value) training stops as on SIGTERM: a checkpoint
-  of the current step, then Preempted. One process only: hosts would stop at
-  different steps.
+  On SIGTERM (`watch`: the calling command's, else the run's own) the run stops at
+  the next safe point with Preempted: after the current step, with its checkpoint, or
+  after the phase in progress. Past `deadline` (a time.monotonic() value) training
+  stops as on SIGTERM. One process only: hosts would stop at different steps.
   """
   if deadline is not None and jax.process_count() > 1:
     raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
-  setup, checkpoints = start(config, workdir)
-  try:
-    return _train_and_evaluate(setup, workdir, checkpoints, deadline)
-  finally:
-    # Whatever stopped the run, the save in flight completes (or never counts).
-    checkpoints.wait()
-    checkpoints.close()
+  with preemption.watching(watch) as watch:
+    setup, checkpoints = start(config, workdir)
+    try:
+      return _train_and_evaluate(setup, workdir, checkpoints, deadline, watch)
+    finally:
+      # Whatever stopped the run, the save in flight completes (or never counts).
+      checkpoints.wait()
+      checkpoints.close()
 
 
 def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
-                        deadline: float | None) -> dict:
+                        deadline: float | None,
+                        watch: preemption.PreemptionWatch) -> dict:
   config = setup.config
   corpus = run_setup.load_corpus(config)
   latest = checkpoints.latest_step()
@@ -133,13 +140,16 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
                                   train_cfg.seq_len, *sharding.process_rows(setup.mesh))
   if latest is not None:
-    logging.info("Resuming from step %d in %s", latest, checkpoints.directory)
-    state, data_state = checkpoints.restore(latest, setup.abstract_state)
+    resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
+    logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
     stream.set_state(data_state)
   else:
     state = _new_state(setup)
   gated = "gates" in state.variables
   num_heads = sum(setup.lm.cfg.layer_heads) if gated else 0
+  # Phase results count only for the state they were computed from.
+  phases = (_finished_phases(workdir, config) if int(state.step) == train_cfg.num_steps
+            else {"key": _phases_key(config)})
 
   batch = sharding.batch_sharding(setup.mesh)
   step_fns = {sample: setup.train_step(sample_gates=sample)
@@ -155,79 +165,111 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   shape = (train_cfg.batch_size, train_cfg.seq_len)
   pending, interval_start = [], time.perf_counter()
   try:
-    with preemption.PreemptionWatch(checkpoints) as watch:
-      for step in range(int(state.step), train_cfg.num_steps):
-        inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
-        sample = gated and step < config.gates.freeze_step
-        with sharding.activate(setup.mesh):
-          state, metrics = step_fns[sample](state, inputs, targets)
-        pending.append(metrics)
-        done = step + 1
-        report_progress(done)
-        progress.update(1)
+    for step in range(int(state.step), train_cfg.num_steps):
+      inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
+      sample = gated and step < config.gates.freeze_step
+      with sharding.activate(setup.mesh):
+        state, metrics = step_fns[sample](state, inputs, targets)
+      pending.append(metrics)
+      done = step + 1
+      report_progress(done)
+      progress.update(1)
 
-        log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
-        evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
-        save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
-        out_of_time = deadline is not None and time.monotonic() >= deadline
-        preempted = watch.reached(done) or out_of_time
-        if log or evaluate_now or save or preempted:
-          pending = jax.device_get(pending)
-          nonfinite = _nonfinite_steps(pending, done)
-          if nonfinite and not train_cfg.skip_nonfinite_steps:
-            raise _nonfinite_error(*nonfinite[0], checkpoints)
+      log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
+      evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
+      save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
+      out_of_time = deadline is not None and time.monotonic() >= deadline
+      preempted = watch.reached() or out_of_time
+      if log or evaluate_now or save or preempted:
+        pending = jax.device_get(pending)
+        nonfinite = _nonfinite_steps(pending, done)
+        if nonfinite and not train_cfg.skip_nonfinite_steps:
+          raise _nonfinite_error(*nonfinite[0], checkpoints)
 
-        if log:
-          summary = _summarise(_without_steps(pending, done, nonfinite) or pending,
-                               corpus.metric, gated)
-          if train_cfg.skip_nonfinite_steps:
-            summary["nonfinite_steps"] = len(nonfinite)
-            if nonfinite:
-              logging.warning("Skipped the updates of steps %s: non-finite loss or "
-                              "gradient.", [s for s, _, _ in nonfinite])
-          steps_per_s = len(pending) / (time.perf_counter() - interval_start)
-          summary["tokens_per_s"] = steps_per_s * tokens_per_step
-          writer.write_scalars(done, summary)
-          progress.set_postfix(loss=f"{summary['nll']:.3f}")
-          if is_main:
-            progress.write(_progress_line(done, train_cfg.num_steps, steps_per_s, summary,
-                                          corpus.metric, num_heads))
-            sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
-          if gated and is_main:
-            _append_gate_history(workdir, done, state.variables["gates"], setup.lm.cfg)
-          pending, interval_start = [], time.perf_counter()
+      if log:
+        summary = _summarise(_without_steps(pending, done, nonfinite) or pending,
+                             corpus.metric, gated)
+        if train_cfg.skip_nonfinite_steps:
+          summary["nonfinite_steps"] = len(nonfinite)
+          if nonfinite:
+            logging.warning("Skipped the updates of steps %s: non-finite loss or "
+                            "gradient.", [s for s, _, _ in nonfinite])
+        steps_per_s = len(pending) / (time.perf_counter() - interval_start)
+        summary["tokens_per_s"] = steps_per_s * tokens_per_step
+        writer.write_scalars(done, summary)
+        progress.set_postfix(loss=f"{summary['nll']:.3f}")
+        if is_main:
+          progress.write(_progress_line(done, train_cfg.num_steps, steps_per_s, summary,
+                                        corpus.metric, num_heads))
+          sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
+        if gated and is_main:
+          _append_gate_history(workdir, done, state.variables["gates"], setup.lm.cfg)
+        pending, interval_start = [], time.perf_counter()
 
-        if evaluate_now:
-          results = evaluate.evaluate_splits(evaluator, state.variables, corpus,
-                                             ("valid",), config.eval.max_batches)
-          writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
-          interval_start = time.perf_counter()
+      if evaluate_now:
+        results = evaluate.evaluate_splits(evaluator, state.variables, corpus,
+                                           ("valid",), config.eval.max_batches)
+        writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
+        interval_start = time.perf_counter()
 
-        if save or preempted:
-          checkpoints.save(done, state, stream.get_state(), force=True)
-        if preempted:
-          checkpoints.wait()
-          reason = "Time box reached" if out_of_time else "Preempted"
-          raise Preempted(
-              f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
-              f"{checkpoints.directory}. Rerun the same command to resume.")
+      if save or preempted:
+        checkpoints.save(done, state, stream.get_state(), force=True)
+      if preempted:
+        checkpoints.wait()
+        reason = "Time box reached" if out_of_time else "Preempted"
+        raise Preempted(
+            f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+            f"{checkpoints.directory}. Rerun the same command to resume.")
   finally:
     progress.close()
     writer.flush()
 
-  # --- Final evaluation.
-  results = evaluate.evaluate_splits(evaluator, state.variables, corpus)
-  writer.write_scalars(train_cfg.num_steps, {f"final/{k}": v for k, v in results.items()})
-  writer.flush()
-  results["metric"] = corpus.metric
+  # --- Phases after training, each skipped if a run before this one finished it.
+  watch.stop_if_asked(f"training (checkpoint of step {train_cfg.num_steps} in "
+                      f"{checkpoints.directory})", "run the final evaluation")
+  if "final" not in phases:
+    phases["final"] = evaluate.evaluate_splits(evaluator, state.variables, corpus)
+    writer.write_scalars(train_cfg.num_steps,
+                         {f"final/{k}": v for k, v in phases["final"].items()})
+    writer.flush()
+    _save_phases(workdir, phases)
   if is_main:
-    print(_results_line("final" + (" (gated)" if gated else ""), results, corpus.metric),
-          flush=True)
+    print(_results_line("final" + (" (gated)" if gated else ""), phases["final"],
+                        corpus.metric), flush=True)
+  next_phase = "export the pruned model" if gated else "write results.json"
+  watch.stop_if_asked(f"the final evaluation (kept in {workdir / PHASES_FILE})",
+                      next_phase)
   if gated:
-    results["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables)
+    if "export" not in phases:
+      phases["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables)
+      _save_phases(workdir, phases)
+    watch.stop_if_asked(f"the export to {phases['export']['directory']}",
+                        "write results.json")
+  results = {**phases["final"], "metric": corpus.metric}
+  if gated:
+    results["export"] = phases["export"]
   if is_main:
-    (workdir / "results.json").write_text(json.dumps(results, indent=2))
+    rundir.write_json(workdir / "results.json", results)
   return results
+
+
+def _phases_key(config: ml_collections.ConfigDict) -> dict:
+  """What the phases' results depend on besides the final state."""
+  return {"step": config.train.num_steps,
+          "eval": json.loads(config.eval.to_json_best_effort())}
+
+
+def _finished_phases(workdir, config: ml_collections.ConfigDict) -> dict:
+  """The results of the phases after training that a run before this one finished:
+  {'final': ..., 'export': ...}, each present if done for this num_steps and eval."""
+  path, key = workdir / PHASES_FILE, _phases_key(config)
+  saved = json.loads(path.read_text()) if path.is_file() else {}
+  return saved if saved.get("key") == key else {"key": key}
+
+
+def _save_phases(workdir, phases: dict) -> None:
+  if jax.process_index() == 0:
+    rundir.write_json(workdir / PHASES_FILE, phases)
 
 
 def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Corpus,

@@ -178,15 +178,7 @@ def _check_lengths(config, cfg: model_lib.ModelConfig):
 
 def _check_mesh(config):
   data, model = sharding.mesh_shape(config.mesh, jax.device_count())
-  where = (f"the data-parallel size ({data}: config.mesh.data={config.mesh.data} on "
-           f"{jax.device_count()} devices)")
-  for section in ("train", "eval"):
-    batch = config[section].batch_size
-    if batch % data:
-      raise ConfigError(
-          f"config.{section}.batch_size={batch} is not divisible by {where}: each "
-          f"data shard holds batch / {data} rows. Use a multiple of {data}, or change "
-          "config.mesh.")
+  _check_batches(config, data)
   m = config.model
   heads = sorted({m.num_heads, *(h for h in (m.heads_per_layer or ()) if h)})
   widths = [("config.model.num_heads / heads_per_layer", h) for h in heads]
@@ -198,6 +190,40 @@ def _check_mesh(config):
           f"{key}: {width} is not divisible by the model-parallel size "
           f"(config.mesh.model={model}), which splits heads and the feed-forward width "
           f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
+
+
+def _check_batches(config, data: int) -> None:
+  """Each batch a step splits over the 'data' axis: the train batch, each micro-batch
+  of gradient accumulation and the eval batch. With several processes each reads a
+  contiguous share of every batch, whole whenever the batch divides by `data`."""
+  t, e = config.train, config.eval
+  accum = t.grad_accum_steps
+  if accum < 1 or t.batch_size % accum:
+    raise ConfigError(
+        f"config.train.grad_accum_steps={accum} must be a positive divisor of "
+        f"config.train.batch_size={t.batch_size}, one of "
+        f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}.")
+  micro = t.batch_size // accum
+  batches = [(f"config.train.batch_size={t.batch_size}", t.batch_size),
+             (f"the micro-batch config.train.batch_size / grad_accum_steps = "
+              f"{t.batch_size} / {accum} = {micro}", micro),
+             (f"config.eval.batch_size={e.batch_size}", e.batch_size)]
+  bad = [name for name, rows in batches if rows % data]
+  if not bad:
+    return
+  processes = (f", {jax.process_count()} processes each reading its share"
+               if jax.process_count() > 1 else "")
+  up = lambda n, k: -(-n // k) * k
+  raise ConfigError(
+      f"{bad[0]} is not divisible by the data-parallel size ({data}: config.mesh.data="
+      f"{config.mesh.data} on {jax.device_count()} devices{processes}), which splits "
+      f"every batch into equal rows per data shard. Found: "
+      + "; ".join(f"{name} ({'ok' if rows % data == 0 else 'not divisible'})"
+                  for name, rows in batches)
+      + f". Fix: config.train.batch_size a multiple of {data} x grad_accum_steps = "
+      f"{data * accum} (e.g. {up(t.batch_size, data * accum)}), config.eval.batch_size "
+      f"a multiple of {data} (e.g. {up(e.batch_size, data)}), or a config.mesh with a "
+      "smaller data axis.")
 
 
 def check_workdir(workdir: epath.Path) -> None:
@@ -215,9 +241,16 @@ def check_workdir(workdir: epath.Path) -> None:
 
 
 def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shapes):
-  if (step := checkpoints.latest_step()) is None:
+  # The newest checkpoint whose metadata reads: the run resumes from it or an older
+  # one (an unreadable one is skipped then, with a warning).
+  for step in checkpoints.steps():
+    try:
+      found = checkpoints.state_shapes(step)
+      break
+    except CheckpointError:
+      continue
+  else:
     return
-  found = checkpoints.state_shapes(step)
   if found == state_shapes:
     return
   workdir = checkpoints.directory.parent

@@ -138,7 +138,7 @@ def test_save_load_round_trip_is_exact(model, ids, tmp_path):
   np.testing.assert_array_equal(np.asarray(loaded.log_probs(ids)[0]),
                                 np.asarray(smaller.log_probs(ids)[0]))
   assert loaded.tokenizer == smaller.tokenizer
-  with pytest.raises(CheckpointError, match="no checkpoint steps"):
+  with pytest.raises(CheckpointError, match="is an exported model: it has one set of parameters, no steps"):
     allatt_jax.load(tmp_path / "smaller", step=3)
 
 
@@ -204,7 +204,7 @@ def test_evaluate_cli_picks_a_step(workdir):
   assert first["bpc"] != last["bpc"]
   results = json.loads((workdir / "results.json").read_text())
   assert last["bpc"] == pytest.approx(results["valid"], rel=1e-5)
-  with pytest.raises(CheckpointError, match=r"no checkpoint of step 7.*\[20, 30\]"):
+  with pytest.raises(CheckpointError, match=r"No checkpoint of step 7 .*steps \[20, 30\]"):
     allatt_jax.load(workdir, step=7)
 
 
@@ -243,7 +243,7 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
 def test_export_of_an_earlier_step(pruned_run, tmp_path):
   out = export.export_run(pruned_run, tmp_path / "step20", step=20)
   assert allatt_jax.load(out).tokenizer.vocab_size == 27
-  with pytest.raises(CheckpointError, match="no checkpoint of step 25"):
+  with pytest.raises(CheckpointError, match="No checkpoint of step 25"):
     export.export_run(pruned_run, tmp_path / "step25", step=25)
 
 

@@ -6,6 +6,7 @@ resumes from the step-3 checkpoint and trains to step 6, with final evaluation a
 export. Each process has 2 fake CPU devices; the (2, 2) mesh puts the batch across
 the processes and the heads across each process's devices.
 """
+import json
 import os
 import pathlib
 import re
@@ -124,9 +125,25 @@ def test_processes_agree_with_each_other_and_with_one_process(runs):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _run_files(workdir: pathlib.Path) -> set[str]:
+  """A run's files outside its orbax folders (which hold one part per process), with
+  TensorBoard files named by what they are."""
+  return {"events.out.tfevents" if p.name.startswith("events.out.tfevents") else
+          str(p.relative_to(workdir)) for p in workdir.rglob("*")
+          if p.is_file() and not p.relative_to(workdir).parts[0] == "checkpoints"
+          and "params" not in p.relative_to(workdir).parts}
+
+
 def test_only_process_zero_writes_files(runs):
-  _, multi, _, _, _ = runs
+  single, multi, _, _, _ = runs
   assert (multi / "results.json").is_file() and (multi / "export" / "params").is_dir()
+  # The same files as one process writes, none left half-written (*.tmp) by two
+  # processes writing one file, and whole: JSON with the same entries.
+  assert _run_files(multi) == _run_files(single)
+  assert not list(multi.rglob("*.tmp"))
+  for name in ("results.json", "finished_phases.json"):
+    ours, theirs = (json.loads((d / name).read_text()) for d in (multi, single))
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs), name
   # One TensorBoard file per start (process 0 only); one gate record per step.
   assert len(list(multi.glob("events.out.tfevents.*"))) == 2
   history = (multi / "gate_history.jsonl").read_text().splitlines()

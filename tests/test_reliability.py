@@ -6,7 +6,6 @@ SIGKILL; they must end exactly where an uninterrupted run (in this process) ends
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -304,26 +303,32 @@ def test_nonfinite_gradient_is_named():
 def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
   calls = []
 
-  class Manager:
-    def reached_preemption(self, step):
-      calls.append(step)
-      return step == 7
-
-  class Checkpoints:
-    manager = Manager()
+  def reached_preemption_sync_point(counter):
+    calls.append(counter)
+    return counter == 3
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(preemption.multihost_utils, "reached_preemption_sync_point",
+                      reached_preemption_sync_point)
   before = signal.getsignal(signal.SIGTERM)
-  with preemption.PreemptionWatch(Checkpoints()) as watch:
+  with preemption.PreemptionWatch() as watch:
     assert signal.getsignal(signal.SIGTERM) is before
-    assert [watch.reached(step) for step in (6, 7)] == [False, True]
-  assert calls == [6, 7]
+    assert [watch.reached() for _ in range(2)] == [False, False]
+    with pytest.raises(errors.Preempted, match=r"^Preempted after the export\. Rerun "
+                       r"the same command to write results\.json\.$"):
+      watch.stop_if_asked("the export", "write results.json")
+  # Every safe point, train step or phase boundary, is the next sync point: the same
+  # count on every host.
+  assert calls == [1, 2, 3]
 
 
-def test_one_process_catches_sigterm_between_steps():
+def test_one_process_catches_sigterm_at_safe_points():
   before = signal.getsignal(signal.SIGTERM)
-  with preemption.PreemptionWatch(None) as watch:
-    assert not watch.reached(1)
+  with preemption.PreemptionWatch() as watch:
+    assert not watch.reached()
+    watch.stop_if_asked("nothing", "go on")
     os.kill(os.getpid(), signal.SIGTERM)
-    assert watch.reached(2)
+    assert watch.reached()
+    with pytest.raises(errors.Preempted, match="Preempted after the final evaluation"):
+      watch.stop_if_asked("the final evaluation", "export the pruned model")
   assert signal.getsignal(signal.SIGTERM) is before

@@ -314,3 +314,25 @@ def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
   # A config that has the keys keeps its own values.
   (tmp_path / rundir.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
   assert model_lib.ModelConfig.from_config(rundir.load_config(tmp_path)).out_bias
+
+
+def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
+  """The micro-batch of gradient accumulation too, and on several processes."""
+  _fewer_devices(monkeypatch, 8)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  config = tiny_config(train=dict(batch_size=8, grad_accum_steps=4),
+                       eval=dict(batch_size=12), mesh=dict(data=-1, model=2))
+  check = lambda: validation.check_config(config, model_lib.ModelConfig.from_config(config))
+  with pytest.raises(ConfigError) as raised:
+    check()
+  assert str(raised.value) == (
+      "the micro-batch config.train.batch_size / grad_accum_steps = 8 / 4 = 2 is not "
+      "divisible by the data-parallel size (4: config.mesh.data=-1 on 8 devices, 2 "
+      "processes each reading its share), which splits every batch into equal rows per "
+      "data shard. Found: config.train.batch_size=8 (ok); the micro-batch "
+      "config.train.batch_size / grad_accum_steps = 8 / 4 = 2 (not divisible); "
+      "config.eval.batch_size=12 (ok). Fix: config.train.batch_size a multiple of 4 x "
+      "grad_accum_steps = 16 (e.g. 16), config.eval.batch_size a multiple of 4 (e.g. "
+      "12), or a config.mesh with a smaller data axis.")
+  config.train.batch_size = 16
+  check()

@@ -22,6 +22,7 @@ from absl import flags
 import jax
 
 from allatt_jax import cli
+from allatt_jax import preemption
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
@@ -53,21 +54,24 @@ def run_suite(name: str, experiment: runs.Experiment) -> suites.Report:
           f"Wall time of this invocation: {elapsed / 60:.1f} min; of its "
           f"{len({r.name for r in report.records})} runs when they were made: "
           f"{compute / 60:.1f} min.\n")
-  (experiment.workdir / f"{name}.md").write_text(text)
+  if jax.process_index() == 0:
+    (experiment.workdir / f"{name}.md").write_text(text)
   return report
 
 
 def main(argv):
   del argv
   start = time.monotonic()
-  deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
-  experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline)
-  jax.config.update("jax_compilation_cache_dir",
-                    str(experiment.workdir.absolute() / "compile_cache"))
-  names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
-  for name in names:
-    run_suite(name, experiment)
-    print((experiment.workdir / f"{name}.md").read_text())
+  with preemption.PreemptionWatch() as watch:
+    deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
+    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline, watch)
+    jax.config.update("jax_compilation_cache_dir",
+                      str(experiment.workdir.absolute() / "compile_cache"))
+    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+    for name in names:
+      run_suite(name, experiment)
+      if jax.process_index() == 0:
+        print((experiment.workdir / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
 A run whose folder holds results.json is finished and is read back instead of rerun;
 an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
 a deadline, the run in progress stops there with a checkpoint and no later run starts
-(errors.Preempted), so a suite can be driven in time-boxed slices.
+(errors.Preempted), so a suite can be driven in time-boxed slices; SIGTERM stops a
+suite the same way (preemption.py). In a multi-host run every process runs the
+runs, and process 0 alone writes the files of this module.
 """
 import dataclasses
 import json
@@ -27,6 +29,8 @@ import shutil
 import time
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
@@ -35,6 +39,7 @@ from allatt_jax import config_base
 from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import model as model_lib
+from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
@@ -79,9 +84,11 @@ class Experiment:
   """Creates, runs or reads back the runs of one experiment config and workdir."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir,
-               deadline: float | None = None):
+               deadline: float | None = None,
+               watch: preemption.PreemptionWatch | None = None):
     self.config = config
     self.deadline = deadline     # time.monotonic() value: stop training runs there
+    self.watch = watch           # the command's: SIGTERM stops it between runs too
     self.settings = config.experiments
     self.workdir = pathlib.Path(workdir)
     self.base = config.copy_and_resolve_references()
@@ -165,20 +172,25 @@ class Experiment:
 
   def _run(self, name: str, kind: str, config: ml_collections.ConfigDict) -> Record:
     workdir = self.run_dir(name)
+    results = None
     if not (workdir / RESULTS_FILE).is_file():
       if self.deadline is not None and time.monotonic() >= self.deadline:
         raise Preempted(f"Time box reached before run {name} started. Rerun the same "
                         "command to continue.")
+      if self.watch is not None:
+        self.watch.stop_if_asked("the runs before it", f"start run {name}")
       logging.info("Experiment run %s in %s", name, workdir)
       start = time.perf_counter()
       try:
-        train.train_and_evaluate(config, workdir, self.deadline)
+        # What it wrote to RESULTS_FILE (which other processes may not see yet).
+        results = train.train_and_evaluate(config, workdir, self.deadline, self.watch)
       finally:   # the run's wall time, summed over the slices that made it
         if workdir.is_dir():
           spent = _read_json(workdir / SUMMARY_FILE).get("wall_s", 0.0)
           _update_json(workdir / SUMMARY_FILE,
                        {"wall_s": spent + time.perf_counter() - start})
-    results = json.loads((workdir / RESULTS_FILE).read_text())
+    if results is None:
+      results = json.loads((workdir / RESULTS_FILE).read_text())
     if "export" in results:
       exported = rundir.load_config(results["export"]["directory"])
       return self._record(name, kind, exported,
@@ -206,7 +218,9 @@ class Experiment:
     The fine-tuning run starts from it through `init_from`, which takes exported
     models. What an interrupted call left is redone.
     """
-    shutil.rmtree(directory, ignore_errors=True)
+    if jax.process_index() == 0:
+      shutil.rmtree(directory, ignore_errors=True)
+    _all_processes_reach(f"cleared {directory}")
     start = time.perf_counter()
     base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
     setup = run_setup.resolve(self.base)
@@ -223,11 +237,12 @@ class Experiment:
     config = base_config.copy_and_resolve_references()
     config.model.heads_per_layer = pruned_cfg.heads_per_layer
     checkpointing.save_model(directory, config, params, corpus.tokenizer.to_dict())
-    rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(
-        corpus.name, corpus.vocab))
-    (directory / MASK_FILE).write_text(json.dumps(
-        {"method": method, "removed": num_remove, "seed": seed,
-         "mask": [m.astype(int).tolist() for m in mask]}))
+    if jax.process_index() == 0:
+      rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(
+          corpus.name, corpus.vocab))
+    _write_json(directory / MASK_FILE,
+                {"method": method, "removed": num_remove, "seed": seed,
+                 "mask": [m.astype(int).tolist() for m in mask]})
     # The masked model as the fine-tuning run will build it: the baseline's model with
     # fewer heads (apply_mask's config carries the gates it pruned through).
     masked_lm = model_lib.TransformerLM(dataclasses.replace(
@@ -236,7 +251,8 @@ class Experiment:
     results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
     results["metric"] = corpus.metric
     _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
-    (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    _write_json(directory / RESULTS_FILE, results)
+    _all_processes_reach(f"saved {directory}")    # all read these files next
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -244,7 +260,17 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _update_json(path: pathlib.Path, values: dict) -> None:
-  path.write_text(json.dumps({**_read_json(path), **values}, indent=2))
+  _write_json(path, {**_read_json(path), **values})
+
+
+def _all_processes_reach(point: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(point)
+
+
+def _write_json(path: pathlib.Path, value) -> None:
+  if jax.process_index() == 0:
+    rundir.write_json(path, value)
 
 
 def mean_std(values) -> tuple[float, float]:

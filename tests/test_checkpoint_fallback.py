@@ -1,0 +1,159 @@
+"""A damaged newest checkpoint: resume, export and readers fall back to the newest one
+that restores, say which they skipped and why, and delete nothing.
+
+The damage is done to a finished run's files, as a disk or a copy might: a truncated
+array file, garbage in the state's metadata (`_METADATA`, which orbax writes after all
+arrays are committed), and no commit: on a local disk orbax commits a step by
+renaming `<step>.orbax-checkpoint-tmp-*` to `<step>` (`commit_success.txt` files
+mark it only on filesystems without atomic renames), so an uncommitted step is that
+temporary folder.
+"""
+import logging
+import pathlib
+import shutil
+
+import jax
+import pytest
+
+import data_fixtures
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import data as data_lib
+from allatt_jax import export
+from allatt_jax import train
+from allatt_jax.errors import CheckpointError
+from test_reliability import assert_bit_identical
+from test_reliability import saved_state
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM_STEPS, EVERY = 6, 2
+
+
+def damage(step_dir: pathlib.Path, how: str) -> None:
+  state = step_dir / "state"
+  if how == "truncated_array_file":
+    for chunk in state.rglob("d/*"):
+      if chunk.is_file():
+        chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+  elif how == "garbage_metadata":
+    (state / "_METADATA").write_bytes(b"\xff\xfe\x00 not json")
+  elif how == "uncommitted":
+    step_dir.rename(step_dir.with_name(f"{step_dir.name}.orbax-checkpoint-tmp-1795000000"))
+  else:
+    raise ValueError(how)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """The runs here compile the same steps: JAX's persistent cache saves the repeats."""
+  before = {k: getattr(jax.config, k) for k in _CACHE_SETTINGS}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  yield
+  for key, value in before.items():
+    jax.config.update(key, value)
+
+
+_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, compile_cache):
+  """(config, workdir) of a finished tiny pruning run with checkpoints 2, 4 and 6."""
+  root = tmp_path_factory.mktemp("fallback")
+  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.data.update(dict(name="text8", manual_dir=str(root / "raw"),
+                          data_dir=str(root / "data")))
+  data_lib.load_corpus("text8", config.data.data_dir, config.data.manual_dir)
+  config.model.dropout = 0.1     # the RNG must resume where the skipped step left it
+  config.train.update(dict(num_steps=NUM_STEPS, log_every_steps=2))
+  config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=2,
+                           freeze_step=NUM_STEPS))
+  config.checkpoint.update(dict(every_steps=EVERY, keep=10))
+  workdir = root / "run"
+  train.train_and_evaluate(config, workdir)
+  return config, workdir
+
+
+def stopped_after_step_4(finished: pathlib.Path, workdir: pathlib.Path) -> None:
+  """`finished` as a run killed after saving step 4 leaves it."""
+  shutil.copytree(finished, workdir)
+  shutil.rmtree(workdir / "checkpoints" / str(NUM_STEPS))
+  for name in ("results.json", train.PHASES_FILE, "export"):
+    shutil.rmtree(workdir / name, ignore_errors=True)
+    (workdir / name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("how", ["truncated_array_file", "garbage_metadata", "uncommitted"])
+def test_resume_skips_a_damaged_newest_checkpoint(finished_run, tmp_path, how, caplog):
+  config, finished = finished_run
+  workdir = tmp_path / "run"
+  stopped_after_step_4(finished, workdir)
+  damaged = workdir / "checkpoints" / "4"
+  damage(damaged, how)
+  damaged_files = sorted(p.relative_to(damaged) for p in damaged.rglob("*"))
+
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, workdir)
+
+  # Resumed from step 2, and ended exactly where the uninterrupted run ended.
+  assert_bit_identical(saved_state(workdir, NUM_STEPS), saved_state(finished, NUM_STEPS))
+  assert_bit_identical(saved_state(workdir, 4), saved_state(finished, 4))
+  if how == "uncommitted":     # never a checkpoint: orbax removes what a save left
+    return
+  assert f"Checkpoint {damaged} is unreadable (" in caplog.text
+  # The damaged checkpoint is kept aside, whole, and step 4 was saved again.
+  aside = workdir / checkpointing.UNREADABLE_DIR / "4"
+  assert f"moved the unreadable checkpoint of step 4 to {aside}" in caplog.text
+  assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == damaged_files
+
+
+def test_readers_and_export_fall_back_but_an_explicit_step_does_not(finished_run,
+                                                                    tmp_path, caplog):
+  _, finished = finished_run
+  workdir = tmp_path / "run"
+  shutil.copytree(finished, workdir)
+  damage(workdir / "checkpoints" / str(NUM_STEPS), "garbage_metadata")
+  expected = saved_state(finished, 4)["state"]["variables"]
+
+  with caplog.at_level(logging.WARNING):
+    assert_bit_identical(checkpointing.restore_variables(workdir), expected)
+    assert_bit_identical(checkpointing.load_model(workdir)[1], expected)
+    export.export_run(workdir, tmp_path / "export")
+  assert f"Checkpoint {workdir / 'checkpoints' / str(NUM_STEPS)} is unreadable (" in (
+      caplog.text)
+  assert (f"Using the checkpoint of step 4 in {workdir / 'checkpoints'}, the newest that "
+          f"restores (skipped: {NUM_STEPS}).") in caplog.text
+  assert (workdir / "checkpoints" / str(NUM_STEPS)).is_dir()   # readers move nothing
+  assert_bit_identical(checkpointing.restore_variables(workdir, step=4), expected)
+
+  with pytest.raises(CheckpointError, match=rf"Checkpoint .*/checkpoints/{NUM_STEPS} is "
+                     r"unreadable \(UnicodeDecodeError: .*\)\. Leave out the step"):
+    checkpointing.restore_variables(workdir, step=NUM_STEPS)
+  with pytest.raises(CheckpointError, match=r"No checkpoint of step 5 in .*; it holds "
+                     r"steps \[2, 4, 6\]"):
+    checkpointing.load_model(workdir, step=5)
+  with pytest.raises(CheckpointError, match="is an exported model: it has one set of "
+                     "parameters, no steps"):
+    checkpointing.load_model(tmp_path / "export", step=4)
+
+
+def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):
+  config, finished = finished_run
+  workdir = tmp_path / "run"
+  shutil.copytree(finished, workdir)
+  damage(workdir / "checkpoints" / "6", "garbage_metadata")
+  damage(workdir / "checkpoints" / "4", "truncated_array_file")
+  damage(workdir / "checkpoints" / "2", "truncated_array_file")
+  (workdir / train.PHASES_FILE).unlink()
+  pattern = (r"No checkpoint in .*/checkpoints restores \(step 6: UnicodeDecodeError: "
+             r".*; step 4: .*; step 2: .*"
+             r".*\)\. Restore those folders from a copy, or move checkpoints/ aside")
+  with pytest.raises(CheckpointError, match=pattern):
+    export.export_run(workdir)
+  with pytest.raises(CheckpointError, match=pattern):
+    train.train_and_evaluate(config, workdir)
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
