@@ -9,10 +9,10 @@ import os
 import signal
 import sys
 
-from absl import app
 import jax
 
 from allatt_jax import checkpointing
+from allatt_jax import cli
 from allatt_jax import main
 
 
@@ -30,4 +30,4 @@ def sigterm_when_saving(step: int) -> None:
 if __name__ == "__main__":
   sigterm_when_saving(int(sys.argv.pop(1)))
   jax.config.config_with_absl()
-  app.run(main.main)
+  cli.run(main.main)

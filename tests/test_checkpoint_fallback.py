@@ -72,6 +72,7 @@ def finished_run(tmp_path_factory, compile_cache):
   config.train.update(dict(num_steps=NUM_STEPS, log_every_steps=2))
   config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=2,
                            freeze_step=NUM_STEPS))
+  config.init_from = "none"      # pruning a model trained from scratch, on purpose
   config.checkpoint.update(dict(every_steps=EVERY, keep=10))
   workdir = root / "run"
   train.train_and_evaluate(config, workdir)
