@@ -49,6 +49,23 @@ import jax.numpy as jnp
 from allatt_jax import errors
 
 
+# Published cutoffs by dataset: Transformer-XL's for WikiText-103 (of 267,735 types)
+# and One Billion Word (of ~793K types).
+PUBLISHED_CUTOFFS = {'wikitext103': (20_000, 40_000, 200_000),
+                     'lm1b': (60_000, 100_000, 640_000)}
+# WikiText-103's cutoffs as fractions of its vocabulary, for any other vocabulary.
+_CUTOFF_FRACTIONS = (0.075, 0.15, 0.75)
+
+
+def default_cutoffs(dataset: str, vocab_size: int) -> tuple[int, ...]:
+  """Cutoffs for `dataset`: the published ones if they fit its vocabulary, else
+  7.5%, 15% and 75% of it (() when too small to cluster)."""
+  published = PUBLISHED_CUTOFFS.get(dataset, ())
+  if published and published[-1] < vocab_size:
+    return published
+  cutoffs = tuple(sorted({round(vocab_size * f) for f in _CUTOFF_FRACTIONS}))
+  return cutoffs if len(cutoffs) == 3 and 0 < cutoffs[0] and cutoffs[-1] < vocab_size else ()
+
 def _check_config(vocab_size: int, d_model: int, cutoffs: Sequence[int],
                   div_val: int, tie_projs: Sequence[bool] | None) -> None:
   """Raises ConfigError if the vocabulary split or the widths are inconsistent."""

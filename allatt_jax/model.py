@@ -26,7 +26,6 @@ import ml_collections
 from allatt_jax import adaptive
 from allatt_jax import attention
 from allatt_jax import gates as gates_lib
-from allatt_jax.data import specs as data_specs
 
 KINDS = ("allatt", "txl")
 # The parameter of a headless layer holding its removed output projection's bias.
@@ -96,7 +95,8 @@ class ModelConfig:
                                        config.eval.seq_len + config.eval.mem_len)
     if not values.get("cutoffs") and values.get("div_val", 1) > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
-      values["cutoffs"] = data_specs.default_cutoffs(config.data.name, values["vocab_size"])
+      values["cutoffs"] = adaptive.default_cutoffs(config.data.name,
+                                                  values["vocab_size"])
     values["gated"] = config.gates.enabled
     values["gate"] = gates_lib.GateConfig(**{
         f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})

@@ -6,6 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from allatt_jax import adaptive
 from allatt_jax import config_base
 from allatt_jax import loader
 from allatt_jax import model as model_lib
@@ -209,10 +210,10 @@ def test_split_shorter_than_an_evaluation_segment(tmp_path):
 # Adaptive cutoffs.
 
 def test_cutoffs_follow_the_vocabulary_when_not_given():
-  assert specs.default_cutoffs('lm1b', 793_471) == (60_000, 100_000, 640_000)
-  assert specs.default_cutoffs('wikitext103', 267_735) == (20_000, 40_000, 200_000)
-  assert specs.default_cutoffs('text_files', 10_000) == (750, 1500, 7500)
-  assert specs.default_cutoffs('text_files', 5) == ()
+  assert adaptive.default_cutoffs('lm1b', 793_471) == (60_000, 100_000, 640_000)
+  assert adaptive.default_cutoffs('wikitext103', 267_735) == (20_000, 40_000, 200_000)
+  assert adaptive.default_cutoffs('text_files', 10_000) == (750, 1500, 7500)
+  assert adaptive.default_cutoffs('text_files', 5) == ()
   config = config_base.base_config()
   config.data.name = 'text_files'
   config.model.update(dict(vocab_size=10_000, div_val=2))

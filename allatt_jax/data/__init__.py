@@ -4,10 +4,9 @@ from allatt_jax.data.corpus import Corpus
 from allatt_jax.data.corpus import load_corpus
 from allatt_jax.data.corpus import load_run_corpus
 from allatt_jax.data.specs import DATASETS
-from allatt_jax.data.specs import default_cutoffs
 from allatt_jax.data.stream import eval_batches
 from allatt_jax.data.stream import SegmentStream
 from allatt_jax.data.stream import to_global_array
 
-__all__ = ['DATASETS', 'Corpus', 'SegmentStream', 'check_data_config', 'default_cutoffs',
+__all__ = ['DATASETS', 'Corpus', 'SegmentStream', 'check_data_config',
            'eval_batches', 'load_corpus', 'load_run_corpus', 'to_global_array']

@@ -65,7 +65,6 @@ class DatasetSpec:
   max_vocab: int = 0
   add_unk: bool = False
   clean: str = ''  # char level: 'text8' = cleaned as text8 was, '' = characters as they are
-  cutoffs: tuple[int, ...] = ()  # published adaptive-softmax cutoffs for this vocabulary
   tfds_name: str = ''  # prepared by TFDS's own builder of this name instead of ours
 
   @property
@@ -136,7 +135,7 @@ _LM1B_CITATION = """\
 }"""
 
 def _wikitext(name: str, folder: str, size: str, valid_sha256: str, test_sha256: str,
-              train_lines: int, **extra) -> DatasetSpec:
+              train_lines: int) -> DatasetSpec:
   """A WikiText (v1) dataset: the same files, source and licence at another size."""
   title = folder.replace('wikitext', 'WikiText')
   return DatasetSpec(
@@ -151,7 +150,6 @@ def _wikitext(name: str, folder: str, size: str, valid_sha256: str, test_sha256:
       citation=_WIKITEXT_CITATION,
       official_sha256={'wiki.valid.tokens': valid_sha256, 'wiki.test.tokens': test_sha256},
       official_train_lines=train_lines,
-      **extra,
   )
 
 
@@ -159,13 +157,14 @@ WIKITEXT103 = _wikitext(
     'wikitext103', 'wikitext-103', '103M',
     valid_sha256='9aee9f52d6e77de6c7751fc5e7c44287db3ec0eaf15477098acc6b93c1c4250b',
     test_sha256='56db52eb157b1ab5c89646eef70510c1eca6e12a3bfdb99f0d6b05b4eacb75b9',
-    train_lines=1_801_350, cutoffs=(20_000, 40_000, 200_000))
+    train_lines=1_801_350)
 
 WIKITEXT2 = _wikitext(
     'wikitext2', 'wikitext-2', '2M',
     valid_sha256='f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8',
     test_sha256='d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0',
     train_lines=36_718)
+
 
 def _hutter(name: str, level: str, description: str, **extra) -> DatasetSpec:
   """A 100M-unit Wikipedia prefix from Matt Mahoney's page, split 90M/5M/5M."""
@@ -224,7 +223,7 @@ PTB = DatasetSpec(
 )
 
 # One Billion Word through TFDS's own `lm1b` builder, with Transformer-XL's
-# vocabulary (train words seen at least 3 times, ~793K types) and cutoffs. TFDS
+# vocabulary (train words seen at least 3 times, ~793K types). TFDS
 # has no validation split: its test split (the 50 held-out files) is cut in halves,
 # the first for valid, the second for test.
 LM1B = DatasetSpec(
@@ -238,7 +237,6 @@ LM1B = DatasetSpec(
     citation=_LM1B_CITATION,
     min_count=3,
     add_unk=True,
-    cutoffs=(60_000, 100_000, 640_000),
     tfds_name='lm1b',
 )
 
@@ -317,16 +315,3 @@ def options(spec: DatasetSpec) -> dict:
   return {'level': spec.level, 'files': list(spec.files), 'min_count': spec.min_count,
           'max_vocab': spec.max_vocab, 'clean': spec.clean}
 
-
-# WikiText-103's 20K/40K/200K of 267,735 types, as fractions of the vocabulary.
-_CUTOFF_FRACTIONS = (0.075, 0.15, 0.75)
-
-
-def default_cutoffs(name: str, vocab_size: int) -> tuple[int, ...]:
-  """Adaptive input/softmax cutoffs: the published ones of dataset `name` if they fit
-  its vocabulary, else 7.5%, 15% and 75% of it (() when too small to cluster)."""
-  published = _SPECS[name].cutoffs if name in _SPECS else ()
-  if published and published[-1] < vocab_size:
-    return published
-  cutoffs = tuple(sorted({round(vocab_size * f) for f in _CUTOFF_FRACTIONS}))
-  return cutoffs if len(cutoffs) == 3 and 0 < cutoffs[0] and cutoffs[-1] < vocab_size else ()
