@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import costs as costs_lib
+from allatt_jax import cost_model
 from allatt_jax import errors
 from allatt_jax import export
 from allatt_jax import loader
@@ -114,8 +114,8 @@ class Model:
   def costs(self) -> dict:
     """Parameters and MACs per token of this model at its eval lengths (costs.py); a
     gated model's closed heads count as removed, as in its export."""
-    return costs_lib.model_report(
-        self.config, costs_lib.running_model_config(self.lm.cfg, self.variables))
+    return cost_model.model_report(
+        self.config, prune.running_model_config(self.lm.cfg, self.variables))
 
   def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
     """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's

@@ -6,8 +6,8 @@ Measures, on the first device and in one process:
   * training tokens/s of the real jitted train step (`steps.jit_train_step`), for the
     baseline and for the pruning step with sampled gates, and its achieved model
     GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
-    forward MACs per token (`costs.macs_per_token`, attention stack and output layer);
-  * evaluation-with-memory tokens/s (`evaluate.Evaluator`) of models exported from
+    forward MACs per token (`cost_model.macs_per_token`, attention stack and output layer);
+  * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models exported from
     gated models of random parameters keeping each fraction of every layer's heads
     (random heads, `prune.prune_variables`), their MAC ratio to the unpruned model
     and their speed-up against the ideal 1 / MAC ratio;
@@ -38,8 +38,8 @@ import ml_collections
 import numpy as np
 
 from allatt_jax import cli
-from allatt_jax import costs
-from allatt_jax import evaluate
+from allatt_jax import cost_model
+from allatt_jax import evaluation
 from allatt_jax import prune
 from allatt_jax import model as model_lib
 from allatt_jax import run_setup
@@ -196,7 +196,7 @@ class Inference:
     self.heads_kept = heads_kept
     e = config.eval
     self.segments = settings(config).eval_segments
-    self._evaluator = evaluate.Evaluator.from_config(
+    self._evaluator = evaluation.Evaluator.from_config(
         model_lib.TransformerLM(cfg), sharding.make_mesh(config.mesh), config)
     self._variables = jax.device_put({"params": params})
     length = e.batch_size * e.seq_len * self.segments + 1
@@ -261,7 +261,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
 
   cfg = train_steps["baseline"].lm.cfg
   peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
-  flops_per_token = 6 * costs.macs_per_token(
+  flops_per_token = 6 * cost_model.macs_per_token(
       cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
   train_report = {"flops_per_token": flops_per_token}
   for name, step in train_steps.items():
@@ -283,10 +283,10 @@ def run(config: ml_collections.ConfigDict) -> dict:
   train_report["gated_overhead"] = (train_report["gated"]["step_s"]
                                     / train_report["baseline"]["step_s"] - 1)
 
-  full_macs = costs.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
+  full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
   inference, full_tokens_per_s = [], None
   for model in models:
-    macs = costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+    macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
     tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
     full_tokens_per_s = full_tokens_per_s or tokens_per_s
     mac_ratio = macs["macs_per_token"] / full_macs

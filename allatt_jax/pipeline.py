@@ -15,8 +15,8 @@ import jax
 import ml_collections
 
 from allatt_jax import console
-from allatt_jax import costs
-from allatt_jax import evaluate
+from allatt_jax import cost_model
+from allatt_jax import evaluation
 from allatt_jax import loader
 from allatt_jax import plots
 from allatt_jax import preemption
@@ -91,7 +91,7 @@ def _measure_speed(config, num_batches, baseline_model, pruned_model,
   mesh = sharding.make_mesh(config.mesh)
   evaluators = {}
   for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
-    evaluators[name] = (evaluate.Evaluator.from_config(lm, mesh, config), variables)
+    evaluators[name] = (evaluation.Evaluator.from_config(lm, mesh, config), variables)
     evaluators[name][0].score(variables, tokens, max_batches=1)   # compile, untimed
   speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
   for _ in range(repeats):
@@ -104,8 +104,8 @@ def _measure_speed(config, num_batches, baseline_model, pruned_model,
 
 def _report(config, baseline, pruned, baseline_model, pruned_model, speed) -> dict:
   t = config.eval
-  cost = {name: {**costs.param_counts(lm.cfg),
-                 **costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
+  cost = {name: {**cost_model.param_counts(lm.cfg),
+                 **cost_model.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
   full_heads = sum(baseline_model[0].cfg.layer_heads)
   pruned_heads = list(pruned_model[0].cfg.layer_heads)

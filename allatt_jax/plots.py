@@ -15,7 +15,7 @@ import numpy as np
 
 from allatt_jax import cli
 from allatt_jax import checkpointing
-from allatt_jax import costs
+from allatt_jax import cost_model
 from allatt_jax import errors
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -43,8 +43,8 @@ def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]
   every layer keeps k of its H heads, for k = H .. 0 (sparsity 0 .. 1)."""
   heads = cfg.num_heads
   kept = np.arange(heads, -1, -1)
-  params = np.array([cfg.num_layers * costs.layer_param_count(cfg, k) for k in kept], float)
-  macs = np.array([cfg.num_layers * costs.layer_macs_per_token(cfg, k, *lengths)
+  params = np.array([cfg.num_layers * cost_model.layer_param_count(cfg, k) for k in kept], float)
+  macs = np.array([cfg.num_layers * cost_model.layer_macs_per_token(cfg, k, *lengths)
                    for k in kept])
   return {"sparsity": 1.0 - kept / heads, "params": params / params[0],
           "macs": macs / macs[0]}
@@ -213,7 +213,7 @@ def _draw_gates(records, kept, layer_heads, gates_config, out_file) -> None:
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
-  target = [f"{k}={gates_config[k]}" for k in costs.TARGET_KEYS
+  target = [f"{k}={gates_config[k]}" for k in cost_model.TARGET_KEYS
             if gates_config.get(k) is not None]
   strength = f"budget {target[0]}" if target else f"λ={gates_config.lam:g}"
   fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "

@@ -80,6 +80,14 @@ def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]
   """
   return tuple(np.flatnonzero(g_H > 0) for g_H in _gate_values(cfg, gates))
 
+def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
+  """`cfg`, or for a gated model the ungated one of its open heads (its export's)."""
+  if not cfg.gated:
+    return cfg
+  kept = surviving_heads(cfg, variables["gates"])
+  return dataclasses.replace(cfg, heads_per_layer=tuple(len(k) for k in kept),
+                             gated=False)
+
 
 def prune_variables(cfg: model_lib.ModelConfig,
                     variables) -> tuple[model_lib.ModelConfig, dict]:

@@ -16,9 +16,9 @@ import ml_collections
 import optax
 
 from allatt_jax import budget
-from allatt_jax import costs
+from allatt_jax import cost_model
 from allatt_jax import data as data_lib
-from allatt_jax import evaluate
+from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import sharding
@@ -40,8 +40,8 @@ class RunSetup:
   state_sharding: Any
 
   @functools.cached_property
-  def evaluator(self) -> evaluate.Evaluator:
-    return evaluate.Evaluator.from_config(self.lm, self.mesh, self.config)
+  def evaluator(self) -> evaluation.Evaluator:
+    return evaluation.Evaluator.from_config(self.lm, self.mesh, self.config)
 
   def new_state(self) -> steps.TrainState:
     """A freshly initialised state, placed on the mesh."""
@@ -86,9 +86,9 @@ def penalty_from_config(config: ml_collections.ConfigDict,
   the L0 warm-up.
   """
   lam = budget.lambda_schedule(config.gates)
-  if costs.target_key(config) is None:
+  if cost_model.target_key(config) is None:
     return budget.Penalty(lam, cfg.gate)
-  end = float(costs.target_open_heads(config, cfg))
+  end = float(cost_model.target_open_heads(config, cfg))
   if not config.gates.l0_warmup_steps:
     return budget.Penalty(lam, cfg.gate, optax.constant_schedule(end))
   start = float(budget.expected_open(cfg.gate, [jnp.full((h,), cfg.gate.init)

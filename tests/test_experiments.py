@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from allatt_jax import config_base
-from allatt_jax import costs
+from allatt_jax import cost_model
 from allatt_jax import model as model_lib
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
@@ -134,13 +134,13 @@ def test_budgets_convert_to_the_most_heads_that_fit():
   cfg = model_lib.ModelConfig.from_config(config)
   e = config.eval
   for key, cost in (("target_params",
-                     lambda c: costs.param_counts(c)["params_non_embedding"]),
-                    ("target_macs", lambda c: costs.macs_per_token(
+                     lambda c: cost_model.param_counts(c)["params_non_embedding"]),
+                    ("target_macs", lambda c: cost_model.macs_per_token(
                         c, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"])):
     five = cost(dataclasses.replace(cfg, heads_per_layer=(3, 2)))
     for value, heads in ((five, 5), (five - 1, 4), (five * 10, 8), (1, 0)):
-      assert costs.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
-  assert costs.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
+      assert cost_model.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
+  assert cost_model.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
 
 
 @pytest.mark.parametrize("gates, match", [
@@ -152,7 +152,7 @@ def test_budgets_convert_to_the_most_heads_that_fit():
 def test_budget_config_errors(gates, match):
   with pytest.raises(ConfigError, match=match):
     config = budget_config(**gates)
-    costs.target_open_heads(config, model_lib.ModelConfig.from_config(config))
+    cost_model.target_open_heads(config, model_lib.ModelConfig.from_config(config))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
   heuristic           a head mask from `heuristics.prune_mask` on the baseline, the
                       masked model exported (`<name>_masked`, scored as it is), then
                       fine-tuned like `continued`, from it
-  budget              a pruning run with a budget target instead of λ (budget.py, costs.py)
+  budget              a pruning run with a budget target instead of λ (budget.py, cost_model.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
 an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
@@ -36,8 +36,8 @@ import numpy as np
 
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import costs
-from allatt_jax import evaluate
+from allatt_jax import cost_model
+from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
 from allatt_jax import run_setup
@@ -140,14 +140,14 @@ class Experiment:
     value = fraction
     if key != "target_sparsity":
       e = self.base.eval
-      full, _ = costs.head_cost(self.base_model, key,
+      full, _ = cost_model.head_cost(self.base_model, key,
                                  (e.seq_len, e.mem_len, e.batch_size))
       value = int(fraction * full) if key == "target_params" else fraction * full
     config = self._l0_config(seed, lam=0.0, **{key: value})
     record = self._run(f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}",
                        "budget", config)
     record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
-                        target_heads=costs.target_open_heads(config, self.base_model))
+                        target_heads=cost_model.target_open_heads(config, self.base_model))
     return record
 
   def heuristic(self, method: str, num_remove: int, seed: int = 0) -> tuple[Record, Record]:
@@ -205,8 +205,8 @@ class Experiment:
         name=name, kind=kind, metric=results["metric"],
         valid=results["valid"], test=results["test"],
         heads_per_layer=list(cfg.layer_heads),
-        params_non_embedding=costs.param_counts(cfg)["params_non_embedding"],
-        macs_per_token=costs.macs_per_token(
+        params_non_embedding=cost_model.param_counts(cfg)["params_non_embedding"],
+        macs_per_token=cost_model.macs_per_token(
             cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],
         d_model=cfg.d_model,
         wall_s=_read_json(self.run_dir(name) / SUMMARY_FILE).get("wall_s", 0.0), extra=extra)
@@ -247,8 +247,8 @@ class Experiment:
     # fewer heads (apply_mask's config carries the gates it pruned through).
     masked_lm = model_lib.TransformerLM(dataclasses.replace(
         setup.lm.cfg, heads_per_layer=pruned_cfg.heads_per_layer))
-    evaluator = evaluate.Evaluator.from_config(masked_lm, setup.mesh, config)
-    results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
+    evaluator = evaluation.Evaluator.from_config(masked_lm, setup.mesh, config)
+    results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
     results["metric"] = corpus.metric
     _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
     _write_json(directory / RESULTS_FILE, results)

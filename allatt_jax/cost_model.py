@@ -1,0 +1,192 @@
+r"""The cost model: parameter counts and forward MACs of a model, before and after head
+pruning, and a pruning budget as a number of heads.
+
+Parameter counts come from the real parameter tree (`jax.eval_shape` of init); the
+per-layer formula below must agree with it (tests check both). MACs come from this
+formula, counting every multiply-accumulate of the matmuls in one forward pass of a
+batch of B segments of length T with memory S (K = S + T keys), divided by B·T:
+
+  per layer with h heads of size dh:
+    query projection                    d·h·dh
+    key, value projections    2·(K/T)·d·h·dh     (memory keys are recomputed per segment)
+    relative projection     (K/(B·T))·d·h·dh     (shared by the batch)
+    content + position scores     2·K·h·dh
+    persistent scores + values    2·N·h·dh       (All-att)
+    context values                  K·h·dh
+    output projection               h·dh·d
+    feed-forward                  2·d·d_ff       (TXL)
+  output layer: d·V (plain softmax) or the adaptive softmax's head and every tail
+  cluster (projection and logits) evaluated at every position.
+
+Elementwise work (softmax, LayerNorm, rel_shift) is left out: it is a few percent of
+the total at the sizes that matter, which the XLA cross-check bounds.
+
+`python -m allatt_jax.costs` prints these for a config or a trained model.
+"""
+import dataclasses
+import math
+
+import jax
+import ml_collections
+
+from allatt_jax import model as model_lib
+from allatt_jax.errors import ConfigError
+
+EMBEDDING_PARAMS = ("embedding", "relative_table")
+
+
+def layer_param_count(cfg: model_lib.ModelConfig, heads: int) -> int:
+  d, dh = cfg.d_model, cfg.head_dim
+  count = d if cfg.out_bias else 0   # W_O's bias outlives the layer's last head
+  if heads:
+    count += 5 * d * heads * dh + 2 * heads * dh + 2 * d   # Q K V O R, u v, LayerNorm
+    if cfg.kind == "allatt":
+      count += 2 * heads * cfg.num_persistent * dh
+  if cfg.kind == "txl":
+    count += 2 * d * cfg.d_ff + cfg.d_ff + d + 2 * d
+  return count
+
+
+def layer_macs_per_token(cfg: model_lib.ModelConfig, heads: int, seq_len: int,
+                         mem_len: int, batch_size: int) -> float:
+  d, hd = cfg.d_model, heads * cfg.head_dim
+  keys = seq_len + mem_len
+  macs = 0.0
+  if heads:
+    macs += d * hd * (1 + 2 * keys / seq_len + keys / (batch_size * seq_len) + 1)
+    macs += 3 * keys * hd
+    if cfg.kind == "allatt":
+      macs += 2 * cfg.num_persistent * hd
+  if cfg.kind == "txl":
+    macs += 2 * d * cfg.d_ff
+  return macs
+
+
+def output_macs_per_token(cfg: model_lib.ModelConfig) -> float:
+  d, v = cfg.d_model, cfg.vocab_size
+  if not cfg.cutoffs:
+    return d * v
+  bounds = (0, *cfg.cutoffs, v)
+  macs = d * (cfg.cutoffs[0] + len(cfg.cutoffs))        # head: shortlist + cluster logits
+  for i in range(len(bounds) - 1):
+    d_i = d // cfg.div_val ** i
+    if cfg.div_val > 1:
+      macs += d * d_i                                     # projection to the cluster's width
+    if i:
+      macs += d_i * (bounds[i + 1] - bounds[i])
+  return macs
+
+
+def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
+  """Embedding / non-embedding / total parameter counts of the real tree."""
+  params = model_lib.abstract_variables(cfg)["params"]
+  size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  embedding = sum(size(params[k]) for k in EMBEDDING_PARAMS if k in params)
+  total = size(params)
+  return {"params_non_embedding": total - embedding, "params_embedding": embedding,
+          "params_total": total}
+
+
+def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
+                   batch_size: int) -> dict[str, float]:
+  layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size)
+               for h in cfg.layer_heads)
+  return {"macs_per_token_non_embedding": layers,
+          "macs_per_token": layers + output_macs_per_token(cfg)}
+
+
+def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: int,
+           heads_kept: float | None = None) -> dict:
+  """The cost report; with `heads_kept`, also relative to the unpruned model."""
+  full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
+          "heads_per_layer": list(cfg.layer_heads), "seq_len": seq_len,
+          "mem_len": mem_len, "batch_size": batch_size}
+  if heads_kept is None:
+    return full
+  pruned_cfg = prune_uniformly(cfg, heads_kept)
+  pruned = {**param_counts(pruned_cfg),
+            **macs_per_token(pruned_cfg, seq_len, mem_len, batch_size),
+            "heads_per_layer": list(pruned_cfg.layer_heads)}
+  pruned["relative_params"] = (pruned["params_non_embedding"]
+                               / full["params_non_embedding"])
+  pruned["relative_macs"] = (pruned["macs_per_token_non_embedding"]
+                             / full["macs_per_token_non_embedding"])
+  return {**full, **pruned, "heads_kept": heads_kept,
+          "unpruned": {k: full[k] for k in ("params_non_embedding",
+                                            "macs_per_token_non_embedding")}}
+
+
+def model_report(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig,
+                 heads_kept: float | None = None) -> dict:
+  """The cost report of a trained model `cfg` at its run config's eval lengths."""
+  e = config.eval
+  return report(cfg, e.seq_len, e.mem_len, e.batch_size, heads_kept)
+
+
+def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.ModelConfig:
+  """The same model keeping round(F·H) heads in every layer."""
+  if not 0.0 <= heads_kept <= 1.0:
+    raise ValueError(f"--heads_kept must lie in [0, 1], got {heads_kept}.")
+  return dataclasses.replace(
+      cfg, heads_per_layer=tuple(round(heads_kept * h) for h in cfg.layer_heads))
+
+
+# --- Budgets: a pruning run's requested size as a number of open heads (budget.py
+# steers the gates to it).
+
+TARGET_KEYS = ("target_sparsity", "target_params", "target_macs")
+
+
+def target_key(config: ml_collections.ConfigDict) -> str | None:
+  """The budget key the config sets, or None for a plain fixed-λ (or baseline) run."""
+  keys = [k for k in TARGET_KEYS if config.gates.get(k) is not None]
+  if len(keys) > 1:
+    raise ConfigError(f"config.gates sets {keys}; set at most one budget target.")
+  return keys[0] if keys else None
+
+
+def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
+  """(cost of the unpruned model, cost of one head) in params or MACs per token.
+
+  Uses layer 0: all heads of all layers cost the same in this model family.
+  """
+  one_fewer = dataclasses.replace(
+      cfg, heads_per_layer=(cfg.layer_heads[0] - 1, *cfg.layer_heads[1:]))
+  if key == "target_params":
+    cost = lambda c: param_counts(c)["params_non_embedding"]
+  else:
+    cost = lambda c: macs_per_token(c, *eval_lengths)["macs_per_token_non_embedding"]
+  full = cost(cfg)
+  return full, full - cost(one_fewer)
+
+
+def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig) -> int:
+  """n*: the most open heads the config's budget allows (`cfg`: the run's model).
+
+  Raises:
+    ConfigError: no budget, more than one, or one out of range, or a run without
+      gates, or one that also sets a fixed λ.
+  """
+  key = target_key(config)
+  if key is None:
+    raise ConfigError(f"config.gates sets none of {TARGET_KEYS}.")
+  gates = config.gates
+  if not gates.enabled:
+    raise ConfigError(f"config.gates.{key} needs a pruning run: set gates.enabled=True.")
+  if gates.lam:
+    raise ConfigError(
+        f"config.gates.{key} replaces the fixed λ (the controller finds it), but "
+        f"config.gates.lam={gates.lam}; set gates.lam=0.")
+  value = gates[key]
+  total = sum(cfg.layer_heads)
+  if key == "target_sparsity":
+    if not 0.0 <= value <= 1.0:
+      raise ConfigError(f"config.gates.target_sparsity={value} must lie in [0, 1].")
+    return round((1.0 - value) * total)
+  if value <= 0:
+    raise ConfigError(f"config.gates.{key}={value} must be positive.")
+  e = config.eval
+  full, per_head = head_cost(cfg, key, (e.seq_len, e.mem_len, e.batch_size))
+  # The small tolerance keeps a budget computed from an exact head count exact.
+  heads = total - math.ceil((full - value) / per_head - 1e-9)
+  return min(max(heads, 0), total)
