@@ -23,7 +23,7 @@ import numpy as np
 from allatt_jax import cli
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import evaluate
+from allatt_jax import evaluation
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 
@@ -39,7 +39,7 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
   """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats.
 
   One row read in segments of `seq_len` with `mem_len` positions of memory, batched
-  like `evaluate.Evaluator` with a batch of one, so the mean of the negated values is
+  like `evaluation.Evaluator` with a batch of one, so the mean of the negated values is
   that evaluator's NLL.
   """
   memory = model_lib.init_memory(lm.cfg, 1, mem_len)
@@ -70,7 +70,7 @@ def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, 
                               mem_len=e.mem_len)
   nll = float(-log_probs.mean())
   metric = model.tokenizer.metric
-  summary = {"tokens": len(log_probs), metric: evaluate.metric_value(nll, metric),
+  summary = {"tokens": len(log_probs), metric: evaluation.metric_value(nll, metric),
              "nll": nll}
   if model.tokenizer.level == "word":
     summary["unk"] = skipped

@@ -21,7 +21,7 @@ import tqdm
 from allatt_jax import checkpointing
 from allatt_jax import console
 from allatt_jax import data as data_lib
-from allatt_jax import evaluate
+from allatt_jax import evaluation
 from allatt_jax import export
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
@@ -207,7 +207,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
         pending, interval_start = [], time.perf_counter()
 
       if evaluate_now:
-        results = evaluate.evaluate_splits(evaluator, state.variables, corpus,
+        results = evaluation.evaluate_splits(evaluator, state.variables, corpus,
                                            ("valid",), config.eval.max_batches)
         writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
         interval_start = time.perf_counter()
@@ -228,7 +228,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   watch.stop_if_asked(f"training (checkpoint of step {train_cfg.num_steps} in "
                       f"{checkpoints.directory})", "run the final evaluation")
   if "final" not in phases:
-    phases["final"] = evaluate.evaluate_splits(evaluator, state.variables, corpus)
+    phases["final"] = evaluation.evaluate_splits(evaluator, state.variables, corpus)
     writer.write_scalars(train_cfg.num_steps,
                          {f"final/{k}": v for k, v in phases["final"].items()})
     writer.flush()
@@ -290,8 +290,8 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
   export.save_export(export_dir, setup.config, pruned_cfg, params,
                      corpus.tokenizer.to_dict())
   lm = model_lib.TransformerLM(pruned_cfg)
-  evaluator = evaluate.Evaluator.from_config(lm, setup.mesh, setup.config)
-  results = evaluate.evaluate_splits(evaluator, {"params": params}, corpus)
+  evaluator = evaluation.Evaluator.from_config(lm, setup.mesh, setup.config)
+  results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(lm.cfg.layer_heads)
   results["directory"] = str(export_dir)
   if is_main:
@@ -366,7 +366,7 @@ def _summarise(pending, metric: str, gated: bool) -> dict[str, float]:
       summary[f"{key}/total"] = float(np.sum(mean))
     else:
       summary[key] = float(mean)
-  summary[metric] = evaluate.metric_value(summary["nll"], metric)
+  summary[metric] = evaluation.metric_value(summary["nll"], metric)
   return summary
 
 

@@ -20,7 +20,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import evaluate
+from allatt_jax import evaluation
 from allatt_jax import export
 from allatt_jax import pipeline
 from allatt_jax import train
@@ -75,7 +75,7 @@ class Calls:
 
   def __init__(self, monkeypatch):
     self.saves, self.evaluations = 0, 0
-    save, evaluate_splits = checkpointing.RunCheckpoints.save, evaluate.evaluate_splits
+    save, evaluate_splits = checkpointing.RunCheckpoints.save, evaluation.evaluate_splits
 
     def counted_save(checkpoints, *args, **kwargs):
       self.saves += 1
@@ -86,7 +86,7 @@ class Calls:
       return evaluate_splits(*args, **kwargs)
 
     monkeypatch.setattr(checkpointing.RunCheckpoints, "save", counted_save)
-    monkeypatch.setattr(evaluate, "evaluate_splits", counted_evaluation)
+    monkeypatch.setattr(evaluation, "evaluate_splits", counted_evaluation)
 
 
 def sigterm_before(monkeypatch, owner, name, when=lambda *args, **kwargs: True):
@@ -139,7 +139,7 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   assert checkpointing.latest_finished_step(baseline) == BASELINE_STEPS
 
   # 2. During the baseline's final evaluation: no step is trained again.
-  calls = rerun(lambda m: sigterm_before(m, evaluate, "evaluate_splits"),
+  calls = rerun(lambda m: sigterm_before(m, evaluation, "evaluate_splits"),
                 rf"^Preempted after the final evaluation \(kept in "
                 rf"{baseline}/{train.PHASES_FILE}\)\. Rerun the same command to write "
                 r"results.json\.$")

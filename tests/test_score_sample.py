@@ -12,7 +12,7 @@ import pytest
 
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import evaluate
+from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import sample
 from allatt_jax import loader
@@ -93,7 +93,7 @@ def test_score_matches_evaluate(model, corpus):
   e = model.config.eval
   log_probs = score.token_log_probs(model.lm, model.variables, tokens, seq_len=e.seq_len,
                                     mem_len=e.mem_len)
-  evaluator = evaluate.Evaluator(model.lm, sharding.make_mesh(model.config.mesh),
+  evaluator = evaluation.Evaluator(model.lm, sharding.make_mesh(model.config.mesh),
                                  batch_size=1, seq_len=e.seq_len, mem_len=e.mem_len)
   expected = evaluator.score(model.variables, tokens)
   assert len(log_probs) == expected["tokens"] == len(tokens) - 1
@@ -101,7 +101,7 @@ def test_score_matches_evaluate(model, corpus):
 
   summary, _, _ = score.score_text(model, model.tokenizer.decode(tokens))
   assert summary["bpc"] == pytest.approx(
-      evaluate.metric_value(expected["nll"], "bpc"), rel=1e-5)
+      evaluation.metric_value(expected["nll"], "bpc"), rel=1e-5)
 
 
 def test_sampling_is_deterministic_per_seed(model, corpus):
