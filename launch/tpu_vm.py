@@ -142,7 +142,7 @@ def main(argv=None) -> int:
       continue
     print(f"[{step}] {shlex.join(command)}", flush=True)
     if (code := subprocess.run(command).returncode) != 0:
-      hint = (f"; the TPU is still up: delete it with --steps=delete"
+      hint = ("; the TPU is still up: delete it with --steps=delete"
               if step not in ("create", "delete") else "")
       print(f"[{step}] failed with exit status {code}{hint}", file=sys.stderr)
       return code

@@ -28,6 +28,7 @@ adds its line to `checksums.tsv`; TFDS then verifies every later download.
 """
 import contextlib
 import dataclasses
+import os
 import pathlib
 import sys
 
@@ -178,7 +179,10 @@ def prepare(spec: specs.DatasetSpec, config_name: str, data_dir: str,
     builder = AllattText(config=config, data_dir=data_dir, source_files=source_files,
                          encoding=encoding)
     try:
-      with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress to stdout.
+      # TFDS prints its own notices to stdout, which commands keep for their results:
+      # to stderr with --verbosity=1, else nowhere (the line above says it all).
+      with open(os.devnull, 'w') as devnull, contextlib.redirect_stdout(
+          sys.stderr if logging.level_debug() else devnull):
         builder.download_and_prepare(download_config=download_config)
     except OSError:
       # Several processes of a run may prepare it at once: the first rename wins.

@@ -15,6 +15,7 @@ import os
 from absl import logging
 import numpy as np
 
+from allatt_jax import console
 from allatt_jax.data import cache
 from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
@@ -147,7 +148,9 @@ def _cached_or_built(spec, data_dir, manual_dir) -> Corpus:
 
 def _prepare(spec, config_name, key, data_dir, manual_dir, source_files) -> None:
   """Runs the TFDS builder, taking over what an earlier allatt_jax prepared."""
-  from allatt_jax.data import builder  # pylint: disable=g-import-not-at-top
+  # TensorFlow, which the builder imports, prints C++ start-up notices (oneDNN).
+  with console.native_stderr_hidden(not console.verbose_requested()):
+    from allatt_jax.data import builder  # pylint: disable=g-import-not-at-top
   first_time = not cache.dataset_dir(data_dir, config_name).exists()
   old_folders = cache.legacy_folders(data_dir, spec, key) if first_time else []
   adopted = None
