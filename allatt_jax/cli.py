@@ -154,6 +154,16 @@ def DEFINE_config(name: str, help_string: str, *, lock_config: bool = True,  # p
   return holder
 
 
+def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pylint: disable=invalid-name
+  """--checkpoint (required) and --step of the commands that use a trained model."""
+  checkpoint = flags.DEFINE_string(
+      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
+      "--step; gated models use their deterministic gates) or an exported model folder.",
+      required=True)
+  step = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
+                              "(default: the latest finished one).", lower_bound=0)
+  return checkpoint, step
+
 def _parse_flags(argv):
   with errors.reported_to_user():
     try:

@@ -70,14 +70,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
-      "--step; gated models use their deterministic gates) or an exported model folder.",
-      required=True)
-  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).", lower_bound=0)
-  _SPLIT = flags.DEFINE_enum("split", "test", evaluation.SPLITS, "Split of the run's dataset "
-                             "(needs the dataset).")
+  _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
+  _SPLIT = flags.DEFINE_enum("split", "test", evaluation.SPLITS,
+                             "Split of the run's dataset (needs the dataset).")
   _TEXT_FILE = flags.DEFINE_string("text_file", None, "Evaluate this UTF-8 text file "
                                    "instead of a split (needs no dataset).")
   cli.run(main)

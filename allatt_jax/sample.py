@@ -140,12 +140,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
-      "--step; gated models use their deterministic gates) or an exported model folder.",
-      required=True)
-  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).", lower_bound=0)
+  _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
   _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "
                                 "(tokenised with the run's vocabulary).", required=True)
   _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")

@@ -104,12 +104,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "The model: a run's --workdir (its latest checkpoint unless "
-      "--step; gated models use their deterministic gates) or an exported model folder.",
-      required=True)
-  _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run's workdir "
-                               "(default: the latest finished one).", lower_bound=0)
+  _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
   _TEXT_FILE = flags.DEFINE_string(
       "text_file", None, "UTF-8 text to score, read as one row with the run's "
       "vocabulary.", required=True)
