@@ -89,7 +89,7 @@ def initialize(settings: Settings) -> None:
           "A multi-process run needs coordinator_address, num_processes and process_id "
           f"(flags, or environment variables {ENV_COORDINATOR_ADDRESS}, "
           f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); missing: {', '.join(missing)}.") from None
-    logging.info("No multi-process cluster found: running as a single process.")
+    logging.debug("No multi-process cluster found: running as a single process.")
     return
   logging.info("Joined a %d-process run as process %d (%s).", jax.process_count(),
                jax.process_index(), "explicit settings" if given else "detected cluster")
