@@ -47,6 +47,14 @@ def write_text8(directory: pathlib.Path, text: str) -> None:
   (directory / 'text8').write_text(text, encoding='ascii')
 
 
+def prepared_text8(root: pathlib.Path, num_chars: int = 20000) -> tuple[str, str]:
+  """(manual_dir, data_dir) under `root`: a sample text8 file, encoded once."""
+  from allatt_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  write_text8(root / 'raw', sample_text8(num_chars))
+  data_lib.load_corpus('text8', str(root / 'data'), str(root / 'raw'))
+  return str(root / 'raw'), str(root / 'data')
+
+
 def sample_text8(num_chars: int) -> str:
   words = ('anarchism originated as a term of abuse first used against early '
            'working class radicals including the diggers of the english revolution '

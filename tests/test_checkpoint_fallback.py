@@ -18,7 +18,6 @@ import pytest
 import data_fixtures
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import data as data_lib
 from allatt_jax import export
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
@@ -61,13 +60,11 @@ _CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compil
 def finished_run(tmp_path_factory, compile_cache):
   """(config, workdir) of a finished tiny pruning run with checkpoints 2, 4 and 6."""
   root = tmp_path_factory.mktemp("fallback")
-  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
+  manual_dir, data_dir = data_fixtures.prepared_text8(root)
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   with config.unlocked():
     del config["pipeline"]
-  config.data.update(dict(name="text8", manual_dir=str(root / "raw"),
-                          data_dir=str(root / "data")))
-  data_lib.load_corpus("text8", config.data.data_dir, config.data.manual_dir)
+  config.data.update(dict(name="text8", manual_dir=manual_dir, data_dir=data_dir))
   config.model.dropout = 0.1     # the RNG must resume where the skipped step left it
   config.train.update(dict(num_steps=NUM_STEPS, log_every_steps=2))
   config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=2,

@@ -18,7 +18,6 @@ import pytest
 import data_fixtures
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import evaluation
 from allatt_jax import export
@@ -51,12 +50,11 @@ def get_config(arg=None):
 def demo(tmp_path_factory):
   """(config file, its config, the workdir of an uninterrupted pipeline run)."""
   root = tmp_path_factory.mktemp("preemption")
-  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
-  data_lib.load_corpus("text8", str(root / "data"), str(root / "raw"))
+  manual_dir, data_dir = data_fixtures.prepared_text8(root)
   path = root / "demo_tiny.py"
   path.write_text(CONFIG_FILE.format(
-      demo=str(ROOT / "configs" / "demo.py"), manual_dir=str(root / "raw"),
-      data_dir=str(root / "data"), baseline=BASELINE_STEPS, prune=PRUNE_STEPS))
+      demo=str(ROOT / "configs" / "demo.py"), manual_dir=manual_dir,
+      data_dir=data_dir, baseline=BASELINE_STEPS, prune=PRUNE_STEPS))
   # The runs compile the same steps: JAX's persistent cache saves the repeats.
   cache = {"jax_compilation_cache_dir": str(root / "jax_cache"),
            "jax_persistent_cache_min_compile_time_secs": 0}

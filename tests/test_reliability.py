@@ -21,7 +21,6 @@ import pytest
 import data_fixtures
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import preemption
 from allatt_jax import steps
@@ -57,12 +56,11 @@ STEP_LOGGED = re.compile(r"^step +(\d+)/", re.M)     # the progress line of a lo
 def run_config(tmp_path_factory):
   """(config file, its config): the run every test here interrupts."""
   root = tmp_path_factory.mktemp("reliability")
-  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
-  data_lib.load_corpus("text8", str(root / "data"), str(root / "raw"))  # encoded once
+  manual_dir, data_dir = data_fixtures.prepared_text8(root)
   path = root / "tiny_prune.py"
   path.write_text(CONFIG_FILE.format(
-      demo=str(ROOT / "configs" / "demo.py"), manual_dir=str(root / "raw"),
-      data_dir=str(root / "data"), num_steps=NUM_STEPS, freeze=FREEZE_STEP,
+      demo=str(ROOT / "configs" / "demo.py"), manual_dir=manual_dir,
+      data_dir=data_dir, num_steps=NUM_STEPS, freeze=FREEZE_STEP,
       every=CHECKPOINT_EVERY))
   return path, config_base.load(path)
 
@@ -79,8 +77,8 @@ def saved_state(workdir, step):
   optimizer state, memory) and the data position."""
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
   try:
-    restored = checkpoints.restore_items(step, state=ocp.args.StandardRestore(),
-                                         data=ocp.args.JsonRestore())
+    restored = checkpoints.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
   finally:
     checkpoints.close()
   return {"state": jax.tree.map(np.asarray, restored.state), "data": dict(restored.data)}

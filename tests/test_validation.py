@@ -65,10 +65,7 @@ def baseline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def text8_dirs(tmp_path_factory):
   """(manual_dir, data_dir) of a small text8 file, encoded once."""
-  root = tmp_path_factory.mktemp("text8")
-  data_fixtures.write_text8(root / "raw", data_fixtures.sample_text8(20000))
-  data_lib.load_corpus("text8", str(root / "data"), str(root / "raw"))
-  return str(root / "raw"), str(root / "data")
+  return data_fixtures.prepared_text8(tmp_path_factory.mktemp("text8"))
 
 
 def _fewer_devices(monkeypatch, count):
