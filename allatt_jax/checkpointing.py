@@ -111,9 +111,7 @@ class RunCheckpoints:
                         ", ".join(map(str, skipped)))
       return step, restored, skipped
     if not failures:
-      raise CheckpointError(
-          f"No checkpoint in {self.directory}. Train the run first, or point at a "
-          "workdir whose checkpoints/ folder holds a finished save.")
+      raise _no_checkpoint(self.directory)
     tried = "; ".join(f"step {s}: {reason}" for s, reason in failures)
     raise CheckpointError(
         f"No checkpoint in {self.directory} restores ({tried}). Restore those folders "
@@ -137,14 +135,6 @@ class RunCheckpoints:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"set aside {self.directory}")
     self.manager.reload()
-
-  def restore_items(self, step: int, **items):
-    """The named items of a checkpoint (orbax restore args by item name)."""
-    try:
-      return self.manager.restore(step, args=ocp.args.Composite(**items))
-    except (OSError, ValueError, KeyError) as e:
-      raise CheckpointError(
-          f"Checkpoint {self.directory / str(step)} is unreadable ({_reason(e)}).") from e
 
   def steps(self) -> list[int]:
     """The steps of the finished checkpoints, newest first."""
@@ -183,22 +173,22 @@ def _reason(error: Exception) -> str:
   return reason if type(error) is Exception else f"{type(error).__name__}: {reason}"
 
 
-def _finished_step(run: RunCheckpoints) -> int:
-  step = run.latest_step()
-  if step is None:
-    raise CheckpointError(
-        f"No checkpoint in {run.directory}. Train the run first, or point at a workdir "
-        "whose checkpoints/ folder holds a finished save.")
-  return step
+def _no_checkpoint(directory) -> CheckpointError:
+  return CheckpointError(
+      f"No checkpoint in {directory}. Train the run first, or point at a workdir "
+      "whose checkpoints/ folder holds a finished save.")
 
 
 def latest_finished_step(workdir) -> int:
   """The step of a run's latest complete checkpoint; CheckpointError if it has none."""
   run = RunCheckpoints(workdir, async_save=False, read_only=True)
   try:
-    return _finished_step(run)
+    step = run.latest_step()
   finally:
     run.close()
+  if step is None:
+    raise _no_checkpoint(run.directory)
+  return step
 
 
 def restore_variables(workdir, step: int | None = None) -> dict:
