@@ -12,7 +12,6 @@ the package (`--config=wt103_prune.py:lam=0.015` works from any folder).
 """
 import difflib
 import functools
-import importlib.util
 import os
 import pathlib
 import re
@@ -25,6 +24,7 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections import config_flags
 
+from allatt_jax import config_base
 from allatt_jax import console
 from allatt_jax import errors
 
@@ -73,10 +73,7 @@ def load_config(spec: str) -> config_dict.ConfigDict:
   path, has_arg, arg = spec.partition(":")
   file = find_config(path)
   try:
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    config = module.get_config(*([arg] if has_arg else []))
+    config = config_base.load(file, arg if has_arg else None)
   except Exception as e:  # pylint: disable=broad-except  (any error of the user's file)
     last_line = traceback.format_exception_only(e)[-1].strip().rstrip(".")
     raise errors.ConfigError(

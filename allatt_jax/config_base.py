@@ -190,7 +190,7 @@ def load(path, arg: str | None = None) -> ml_collections.ConfigDict:
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return module.get_config(*([] if arg is None else [arg]))
 
 
 def load_sibling(this_file: str, name: str, arg: str | None = None):
