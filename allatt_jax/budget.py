@@ -23,6 +23,20 @@ shrinks (below zero it pulls gates open). λ2 only grows, damping the oscillatio
 the pure Lagrangian. This is the controller of structured-pruning work after the
 paper (Wang et al. 2020, "Structured Pruning of Large Language Models"; Xia et al.
 2022, CoFi). The multipliers stop with the gates at `gates.freeze_step`.
+
+What the controller counts (`gates.budget_count`):
+
+  'deterministic'  (ours, the default) the heads the export will keep, 1[π open], in
+                   the forward pass, with the gradient of the expected count: the
+                   constraint is on the number that decides the model's size.
+  'expected'       the expected count alone (the controllers above). Gates that are
+                   still undecided at the freeze (open probabilities spread around
+                   1/2) can then meet the target in expectation and miss it in heads:
+                   measured at 50% sparsity, 15.85 expected, 12 kept of 16.
+
+Either way, at the freeze the run keeps exactly n* heads (`prune.keep_open_heads`:
+the heads ranked by logit where the gates disagree with the budget), so the gated
+model trains its last steps, and is exported, at the size asked for.
 """
 import dataclasses
 
@@ -43,6 +57,9 @@ def lambda_schedule(gates: ml_collections.ConfigDict) -> optax.Schedule:
   return optax.linear_schedule(0.0, gates.lam, gates.l0_warmup_steps)
 
 
+COUNTS = ("deterministic", "expected")
+
+
 def expected_open(gate: gates_lib.GateConfig, gates) -> jax.Array:
   """The expected number of heads open in the gated forward pass.
 
@@ -56,17 +73,37 @@ def expected_open(gate: gates_lib.GateConfig, gates) -> jax.Array:
   return sum(jnp.sum(prob(logits_H)) for logits_H in jax.tree.leaves(gates))
 
 
+def deterministic_open(gate: gates_lib.GateConfig, gates) -> jax.Array:
+  """The number of heads open by the deterministic rule (the export's)."""
+  return sum(jnp.sum(gates_lib.deterministic(logits_H, gate) > 0)
+             for logits_H in jax.tree.leaves(gates)).astype(jnp.float32)
+
+
+def controlled_open(gate: gates_lib.GateConfig, gates, count: str) -> jax.Array:
+  """The open-head count the controller steers (`count`: one of COUNTS).
+
+  'deterministic' is straight-through: its value is the deterministic count, its
+  gradient that of the expected count (the count itself has none).
+  """
+  expected = expected_open(gate, gates)
+  if count == "expected":
+    return expected
+  return expected + jax.lax.stop_gradient(deterministic_open(gate, gates) - expected)
+
+
 @dataclasses.dataclass(frozen=True)
 class Penalty:
   """The L0 term of the loss, resolved once at setup and handed to the train step.
 
   Without a budget: `lam(step)` (the fixed-λ schedule) times the L0 penalty. With one
-  (`target` set): the Lagrangian on `expected_open` of the variables' gates, its
+  (`target` set): the Lagrangian on `controlled_open` of the variables' gates, its
   target schedule already a constant of the run.
   """
   lam: optax.Schedule
   gate: gates_lib.GateConfig
   target: optax.Schedule | None = None   # t(step), only with a budget
+  allowed: int | None = None             # n*, the heads the budget allows
+  count: str = "deterministic"           # what t(step) is compared with (COUNTS)
 
   @property
   def controlled(self) -> bool:
@@ -81,7 +118,7 @@ class Penalty:
   def __call__(self, variables, l0, step) -> jax.Array:
     if not self.controlled:
       return self.lam(step) * l0
-    gap = expected_open(self.gate, variables["gates"]) - self.target(step)
+    gap = controlled_open(self.gate, variables["gates"], self.count) - self.target(step)
     multipliers = variables[COLLECTION]
     return multipliers["lambda_1"] * gap + multipliers["lambda_2"] * gap ** 2
 
@@ -92,4 +129,4 @@ class Penalty:
     return {"lambda": variables[COLLECTION]["lambda_1"],
             "lambda_2": variables[COLLECTION]["lambda_2"],
             "open_target": self.target(step),
-            "open_controlled": expected_open(self.gate, variables["gates"])}
+            "open_controlled": controlled_open(self.gate, variables["gates"], self.count)}

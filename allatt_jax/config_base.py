@@ -39,7 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict(dict(
       kind="allatt",               # 'allatt' or 'txl'
-      vocab_size=256,              # must equal the dataset's vocabulary size
+      vocab_size=0,                # 0: the dataset's; a set value must equal it
       num_layers=2,
       d_model=64,
       num_heads=4,
@@ -89,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
       target_params=ml_collections.FieldReference(None, field_type=int),
       target_macs=ml_collections.FieldReference(None, field_type=float),
       lagrangian_lr=1e-3,          # ascent rate of the controller's multipliers
+      # What the controller counts: 'deterministic' (ours): the heads the export keeps;
+      # 'expected': the expected open count (Wang et al. 2020; CoFi). Either way the
+      # freeze keeps exactly the budget's heads, ranked by logit (budget.py).
+      budget_count="deterministic",
   ))
 
   c.data = ml_collections.ConfigDict(dict(
@@ -141,6 +145,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))   # -1 fills the rest
   c.init_from = ""                 # baseline checkpoint dir that a pruning run starts from
   return c
+
+
+def pruning_gates(**overrides) -> ml_collections.ConfigDict:
+  """A pruning stage's whole `gates` section (enabled), for a pipeline or experiment
+  config: every gate key, the budget targets included, can then be set by flag."""
+  gates = base_config().gates
+  gates.update(dict(enabled=True, **overrides))
+  return gates
 
 
 def as_txl(c: ml_collections.ConfigDict, d_model: int) -> ml_collections.ConfigDict:

@@ -165,18 +165,15 @@ def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelCon
 
   Raises:
     ConfigError: no budget, more than one, or one out of range, or a run without
-      gates, or one that also sets a fixed λ.
+      gates.
   """
   key = target_key(config)
   if key is None:
     raise ConfigError(f"config.gates sets none of {TARGET_KEYS}.")
   gates = config.gates
   if not gates.enabled:
-    raise ConfigError(f"config.gates.{key} needs a pruning run: set gates.enabled=True.")
-  if gates.lam:
-    raise ConfigError(
-        f"config.gates.{key} replaces the fixed λ (the controller finds it), but "
-        f"config.gates.lam={gates.lam}; set gates.lam=0.")
+    raise ConfigError(f"config.gates.{key} needs a pruning run: set "
+                      "--config.gates.enabled=True (and --config.init_from=BASELINE).")
   value = gates[key]
   total = sum(cfg.layer_heads)
   if key == "target_sparsity":

@@ -1,10 +1,15 @@
 """Baseline → pruning → export → comparison, as one command (configs/demo.py).
 
-The config describes the baseline run; its `pipeline` section lists what the pruning
-run changes (`prune_train`, `prune_gates`). Each stage is an ordinary run in its own
-subfolder of the workdir, so a rerun resumes whatever was not finished. SIGTERM stops
-the pipeline at the next safe point (a training step, the end of a phase or a stage;
-see preemption.py) with exit status 143, and a rerun goes on from there.
+The config describes the baseline run; its `pipeline` section holds what the pruning
+run changes: `prune_train` (keys of the train section) and `prune_gates` (its whole
+gates section: a fixed λ, or a size through `target_sparsity`, `target_params` or
+`target_macs`). Each stage is an ordinary run in its own subfolder of the workdir, so
+a rerun resumes whatever was not finished and reuses what was: the baseline in
+`baseline/`, the pruning stage in `pruned/`, or, when `pruned/` (and every other
+`pruned-N/`) was trained with other pruning settings, in the first free `pruned-N/`.
+Nothing trained is overwritten or mixed. SIGTERM stops the pipeline at the next safe
+point (a training step, the end of a phase or a stage; see preemption.py) with exit
+status 143, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
@@ -14,20 +19,40 @@ from etils import epath
 import jax
 import ml_collections
 
+from allatt_jax import config_base
 from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import evaluation
 from allatt_jax import loader
+from allatt_jax import model as model_lib
 from allatt_jax import plots
 from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import train
+from allatt_jax import validation
+from allatt_jax.errors import ConfigError
+
+
+GATE_FLAGS = "--config.pipeline.prune_gates"
 
 
 def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
-  """(baseline config, pruning config) of a pipeline config."""
+  """(baseline config, pruning config) of a pipeline config.
+
+  Raises:
+    ConfigError: the config sets its own gates section, which the baseline does not
+      use; the message names the pipeline's flag for it.
+  """
+  changed = {k: v for k, v in config.gates.items()
+             if v != config_base.base_config().gates[k]}
+  if changed:
+    key, value = next(iter(changed.items()))
+    raise ConfigError(
+        f"config.gates.{key}={value}: in a pipeline config the baseline has no gates; "
+        f"the pruning stage's gates are config.pipeline.prune_gates. Use "
+        f"{GATE_FLAGS}.{key}={value} instead.")
   baseline = config.copy_and_resolve_references()
   with baseline.unlocked():
     del baseline["pipeline"]
@@ -38,9 +63,38 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
   return baseline, prune
 
 
+def pruning_stage_dir(workdir: epath.Path, prune_config: ml_collections.ConfigDict
+                      ) -> tuple[epath.Path, str]:
+  """Where the pruning stage runs: the stage folder trained with these settings, or
+  the first free one; and why, when it is not `pruned/` (else '')."""
+  numbered = sorted((d for d in workdir.glob("pruned-*") if d.name[7:].isdigit()),
+                    key=lambda d: int(d.name[7:]))
+  taken = {}
+  for folder in [workdir / "pruned", *numbered]:
+    if (folder / rundir.CONFIG_FILE).is_file():
+      differences = validation.setting_differences(rundir.load_config(folder),
+                                                   prune_config)
+      if not differences:
+        return folder, ""
+      taken[folder.name] = differences
+  if not taken:
+    return workdir / "pruned", ""
+  free = next(workdir / name for name in ("pruned", *(f"pruned-{i}" for i in
+                                                      range(2, len(taken) + 3)))
+              if name not in taken)
+  first, differences = next(iter(taken.items()))
+  return free, (f"{workdir / first} holds a pruning stage with other settings "
+                f"({'; '.join(differences)}), kept as it is")
+
+
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
   baseline_config, prune_config = stage_configs(config, workdir)
+  # Completed here, as each stage will save it, so that the pruning stage's folder is
+  # chosen by the settings it will really train with.
+  baseline_config, corpus = run_setup.prepare(baseline_config)
+  prune_config = run_setup.complete(prune_config, corpus)
+  pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: SIGTERM between stages stops it there too.
   with preemption.PreemptionWatch() as watch:
@@ -53,11 +107,14 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
     watch.stop_if_asked(f"the baseline stage (in {workdir / 'baseline'})",
                         "go on with the pruning stage")
     if is_main:
+      if why:
+        print(f"{why}; this one goes to {pruned_dir}.", flush=True)
       console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline "
-                     f"with L0 gates (λ={prune_config.gates.lam}, frozen at step "
-                     f"{prune_config.gates.freeze_step}) in {workdir / 'pruned'}")
-    pruned = train.train_and_evaluate(prune_config, workdir / "pruned", watch=watch)
-    watch.stop_if_asked(f"the pruning stage (in {workdir / 'pruned'})",
+                     f"with L0 gates ({_pruning_goal(prune_config)}, frozen at "
+                     f"step {prune_config.gates.freeze_step}) in {pruned_dir}")
+    pruned = train.train_and_evaluate(prune_config, pruned_dir, watch=watch,
+                                      gate_flags=GATE_FLAGS)
+    watch.stop_if_asked(f"the pruning stage (in {pruned_dir})",
                         "go on with the speed comparison and the report")
 
     if is_main:
@@ -71,13 +128,27 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
                         "measure it again and write the report")
     # The last safe point is behind: a SIGTERM now lets the report (a second's work)
     # finish, and the command ends with everything done.
-    report = _report(config, baseline, pruned, baseline_model, pruned_model, speed)
+    report = _report(baseline_config, prune_config, pruned_dir, baseline, pruned,
+                     baseline_model, pruned_model, speed)
     if is_main:
       console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
       rundir.write_json(workdir / "report.json", report)
-      plots.gate_figure(workdir / "pruned", workdir / "gates.png")
+      plots.gate_figure(pruned_dir, workdir / "gates.png")
       print(summary_table(report))
+      for warning in report["warnings"]:
+        print(f"warning: {warning}", flush=True)
   return report
+
+
+def _pruning_goal(prune_config: ml_collections.ConfigDict) -> str:
+  """'λ=0.05', or the budget: 'target_sparsity=0.5: 16 of 32 heads'."""
+  key = cost_model.target_key(prune_config)
+  if key is None:
+    return f"λ={prune_config.gates.lam}"
+  cfg = model_lib.ModelConfig.from_config(prune_config)
+  return (f"{key}={prune_config.gates[key]:g}: "
+          f"{cost_model.target_open_heads(prune_config, cfg)} of "
+          f"{sum(cfg.layer_heads)} heads")
 
 
 def _measure_speed(config, num_batches, baseline_model, pruned_model,
@@ -102,27 +173,33 @@ def _measure_speed(config, num_batches, baseline_model, pruned_model,
   return speeds
 
 
-def _report(config, baseline, pruned, baseline_model, pruned_model, speed) -> dict:
-  t = config.eval
+def _report(baseline_config, prune_config, pruned_dir, baseline, pruned, baseline_model,
+            pruned_model, speed) -> dict:
+  t = baseline_config.eval
   cost = {name: {**cost_model.param_counts(lm.cfg),
                  **cost_model.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
   full_heads = sum(baseline_model[0].cfg.layer_heads)
   pruned_heads = list(pruned_model[0].cfg.layer_heads)
+  key = cost_model.target_key(prune_config)
   return {
-      "dataset": config.data.name,
+      "dataset": baseline_config.data.name,
       "metric": baseline["metric"],
       "baseline": {
           "valid": baseline["valid"], "test": baseline["test"],
           "params_non_embedding": cost["baseline"]["params_non_embedding"],
           "heads_per_layer": list(baseline_model[0].cfg.layer_heads)},
       "pruned": {
+          "directory": str(pruned_dir),
           "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
           "gated_valid": pruned["valid"], "gated_test": pruned["test"],
           "params_non_embedding": cost["pruned"]["params_non_embedding"],
           "heads_per_layer": pruned_heads,
           "sparsity": 1.0 - sum(pruned_heads) / full_heads,
-          "lambda": config.pipeline.prune_gates.lam},
+          # A fixed λ, or the budget asked for and what it decided at the freeze.
+          "lambda": None if key else prune_config.gates.lam,
+          "budget": ({"key": key, "value": prune_config.gates[key],
+                      **(pruned["export"].get("budget") or {})} if key else None)},
       "speed": {
           **speed,
           "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
@@ -130,6 +207,7 @@ def _report(config, baseline, pruned, baseline_model, pruned_model, speed) -> di
                          / cost["baseline"]["macs_per_token"]),
           "macs_ratio_non_embedding": (cost["pruned"]["macs_per_token_non_embedding"]
                                        / cost["baseline"]["macs_per_token_non_embedding"])},
+      "warnings": pruned["export"].get("warnings", []),
   }
 
 

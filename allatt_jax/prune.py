@@ -80,6 +80,51 @@ def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]
   """
   return tuple(np.flatnonzero(g_H > 0) for g_H in _gate_values(cfg, gates))
 
+def keep_open_heads(cfg: model_lib.ModelConfig, gates,
+                    num_open: int) -> tuple[dict, dict]:
+  """The gates with exactly `num_open` heads open by the deterministic rule.
+
+  A budget allows n* heads; the gates, frozen wherever training left them, may keep
+  more or fewer. The heads are then ranked by their logit, over all layers, and the
+  top `num_open` are the survivors; among equal logits the lower layer, then the lower
+  head index, ranks first. A survivor the deterministic rule closed gets a logit that
+  opens it for certain, a head outside the top that the rule kept one that closes it
+  for certain; every other logit is left as it is. Where the rule already keeps
+  `num_open` heads nothing changes, so applying this twice changes nothing more.
+
+  Args:
+    cfg: the gated model's config.
+    gates: its `gates` collection ({'layer_i': {'attention': {'logits': (H_i,)}}}).
+    num_open: n*, 0 .. the model's head count.
+
+  Returns:
+    (the new gates collection as numpy arrays, the decision: 'allowed', 'by_gates'
+    (the heads the deterministic rule kept), 'changed' (head decisions the budget
+    reversed) and the reversed heads as [layer, head] pairs in 'opened' and 'closed').
+  """
+  values = _gate_values(cfg, gates)
+  logits = {i: np.array(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
+            for i, heads in enumerate(cfg.layer_heads) if heads}
+  heads = [(i, h) for i in logits for h in range(len(logits[i]))]
+  if not 0 <= num_open <= len(heads):
+    raise errors.ConfigError(f"A budget of {num_open} open heads does not fit a model "
+                             f"of {len(heads)} heads.")
+  ranked = sorted(heads, key=lambda ih: (-logits[ih[0]][ih[1]], ih[0], ih[1]))
+  survivors = set(ranked[:num_open])
+  opened = [ih for ih in heads if ih in survivors and values[ih[0]][ih[1]] <= 0]
+  closed = [ih for ih in heads if ih not in survivors and values[ih[0]][ih[1]] > 0]
+  for i, h in opened:
+    logits[i][h] = _CERTAIN_LOGIT
+  for i, h in closed:
+    logits[i][h] = -_CERTAIN_LOGIT
+  new_gates = {f"layer_{i}": {"attention": {"logits": logits_H}}
+               for i, logits_H in logits.items()}
+  decision = {"allowed": num_open, "by_gates": num_open - len(opened) + len(closed),
+              "changed": len(opened) + len(closed),
+              "opened": [list(ih) for ih in opened], "closed": [list(ih) for ih in closed]}
+  return new_gates, decision
+
+
 def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
   """`cfg`, or for a gated model the ungated one of its open heads (its export's)."""
   if not cfg.gated:

@@ -4,15 +4,19 @@
 L0 term, train-step constants, state shapes and evaluator; everything below
 (`steps`, `evaluate`, `validation`'s state checks, export) receives these objects.
 It checks the config first (`validation.check_config`), so a bad config fails before
-anything is traced, and it reads no data: the corpus is loaded by the run itself.
+anything is traced, and it reads no data. A run first calls `prepare`: the config's
+checks, then its dataset, then the config completed from it (`model.vocab_size` 0
+means the dataset's), which is what the run resolves and saves.
 """
 import dataclasses
 import functools
 from typing import Any
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from allatt_jax import budget
@@ -88,26 +92,82 @@ def penalty_from_config(config: ml_collections.ConfigDict,
   lam = budget.lambda_schedule(config.gates)
   if cost_model.target_key(config) is None:
     return budget.Penalty(lam, cfg.gate)
-  end = float(cost_model.target_open_heads(config, cfg))
+  allowed = cost_model.target_open_heads(config, cfg)
+  count = config.gates.budget_count
+  controlled = functools.partial(budget.Penalty, lam, cfg.gate, allowed=allowed,
+                                 count=count)
   if not config.gates.l0_warmup_steps:
-    return budget.Penalty(lam, cfg.gate, optax.constant_schedule(end))
-  start = float(budget.expected_open(cfg.gate, [jnp.full((h,), cfg.gate.init)
-                                                for h in cfg.layer_heads]))
-  return budget.Penalty(lam, cfg.gate,
-                        optax.linear_schedule(start, end, config.gates.l0_warmup_steps))
+    return controlled(optax.constant_schedule(float(allowed)))
+  start = float(budget.controlled_open(
+      cfg.gate, [jnp.full((h,), cfg.gate.init) for h in cfg.layer_heads if h], count))
+  return controlled(optax.linear_schedule(start, float(allowed),
+                                          config.gates.l0_warmup_steps))
+
+
+def prepare(config: ml_collections.ConfigDict
+            ) -> tuple[ml_collections.ConfigDict, data_lib.Corpus]:
+  """(the config completed from its dataset (`complete`), the dataset).
+
+  The config's own checks come first, so a bad config fails before any dataset is
+  read or prepared.
+
+  Raises:
+    ConfigError: as `validation.check_config`, or a `model.vocab_size` that is not
+      the dataset's.
+    DataError: the dataset cannot be loaded.
+  """
+  validation.check_config(config, model_lib.ModelConfig.from_config(config),
+                          vocab_from_data=True)
+  corpus = load_corpus(config)
+  return complete(config, corpus), corpus
 
 
 def load_corpus(config: ml_collections.ConfigDict) -> data_lib.Corpus:
   """The run's dataset, checked against the model's vocabulary size.
 
+  Warns when a word-level train split never holds <unk> while valid or test do: the
+  model then scores those tokens with an embedding it never trained.
+
   Raises:
-    ConfigError: `model.vocab_size` is not the dataset's.
+    ConfigError: `model.vocab_size` is set and is not the dataset's.
     DataError: the dataset cannot be loaded.
   """
   corpus = data_lib.load_run_corpus(config)
-  if corpus.vocab_size != config.model.vocab_size:
+  if config.model.vocab_size and corpus.vocab_size != config.model.vocab_size:
     raise ConfigError(
         f"config.model.vocab_size is {config.model.vocab_size} but dataset "
         f"{config.data.name!r} has {corpus.vocab_size} types; set "
-        f"--config.model.vocab_size={corpus.vocab_size}.")
+        f"--config.model.vocab_size={corpus.vocab_size}, or 0 to take it from the "
+        "dataset.")
+  _warn_if_unk_untrained(corpus)
   return corpus
+
+
+def complete(config: ml_collections.ConfigDict,
+             corpus: data_lib.Corpus) -> ml_collections.ConfigDict:
+  """The config with what it leaves to the run filled in, as the run will save it.
+
+  `model.vocab_size` 0 (or None) becomes the dataset's; with a budget
+  (`gates.target_*`) the controller finds the L0 weight, so a fixed `gates.lam` the
+  config carries is set to 0 rather than saved as if it had been used.
+  """
+  completed = config.copy_and_resolve_references()
+  if not completed.model.vocab_size:
+    completed.model.vocab_size = corpus.vocab_size
+  if cost_model.target_key(completed) is not None and completed.gates.lam:
+    completed.gates.lam = 0.0
+  return completed
+
+
+def _warn_if_unk_untrained(corpus: data_lib.Corpus) -> None:
+  if corpus.level != "word" or data_lib.UNK not in corpus.vocab:
+    return
+  unk = corpus.vocab.index(data_lib.UNK)
+  counts = {split: int(np.count_nonzero(ids == unk)) for split, ids in corpus.splits.items()}
+  if counts["train"] or not (counts["valid"] or counts["test"]):
+    return
+  logging.warning(
+      "Dataset %r: <unk> never occurs in the train split but %d times in valid and %d "
+      "in test; the model scores them with an embedding it never trained. Set "
+      "--config.data.min_count=2 (train words seen once become <unk>) or "
+      "--config.data.max_vocab to train it.", corpus.name, counts["valid"], counts["test"])

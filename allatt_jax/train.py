@@ -20,6 +20,7 @@ import tqdm
 
 from allatt_jax import checkpointing
 from allatt_jax import console
+from allatt_jax import cost_model
 from allatt_jax import data as data_lib
 from allatt_jax import evaluation
 from allatt_jax import export
@@ -38,6 +39,7 @@ from allatt_jax.errors import TrainingError
 # Train metrics that only mean something with gates; a baseline run does not log them.
 GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
 PHASES_FILE = "finished_phases.json"
+BUDGET_FILE = "budget_decision.json"    # budget runs: the heads decided at the freeze
 
 
 def start(config: ml_collections.ConfigDict, workdir
@@ -95,8 +97,12 @@ def _new_state(setup: run_setup.RunSetup):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        deadline: float | None = None,
-                       watch: preemption.PreemptionWatch | None = None) -> dict:
+                       watch: preemption.PreemptionWatch | None = None,
+                       gate_flags: str = "--config.gates") -> dict:
   """Trains (or resumes) the run in `workdir`; returns the final metrics.
+
+  `gate_flags`: how the caller's command line names the gates section, for advice
+  (a pipeline's pruning stage is set under --config.pipeline.prune_gates).
 
   On SIGTERM (`watch`: the calling command's, else the run's own) the run stops at
   the next safe point with Preempted: after the current step, with its checkpoint, or
@@ -107,9 +113,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
   with preemption.watching(watch) as watch:
+    config, corpus = run_setup.prepare(config)
     setup, checkpoints = start(config, workdir)
     try:
-      return _train_and_evaluate(setup, workdir, checkpoints, deadline, watch)
+      return _train_and_evaluate(setup, workdir, checkpoints, corpus, deadline, watch,
+                                 gate_flags)
     finally:
       # Whatever stopped the run, the save in flight completes (or never counts).
       checkpoints.wait()
@@ -118,10 +126,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
-                        deadline: float | None,
-                        watch: preemption.PreemptionWatch) -> dict:
+                        corpus: data_lib.Corpus, deadline: float | None,
+                        watch: preemption.PreemptionWatch, gate_flags: str) -> dict:
   config = setup.config
-  corpus = run_setup.load_corpus(config)
   latest = checkpoints.latest_step()
   vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
   validation.check_vocabulary(vocabulary, workdir, validation.init_source(config),
@@ -164,8 +171,12 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   # so checking them for NaN/inf adds no host sync of its own.
   shape = (train_cfg.batch_size, train_cfg.seq_len)
   pending, interval_start = [], time.perf_counter()
+  budgeted = setup.penalty.allowed is not None
+  freeze_step = config.gates.freeze_step
   try:
     for step in range(int(state.step), train_cfg.num_steps):
+      if budgeted and step == freeze_step:
+        state = _keep_budgeted_heads(setup, workdir, state, step)
       inputs, targets = (data_lib.to_global_array(a, batch, shape) for a in next(stream))
       sample = gated and step < config.gates.freeze_step
       with sharding.activate(setup.mesh):
@@ -224,6 +235,11 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
     progress.close()
     writer.flush()
 
+  if budgeted and freeze_step == train_cfg.num_steps:
+    # Gates that freeze with the last step: the decision is made on the final state
+    # (idempotent, so a rerun of a finished run changes nothing).
+    state = _keep_budgeted_heads(setup, workdir, state, freeze_step)
+
   # --- Phases after training, each skipped if a run before this one finished it.
   watch.stop_if_asked(f"training (checkpoint of step {train_cfg.num_steps} in "
                       f"{checkpoints.directory})", "run the final evaluation")
@@ -241,7 +257,8 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
                       next_phase)
   if gated:
     if "export" not in phases:
-      phases["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables)
+      phases["export"] = _export_and_evaluate(workdir, setup, corpus, state.variables,
+                                              gate_flags)
       _save_phases(workdir, phases)
     watch.stop_if_asked(f"the export to {phases['export']['directory']}",
                         "write results.json")
@@ -251,6 +268,45 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   if is_main:
     rundir.write_json(workdir / "results.json", results)
   return results
+
+
+def _keep_budgeted_heads(setup: run_setup.RunSetup, workdir, state, step: int):
+  """The state with exactly the budget's n* heads open (`prune.keep_open_heads`),
+  the decision recorded in BUDGET_FILE and on the console.
+
+  Made when the gates freeze, so the last steps train the model at its final size.
+  """
+  gates = state.variables["gates"]
+  if jax.process_count() > 1:
+    host_gates = multihost_utils.process_allgather(gates, tiled=True)
+  else:
+    host_gates = jax.device_get(gates)
+  new_gates, decision = prune.keep_open_heads(setup.lm.cfg, host_gates,
+                                              setup.penalty.allowed)
+  path = workdir / BUDGET_FILE
+  if decision["changed"] or not path.is_file():
+    if jax.process_index() == 0:
+      rundir.write_json(path, {"step": step, **decision})
+      print(_budget_line(decision, sum(setup.lm.cfg.layer_heads)), flush=True)
+  if not decision["changed"]:
+    return state
+  new_gates = jax.device_put(new_gates, setup.state_sharding.variables["gates"])
+  return state.replace(variables={**state.variables, "gates": new_gates})
+
+
+def _budget_line(decision: dict, num_heads: int) -> str:
+  line = (f"budget: the gates keep {decision['by_gates']} of {num_heads} heads at the "
+          f"freeze, the budget allows {decision['allowed']}")
+  if not decision["changed"]:
+    return line + ": kept as they are"
+  return line + (f": {decision['changed']} head decision(s) changed by logit rank "
+                 f"(opened {len(decision['opened'])}, closed {len(decision['closed'])})")
+
+
+def budget_decision(workdir) -> dict | None:
+  """What the budget decided at the freeze (`_keep_budgeted_heads`), or None."""
+  path = rundir.run_path(workdir) / BUDGET_FILE
+  return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _phases_key(config: ml_collections.ConfigDict) -> dict:
@@ -273,9 +329,10 @@ def _save_phases(workdir, phases: dict) -> None:
 
 
 def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Corpus,
-                         variables) -> dict:
+                         variables, gate_flags: str) -> dict:
   """Removes the closed heads of the final state, saves the smaller model once and
-  scores its parameters, as they are in memory, on valid and test."""
+  scores its parameters, as they are in memory, on valid and test; says so when
+  pruning removed nothing or the gates alone ended far from the budget."""
   if jax.process_count() > 1:
     host_variables = multihost_utils.process_allgather(variables, tiled=True)
   else:
@@ -294,9 +351,38 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
   results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(lm.cfg.layer_heads)
   results["directory"] = str(export_dir)
+  results["budget"] = budget_decision(workdir) if setup.penalty.allowed is not None else None
+  results["warnings"] = _pruning_warnings(setup, sum(pruned_cfg.layer_heads),
+                                          results["budget"], gate_flags)
   if is_main:
     print(_results_line("exported model", results, corpus.metric), flush=True)
+    for warning in results["warnings"]:
+      print(f"warning: {warning}", flush=True)
   return results
+
+
+def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | None,
+                      gate_flags: str) -> list[str]:
+  """What a user should know about a pruning run's outcome, with the flag to turn."""
+  total = sum(setup.lm.cfg.layer_heads)
+  gates = setup.config.gates
+  if decision is None:
+    if kept < total:
+      return []
+    return [f"pruning removed no head of {total} (λ={gates.lam}). Ask for a size with "
+            f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
+            f"raise {gate_flags}.lam."]
+  if decision["allowed"] == total:
+    key = cost_model.target_key(setup.config)
+    return [f"the budget {gate_flags}.{key}={gates[key]} allows all {total} heads, so "
+            "pruning removed none; ask for a smaller size."]
+  if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
+    return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
+            f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
+            "heads by logit rank. To let the gates decide, give them more steps before "
+            f"the freeze: {gate_flags}.freeze_step (now {gates.freeze_step}), or a "
+            f"larger {gate_flags}.lagrangian_lr (now {gates.lagrangian_lr})."]
+  return []
 
 
 def _layer_gates(gates, num_layers):

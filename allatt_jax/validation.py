@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from allatt_jax import attention
+from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
@@ -33,7 +34,7 @@ FROM_SCRATCH = "none"
 
 # Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
 _MINIMUM = {
-    "model.vocab_size": 1, "model.num_layers": 1, "model.d_model": 1,
+    "model.vocab_size": 0, "model.num_layers": 1, "model.d_model": 1,
     "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
     "model.max_relative_len": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
@@ -53,17 +54,27 @@ _WHY_NOT_NEGATIVE = {
     "gates.learning_rate": "a negative learning rate climbs the loss",
 }
 _PARAMS_PREFIX = "variables/params/"
+# What a resumed or reused run may change without changing the model it trains: how
+# long it runs (more steps), when it logs, evaluates and saves, how it is evaluated,
+# where its data and devices are, and two ways of computing the same attention.
+RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
+             "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
+             "model.remat")
 
 
-def check_config(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig) -> None:
+def check_config(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig, *,
+                 vocab_from_data: bool = False) -> None:
   """The checks of the config alone (`cfg`: its model, read but not yet traced).
+
+  `vocab_from_data`: the caller loads the dataset next and takes an unset
+  `model.vocab_size` from it (`run_setup.prepare`).
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.
   """
   _check_ranges(config)
   _check_names(config)
-  _check_model(config)
+  _check_model(config, vocab_from_data)
   _check_lengths(config, cfg)
   _check_mesh(config)
 
@@ -78,8 +89,47 @@ def check_start(config: ml_collections.ConfigDict,
   """
   state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   _check_resume(config, checkpoints, state_shapes)
+  if checkpoints.steps():
+    check_same_settings(config, checkpoints.directory.parent)
   if init_source(config):
     _check_init_from(config, state_shapes)
+
+
+def check_same_settings(config: ml_collections.ConfigDict, workdir) -> None:
+  """Raises ConfigError when the run trained in `workdir` had other settings than
+  `config` in anything a resumed (or reused) run may not change (`RESUMABLE`).
+
+  Resuming would train a mix of both, and the saved config.json would then describe
+  a model it did not train; a workdir without config.json has nothing to compare.
+  """
+  workdir = rundir.run_path(workdir)
+  if not (workdir / rundir.CONFIG_FILE).is_file():
+    return
+  changed = setting_differences(rundir.load_config(workdir), config)
+  if changed:
+    raise ConfigError(
+        f"--workdir {workdir} holds a run trained with other settings ({'; '.join(changed)});"
+        " continuing it would mix the two. Rerun with its settings, or train these in a "
+        "new --workdir.")
+
+
+def setting_differences(saved: ml_collections.ConfigDict,
+                        config: ml_collections.ConfigDict) -> list[str]:
+  """'key: saved -> now' for each setting that differs outside RESUMABLE; a key the
+  saved config predates is not compared."""
+  old, new = _leaves(saved), _leaves(config)
+  resumable = lambda key: any(key == k or key.startswith(k.rstrip("*"))
+                              for k in RESUMABLE)
+  return [f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(old)
+          if old[k] != new.get(k) and not resumable(k)]
+
+
+def _leaves(config: ml_collections.ConfigDict) -> dict:
+  leaves = {}
+  for name, section in json.loads(config.to_json_best_effort()).items():
+    leaves.update({f"{name}.{k}": v for k, v in section.items()}
+                  if isinstance(section, dict) else {name: section})
+  return leaves
 
 
 def init_source(config: ml_collections.ConfigDict) -> str:
@@ -128,7 +178,8 @@ def _check_names(config):
   for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
                        ("model.rel_pos", REL_POS),
                        ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
-                       ("train.optimizer", optim.OPTIMIZERS)):
+                       ("train.optimizer", optim.OPTIMIZERS),
+                       ("gates.budget_count", budget.COUNTS)):
     if _value(config, key) not in choices:
       raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
                         f"{', '.join(map(repr, choices))}.")
@@ -142,8 +193,13 @@ def _check_names(config):
                       "use 'float32', or 'bfloat16' on accelerators.")
 
 
-def _check_model(config):
+def _check_model(config, vocab_from_data: bool):
   m = config.model
+  if not m.vocab_size and not vocab_from_data:
+    raise ConfigError(
+        "config.model.vocab_size is unset, which means 'the dataset's', and this "
+        "command reads no dataset. Set --config.model.vocab_size=V (python -m "
+        "allatt_jax.data --dataset=NAME prints V).")
   if m.d_model % m.num_heads:
     divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0]
     raise ConfigError(
@@ -331,12 +387,8 @@ def _config_differences(saved: ml_collections.ConfigDict, config: ml_collections
                         sections=None, limit: int = 8) -> str:
   """'key: old -> new' for every leaf that differs (in `sections`, or everywhere)."""
   def flat(c):
-    leaves = {}
-    for name, section in json.loads(c.to_json_best_effort()).items():
-      if sections is None or name in sections:
-        leaves.update({f"{name}.{k}": v for k, v in section.items()}
-                      if isinstance(section, dict) else {name: section})
-    return leaves
+    return {k: v for k, v in _leaves(c).items()
+            if sections is None or k.split(".")[0] in sections}
   old, new = flat(saved), flat(config)
   lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
            if old.get(k) != new.get(k)]

@@ -4,6 +4,7 @@ Runs on a laptop CPU in minutes with no download: a character-level All-att base
 on `wikitext_chars` (WikiText-2 raw text cleaned text8-style, shipped in the
 package), then a pruning run from it with the paper's three techniques, the export
 of the pruned model, and a report comparing both (bpc, parameters, tokens/s).
+`model.vocab_size` is 0: taken from the dataset, so other data needs no other value.
 
   python -m allatt_jax.main --config=configs/demo.py --workdir=/tmp/allatt_demo
 
@@ -18,7 +19,7 @@ def get_config(arg=None):
   args = config_base.parse_arg(arg, tiny=False)
   c = config_base.base_config()
   c.data.name = "wikitext_chars"
-  c.model.update(dict(kind="allatt", vocab_size=27, num_layers=4, d_model=128, num_heads=8,
+  c.model.update(dict(kind="allatt", vocab_size=0, num_layers=4, d_model=128, num_heads=8,
                       num_persistent=64, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0))
   c.train.update(dict(batch_size=16, seq_len=32, mem_len=32, num_steps=2500,
                       learning_rate=3e-3, final_learning_rate=1e-4, warmup_steps=100,
@@ -26,12 +27,15 @@ def get_config(arg=None):
   c.eval.update(dict(batch_size=16, seq_len=32, mem_len=32, every_steps=0))
   c.checkpoint.update(dict(every_steps=1000, keep=2))
 
-  # The pruning stage: these sections replace the baseline's for the second run, with
-  # the paper's shape shortened (gates trained for the first 2/3, then frozen; lower
-  # learning rate; the gates at 10x it, as in the official code).
+  # The pruning stage: `prune_train` changes the baseline's train section for the
+  # second run, `prune_gates` is its gates section, with the paper's shape shortened
+  # (gates trained for the first 2/3, then frozen; lower learning rate; the gates at
+  # 10x it, as in the official code). λ = 0.05 by default; a size instead:
+  # --config.pipeline.prune_gates.target_sparsity=0.5 (or target_params, target_macs).
   c.pipeline = ml_collections.ConfigDict(dict(
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
-      prune_gates=dict(enabled=True, lam=0.05, l0_warmup_steps=200, freeze_step=1000),
+      prune_gates=config_base.pruning_gates(lam=0.05, l0_warmup_steps=200,
+                                            freeze_step=1000),
       speed_batches=100,
   ))
   if args.tiny:

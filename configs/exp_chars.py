@@ -36,8 +36,8 @@ def get_config(arg=None):
       # the paper's shape (gates trained for the first 2/3, then frozen; lower
       # learning rate), shortened; the gates at 10x the learning rate (official code).
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
-      prune_gates=dict(enabled=True, init=2.0, l0_warmup_steps=200, freeze_step=1000,
-                       lagrangian_lr=1e-3),
+      prune_gates=config_base.pruning_gates(init=2.0, l0_warmup_steps=200,
+                                            freeze_step=1000, lagrangian_lr=1e-3),
       lambdas=(0.01, 0.02, 0.04, 0.08),
       seeds=(0, 1),                    # pruning / fine-tuning seeds (one baseline)
       ablation_lambda=0.04,
@@ -50,8 +50,9 @@ def get_config(arg=None):
       michel_step_fraction=0.1,
       # (budget key, value): a sparsity, or params / MACs as a fraction of the baseline's.
       budgets=(("target_sparsity", 0.25), ("target_sparsity", 0.5),
-               ("target_params", 0.6), ("target_macs", 0.6)),
+               ("target_sparsity", 0.75), ("target_params", 0.6), ("target_macs", 0.6)),
       budget_seeds=(0,),
+      budget_reference_lambdas=(0.04, 0.08, 0.16),   # fixed-λ runs the budgets meet
   ))
   if args.tiny:
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))
@@ -67,5 +68,5 @@ def get_config(arg=None):
                               lagrangian_lr=0.01))
     e.update(dict(lambdas=(0.2,), seeds=(0,), ablation_lambda=0.2, txl_widths=(16,),
                   heuristic_lambdas=(0.2,), random_seeds=(0,), importance_batches=2,
-                  budgets=(("target_sparsity", 0.5),)))
+                  budgets=(("target_sparsity", 0.5),), budget_reference_lambdas=(0.2,)))
   return c

@@ -73,7 +73,7 @@ def get_config(arg=None):
   # allatt_jax/experiments/runs.py); gates train at the base config's learning rate.
   c.experiments = ml_collections.ConfigDict(dict(
       prune_train=dict(num_steps=2000, learning_rate=1e-3, warmup_steps=100),
-      prune_gates=dict(enabled=True, init=2.0, l0_warmup_steps=200, freeze_step=1000),
+      prune_gates=config_base.pruning_gates(init=2.0, l0_warmup_steps=200, freeze_step=1000),
       # The paper's WikiText-103 λ are 0.01-0.02; short gate phases need more (at CPU
       # scale 2-4x), hence 0.04 too.
       lambdas=(0.01, 0.02, 0.04),

@@ -12,6 +12,7 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import cost_model
 from allatt_jax import model as model_lib
+from allatt_jax import run_setup
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
@@ -146,13 +147,23 @@ def test_budgets_convert_to_the_most_heads_that_fit():
 @pytest.mark.parametrize("gates, match", [
     (dict(target_sparsity=0.5, target_params=10), "at most one"),
     (dict(target_sparsity=1.5), r"\[0, 1\]"),
-    (dict(target_sparsity=0.5, lam=0.1), "lam=0"),
     (dict(target_macs=-3.0), "positive"),
 ])
 def test_budget_config_errors(gates, match):
   with pytest.raises(ConfigError, match=match):
     config = budget_config(**gates)
     cost_model.target_open_heads(config, model_lib.ModelConfig.from_config(config))
+
+
+def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
+  config = budget_config(target_sparsity=0.5, lam=0.1, l0_warmup_steps=0)
+  corpus = run_setup.load_corpus(config)
+  completed = run_setup.complete(config, corpus)
+  assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
+  assert config.gates.lam == 0.1                  # the caller's config is left alone
+  penalty = run_setup.penalty_from_config(completed, model_lib.ModelConfig.from_config(
+      completed))
+  assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +196,13 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert np.isfinite(record.test) and record.params_non_embedding > 0
 
 
-def test_budget_run_reaches_its_target_within_one_head(experiment):
-  [record] = suites.budget(experiment).records
+def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
+  record, reference = suites.budget(experiment).records
   assert record.extra["target_heads"] == 4
-  assert abs(record.heads - 4) <= 1, record.heads_per_layer
+  assert record.heads == 4, record.heads_per_layer
+  # What the rank rule changed is what separates the gates' own count from it.
+  assert record.extra["changed"] >= abs(record.extra["by_gates"] - 4)
+  assert reference.kind == "l0" and reference.extra["lam"] == 0.2
 
 
 def test_finished_runs_are_reused(experiment):

@@ -7,6 +7,7 @@ from allatt_jax.data.specs import DATASETS
 from allatt_jax.data.stream import eval_batches
 from allatt_jax.data.stream import SegmentStream
 from allatt_jax.data.stream import to_global_array
+from allatt_jax.data.tokenization import UNK
 
-__all__ = ['DATASETS', 'Corpus', 'SegmentStream', 'check_data_config',
+__all__ = ['DATASETS', 'UNK', 'Corpus', 'SegmentStream', 'check_data_config',
            'eval_batches', 'load_corpus', 'load_run_corpus', 'to_global_array']

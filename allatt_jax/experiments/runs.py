@@ -43,6 +43,7 @@ from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
+from allatt_jax import validation
 from allatt_jax.errors import Preempted
 from allatt_jax.experiments import heuristics
 
@@ -91,9 +92,12 @@ class Experiment:
     self.watch = watch           # the command's: SIGTERM stops it between runs too
     self.settings = config.experiments
     self.workdir = pathlib.Path(workdir)
-    self.base = config.copy_and_resolve_references()
-    with self.base.unlocked():
-      del self.base["experiments"]
+    base = config.copy_and_resolve_references()
+    with base.unlocked():
+      del base["experiments"]
+    # Completed from the dataset once (model.vocab_size), as every run saves it, so a
+    # finished run's config.json compares like with like.
+    self.base, _ = run_setup.prepare(base)
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs.
@@ -146,8 +150,11 @@ class Experiment:
     config = self._l0_config(seed, lam=0.0, **{key: value})
     record = self._run(f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}",
                        "budget", config)
+    decision = json.loads((self.run_dir(record.name) / RESULTS_FILE).read_text()
+                          )["export"].get("budget") or {}
     record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
-                        target_heads=cost_model.target_open_heads(config, self.base_model))
+                        target_heads=cost_model.target_open_heads(config, self.base_model),
+                        by_gates=decision.get("by_gates"), changed=decision.get("changed"))
     return record
 
   def heuristic(self, method: str, num_remove: int, seed: int = 0) -> tuple[Record, Record]:
@@ -173,7 +180,10 @@ class Experiment:
   def _run(self, name: str, kind: str, config: ml_collections.ConfigDict) -> Record:
     workdir = self.run_dir(name)
     results = None
-    if not (workdir / RESULTS_FILE).is_file():
+    if (workdir / RESULTS_FILE).is_file():
+      # A finished run is reused only for the settings it was trained with.
+      validation.check_same_settings(config, workdir)
+    else:
       if self.deadline is not None and time.monotonic() >= self.deadline:
         raise Preempted(f"Time box reached before run {name} started. Rerun the same "
                         "command to continue.")
@@ -183,7 +193,8 @@ class Experiment:
       start = time.perf_counter()
       try:
         # What it wrote to RESULTS_FILE (which other processes may not see yet).
-        results = train.train_and_evaluate(config, workdir, self.deadline, self.watch)
+        results = train.train_and_evaluate(config, workdir, self.deadline, self.watch,
+                                           gate_flags="--config.experiments.prune_gates")
       finally:   # the run's wall time, summed over the slices that made it
         if workdir.is_dir():
           spent = _read_json(workdir / SUMMARY_FILE).get("wall_s", 0.0)

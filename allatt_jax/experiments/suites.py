@@ -214,10 +214,12 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 
 
 def budget(exp: runs_lib.Experiment) -> Report:
+  """Each budget's run against the fixed-λ run (seed 0) of the nearest sparsity."""
   s, total = exp.settings, _total_heads(exp)
   base = exp.baseline()
   records = [exp.budget(key, value, seed) for key, value in s.budgets
              for seed in s.budget_seeds]
+  fixed = [exp.l0(lam, 0) for lam in s.budget_reference_lambdas]
   metric = base.metric
   rows = []
   for r in records:
@@ -226,14 +228,17 @@ def budget(exp: runs_lib.Experiment) -> Report:
                "target_params": f"{r.params_non_embedding:,}",
                "target_macs": f"{r.macs_per_token:,.0f}"}[key]
     asked = _pct(target) if key == "target_sparsity" else f"{target:,.0f}"
+    nearest = min(fixed, key=lambda f: abs(f.heads - r.heads))
     rows.append((key.removeprefix("target_"), f"{r.extra['fraction']:g}", asked, reached,
-                 r.extra["target_heads"], r.heads, f"{r.heads - r.extra['target_heads']:+d}",
+                 r.extra["target_heads"], r.heads, r.extra["by_gates"], r.extra["changed"],
                  f"{r.params_non_embedding / base.params_non_embedding:.3f}",
                  f"{r.macs_per_token / base.macs_per_token:.3f}", f"{r.test:.3f}",
-                 r.extra["seed"]))
+                 f"λ={nearest.extra['lam']:g}: {_pct(_sparsity(nearest, total))}, "
+                 f"{nearest.test:.3f}", f"{r.test - nearest.test:+.3f}"))
   md = table(("budget", "asked (fraction)", "asked", "reached", "heads allowed",
-              "heads kept", "Δ heads", "params / baseline", "MACs / baseline",
-              f"test {metric}", "seed"), rows)
+              "heads kept", "kept by the gates alone", "decisions changed",
+              "params / baseline", "MACs / baseline", f"test {metric}",
+              "nearest fixed λ: sparsity, test", "Δ test vs it"), rows)
   trajectories = {}
   for r in records:
     values = scalars(exp.run_dir(r.name), ("open_controlled", "open_target"))
@@ -243,7 +248,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
           "target": values["open_target"]}
   out = exp.workdir / "budget.png"
   plots.trajectories_figure(trajectories, out)
-  return Report(md, [str(out)], records)
+  return Report(md, [str(out)], records + fixed)
 
 
 def budget_label(extra: dict) -> str:
