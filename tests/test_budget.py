@@ -1,0 +1,261 @@
+"""Budgets: the rank rule at the freeze, the controller's count, a size from the
+pipeline, stage reuse and the refusal of a run with changed settings."""
+import dataclasses
+import json
+import logging
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import api
+from allatt_jax import budget
+from allatt_jax import checkpointing
+from allatt_jax import config_base
+from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
+from allatt_jax import pipeline
+from allatt_jax import prune
+from allatt_jax import run_setup
+from allatt_jax import rundir
+from allatt_jax import train
+from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import runs as runs_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"^step +\d+/\d+ ", re.MULTILINE)   # a training step's line
+CFG = model_lib.ModelConfig(vocab_size=27, num_layers=3, d_model=16, num_heads=4,
+                            gated=True)
+
+
+def gates_of(*layers):
+  return {f"layer_{i}": {"attention": {"logits": np.array(l, np.float32)}}
+          for i, l in enumerate(layers)}
+
+
+def open_heads(cfg, gates):
+  return [list(map(int, h)) for h in prune.surviving_heads(cfg, gates)]
+
+
+# --- The rank rule.
+
+def test_too_many_open_heads_lose_the_lowest_logits():
+  gates = gates_of([3.0, 0.5, -1.0, 2.0], [0.1, 4.0, 0.2, -2.0], [1.0, 1.5, -0.3, 0.4])
+  assert sum(map(len, open_heads(CFG, gates))) == 9
+  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  assert open_heads(CFG, new) == [[0, 1, 3], [1], [0, 1]]
+  assert decision == {"allowed": 6, "by_gates": 9, "changed": 3, "opened": [],
+                      "closed": [[1, 0], [1, 2], [2, 3]]}
+  # Survivors keep their logits; only the reversed decisions move.
+  np.testing.assert_array_equal(new["layer_0"]["attention"]["logits"], [3.0, 0.5, -1.0, 2.0])
+
+
+def test_too_few_open_heads_gain_the_highest_closed_logits():
+  gates = gates_of([-0.2, -3.0, 1.0, -1.0], [-0.1, -4.0, 2.0, -2.0], [-5, -5, -5, 3.0])
+  new, decision = prune.keep_open_heads(CFG, gates, 5)
+  assert open_heads(CFG, new) == [[0, 2], [0, 2], [3]]
+  assert decision["by_gates"] == 3 and decision["changed"] == 2
+  assert decision["opened"] == [[0, 0], [1, 0]] and decision["closed"] == []
+
+
+def test_equal_logits_go_to_the_lower_layer_then_the_lower_head():
+  gates = gates_of([2.0] * 4, [2.0] * 4, [2.0] * 4)
+  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  assert open_heads(CFG, new) == [[0, 1, 2, 3], [0, 1], []]
+  assert decision["changed"] == 6
+
+
+def test_the_rule_changes_nothing_when_the_gates_agree_and_is_idempotent():
+  gates = gates_of([3.0, -0.5, -1.0, 2.0], [0.1, 4.0, -0.2, -2.0], [1.0, -1.5, -0.3, 0.4])
+  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  assert decision["changed"] == 0
+  for i in range(3):
+    np.testing.assert_array_equal(new[f"layer_{i}"]["attention"]["logits"],
+                                  gates[f"layer_{i}"]["attention"]["logits"])
+  again, decision = prune.keep_open_heads(CFG, prune.keep_open_heads(CFG, gates, 2)[0], 2)
+  assert decision["changed"] == 0 and sum(map(len, open_heads(CFG, again))) == 2
+
+
+def test_soft_gates_and_a_budget_out_of_range():
+  soft = dataclasses.replace(CFG, gate=gates_lib.GateConfig(hard=False))
+  # Soft gates are open down to σ(π) = 1/12 (π ≈ -2.4).
+  gates = gates_of([-2.0, -3.0, 0.0, 1.0], [-4.0] * 4, [-4.0] * 4)
+  new, decision = prune.keep_open_heads(soft, gates, 2)
+  assert decision["by_gates"] == 3 and open_heads(soft, new) == [[2, 3], [], []]
+  with pytest.raises(ConfigError, match="13 open heads does not fit a model of 12"):
+    prune.keep_open_heads(soft, gates, 13)
+
+
+# --- What the controller counts.
+
+def test_the_deterministic_count_has_the_expected_counts_gradient():
+  gate = gates_lib.GateConfig()
+  logits = [jnp.array([0.3, -0.2, 2.0]), jnp.array([-1.0, 0.0])]
+  assert float(budget.controlled_open(gate, logits, "deterministic")) == 3.0
+  assert float(budget.controlled_open(gate, logits, "expected")) == pytest.approx(
+      float(sum(jnp.sum(jax.nn.sigmoid(l)) for l in logits)))
+  grads = [jax.grad(lambda l, c=c: budget.controlled_open(gate, l, c))(logits)
+           for c in ("deterministic", "expected")]
+  for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# --- A size through the pipeline; stages reused; settings never mixed.
+
+def demo_config(data_dir, **prune_gates):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.data_dir = data_dir
+  config.pipeline.prune_gates.update(prune_gates)
+  return config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="module")
+def sized_demo(tmp_path_factory, data_dir):
+  """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
+  workdir = tmp_path_factory.mktemp("sized")
+  report = pipeline.run(demo_config(data_dir, target_sparsity=0.5), workdir)
+  return workdir, report
+
+
+def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
+  workdir, report = sized_demo
+  pruned = report["pruned"]
+  assert sum(pruned["heads_per_layer"]) == 4 and pruned["sparsity"] == 0.5
+  assert pruned["lambda"] is None
+  assert pruned["budget"]["key"] == "target_sparsity" and pruned["budget"]["allowed"] == 4
+  decision = pruned["budget"]
+  assert decision["changed"] == len(decision["opened"]) + len(decision["closed"])
+  assert decision["by_gates"] + len(decision["opened"]) - len(decision["closed"]) == 4
+  saved = rundir.load_config(workdir / "pruned")
+  assert saved.gates.lam == 0.0 and saved.gates.target_sparsity == 0.5
+  assert saved.model.vocab_size == 27          # taken from the dataset (demo: 0)
+  # Export, results, the gate figure's marks and Model.costs() agree on the heads.
+  gated = checkpointing.restore_variables(workdir / "pruned")
+  cfg = model_lib.ModelConfig.from_config(saved)
+  kept = [len(h) for h in prune.surviving_heads(cfg, gated["gates"])]
+  results = json.loads((workdir / "pruned" / "results.json").read_text())
+  assert kept == pruned["heads_per_layer"] == results["export"]["heads_per_layer"]
+  assert api.load(workdir / "pruned").costs()["heads_per_layer"] == kept
+  export_config = rundir.load_config(workdir / "pruned" / "export")
+  assert list(export_config.model.heads_per_layer) == kept
+
+
+def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data_dir,
+                                                                 capsys):
+  workdir, _ = sized_demo
+  baseline_files = {p: p.stat().st_mtime_ns for p in (workdir / "baseline").rglob("*")
+                    if "checkpoints" in p.parts}
+  saved_config = (workdir / "pruned" / "config.json").read_bytes()
+  capsys.readouterr()
+  report = pipeline.run(demo_config(data_dir, target_sparsity=0.75), workdir)
+  out = capsys.readouterr().out
+  assert not PROGRESS.search(out.split("== Pruning")[0]), "the baseline trained again"
+  assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
+  assert "gates.target_sparsity: 0.5 -> 0.75" in out
+  assert report["pruned"]["directory"] == str(workdir / "pruned-2")
+  assert sum(report["pruned"]["heads_per_layer"]) == 2
+  assert (workdir / "pruned" / "config.json").read_bytes() == saved_config
+  # The same settings again find their folder; an evaluation setting does not count.
+  capsys.readouterr()
+  config = demo_config(data_dir, target_sparsity=0.5)
+  config.eval.max_batches = 4
+  report = pipeline.run(config, workdir)
+  assert report["pruned"]["directory"] == str(workdir / "pruned")
+  assert not PROGRESS.search(capsys.readouterr().out)     # nothing trained
+  assert (workdir / "pruned" / "config.json").read_bytes() != saved_config   # eval key
+  assert rundir.load_config(workdir / "pruned").gates.target_sparsity == 0.5
+
+
+def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data_dir):
+  config = demo_config(data_dir)
+  config.gates.target_sparsity = 0.5
+  with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
+                                        r"target_sparsity=0.5 instead"):
+    pipeline.run(config, tmp_path)
+  assert not any(tmp_path.iterdir())
+
+
+def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
+  config = demo_config(data_dir, lam=0.0)
+  report = pipeline.run(config, tmp_path)
+  assert report["pruned"]["heads_per_layer"] == [4, 4]
+  [warning] = report["warnings"]
+  assert "pruning removed no head of 8" in warning
+  assert "--config.pipeline.prune_gates.target_sparsity=0.5" in warning
+  assert f"warning: {warning}" in capsys.readouterr().out
+
+
+def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
+  config = demo_config(data_dir)
+  baseline, _ = pipeline.stage_configs(config, tmp_path)
+  baseline.train.num_steps = 10
+  baseline.checkpoint.every_steps = 5
+  train.train_and_evaluate(baseline, tmp_path / "run")
+  saved = (tmp_path / "run" / "config.json").read_bytes()
+  changed = baseline.copy_and_resolve_references()
+  changed.train.learning_rate = 0.01
+  changed.model.dropout = 0.1
+  with pytest.raises(ConfigError, match=(
+      r"holds a run trained with other settings \(model.dropout: 0.0 -> 0.1; "
+      r"train.learning_rate: 0.003 -> 0.01\)")):
+    train.train_and_evaluate(changed, tmp_path / "run")
+  assert (tmp_path / "run" / "config.json").read_bytes() == saved
+  # More steps and another evaluation cadence are a legitimate resume.
+  longer = baseline.copy_and_resolve_references()
+  longer.train.num_steps = 15
+  longer.eval.every_steps = 5
+  train.train_and_evaluate(longer, tmp_path / "run")
+  assert rundir.load_config(tmp_path / "run").train.num_steps == 15
+
+
+def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, data_dir):
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.data.data_dir = data_dir
+  config.train.num_steps = 5
+  runs_lib.Experiment(config, tmp_path).baseline()
+  config.train.learning_rate = 0.01
+  with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
+    runs_lib.Experiment(config, tmp_path).baseline()
+
+
+# --- The vocabulary from the data.
+
+def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
+                                                                           data_dir):
+  config, _ = pipeline.stage_configs(demo_config(data_dir), tmp_path)
+  assert config.model.vocab_size == 0
+  completed, corpus = run_setup.prepare(config)
+  assert completed.model.vocab_size == corpus.vocab_size == 27
+  config.model.vocab_size = 30
+  with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
+    run_setup.prepare(config)
+
+
+def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
+  folder = tmp_path / "text"
+  folder.mkdir()
+  (folder / "train.txt").write_text("the cat sat on the mat\n" * 40)
+  (folder / "valid.txt").write_text("the dog sat on the rug\n" * 10)
+  (folder / "test.txt").write_text("the cat sat on the hat\n" * 10)
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
+                          data_dir=str(tmp_path / "tfds")))
+  with caplog.at_level(logging.WARNING):
+    run_setup.load_corpus(config)
+  [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
+  assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
+          in message and "--config.data.min_count=2" in message)
+  caplog.clear()
+  config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
+  (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
+  with caplog.at_level(logging.WARNING):
+    run_setup.load_corpus(config)
+  assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
