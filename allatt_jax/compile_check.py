@@ -73,7 +73,7 @@ def _shard_bytes(abstract) -> int:
 def check(config: ml_collections.ConfigDict, mesh_shape: tuple[int, int],
           name: str = "") -> Report:
   """Lowers and compiles the train step of `config` on a mesh of the current devices."""
-  config = config.copy_and_resolve_references()
+  config = run_setup.with_vocab_size(config).copy_and_resolve_references()
   config.mesh.data, config.mesh.model = mesh_shape
   setup = run_setup.resolve(config)
   mesh, abstract = setup.mesh, setup.abstract_state

@@ -89,10 +89,11 @@ def base_config() -> ml_collections.ConfigDict:
       target_params=ml_collections.FieldReference(None, field_type=int),
       target_macs=ml_collections.FieldReference(None, field_type=float),
       lagrangian_lr=1e-3,          # ascent rate of the controller's multipliers
-      # What the controller counts: 'deterministic' (ours): the heads the export keeps;
-      # 'expected': the expected open count (Wang et al. 2020; CoFi). Either way the
-      # freeze keeps exactly the budget's heads, ranked by logit (budget.py).
-      budget_count="deterministic",
+      # The controller's count σ(k·π) sharpens from k = 1 after the target warm-up to
+      # this k at the freeze, towards the heads the export keeps (ours; 1 = the expected
+      # count of Wang et al. 2020 and CoFi). The freeze keeps exactly the budget's heads
+      # either way, ranked by logit where the gates disagree (budget.py).
+      budget_sharpness=4.0,
   ))
 
   c.data = ml_collections.ConfigDict(dict(

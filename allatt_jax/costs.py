@@ -19,6 +19,7 @@ from allatt_jax import cost_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_setup
 from allatt_jax.errors import ConfigError
 
 
@@ -42,7 +43,7 @@ def main(argv: Sequence[str]) -> None:
     config, cfg = trained_model_config(_CHECKPOINT.value, _STEP.value)
     result = cost_model.model_report(config, cfg, _HEADS_KEPT.value)
   else:
-    config = _CONFIG.value
+    config = run_setup.with_vocab_size(_CONFIG.value)
     train = config.train
     result = cost_model.report(model_lib.ModelConfig.from_config(config), train.seq_len,
                                train.mem_len, train.batch_size, _HEADS_KEPT.value)

@@ -92,16 +92,17 @@ def penalty_from_config(config: ml_collections.ConfigDict,
   lam = budget.lambda_schedule(config.gates)
   if cost_model.target_key(config) is None:
     return budget.Penalty(lam, cfg.gate)
+  gates = config.gates
   allowed = cost_model.target_open_heads(config, cfg)
-  count = config.gates.budget_count
-  controlled = functools.partial(budget.Penalty, lam, cfg.gate, allowed=allowed,
-                                 count=count)
-  if not config.gates.l0_warmup_steps:
+  controlled = functools.partial(
+      budget.Penalty, lam, cfg.gate, allowed=allowed,
+      sharpness=budget.sharpness_schedule(gates.l0_warmup_steps, gates.freeze_step,
+                                          gates.budget_sharpness))
+  if not gates.l0_warmup_steps:
     return controlled(optax.constant_schedule(float(allowed)))
-  start = float(budget.controlled_open(
-      cfg.gate, [jnp.full((h,), cfg.gate.init) for h in cfg.layer_heads if h], count))
-  return controlled(optax.linear_schedule(start, float(allowed),
-                                          config.gates.l0_warmup_steps))
+  start = float(budget.expected_open(cfg.gate, [jnp.full((h,), cfg.gate.init)
+                                                for h in cfg.layer_heads if h]))
+  return controlled(optax.linear_schedule(start, float(allowed), gates.l0_warmup_steps))
 
 
 def prepare(config: ml_collections.ConfigDict
@@ -120,6 +121,12 @@ def prepare(config: ml_collections.ConfigDict
                           vocab_from_data=True)
   corpus = load_corpus(config)
   return complete(config, corpus), corpus
+
+
+def with_vocab_size(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config`, or, when its `model.vocab_size` is unset, `prepare`'s completed one
+  (the dataset is then read): for commands that build a model without training it."""
+  return config if config.model.vocab_size else prepare(config)[0]
 
 
 def load_corpus(config: ml_collections.ConfigDict) -> data_lib.Corpus:

@@ -63,7 +63,7 @@ def save_config(directory, config: ml_collections.ConfigDict) -> None:
 _BEFORE_RECIPE_KEYS = {
     "model": dict(same_length_keys="mem_len", out_bias=False, layer_norm_eps=1e-6,
                   final_norm=True, persistent_content_bias=True),
-    "gates": dict(open_at_zero=False, lr_multiplier=1.0, budget_count="expected"),
+    "gates": dict(open_at_zero=False, lr_multiplier=1.0, budget_sharpness=1.0),
     "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
                   weight_decay_exclude=()),
 }

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from allatt_jax import attention
-from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
@@ -38,7 +37,7 @@ _MINIMUM = {
     "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
     "model.max_relative_len": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
-    "gates.freeze_step": 0, "gates.lr_multiplier": 0,
+    "gates.freeze_step": 0, "gates.lr_multiplier": 0, "gates.budget_sharpness": 1,
     "model.layer_norm_eps": 0, "train.lamb_eps": 0, "train.lamb_max_weight_norm": 0,
     "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
     "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,
@@ -115,13 +114,15 @@ def check_same_settings(config: ml_collections.ConfigDict, workdir) -> None:
 
 def setting_differences(saved: ml_collections.ConfigDict,
                         config: ml_collections.ConfigDict) -> list[str]:
-  """'key: saved -> now' for each setting that differs outside RESUMABLE; a key the
-  saved config predates is not compared."""
+  """'key: saved -> now' for each setting that differs outside RESUMABLE. Only keys
+  both configs have are compared (a key one of them predates cannot have been
+  chosen), and a run without gates has no gate settings besides `gates.enabled`."""
   old, new = _leaves(saved), _leaves(config)
-  resumable = lambda key: any(key == k or key.startswith(k.rstrip("*"))
-                              for k in RESUMABLE)
-  return [f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(old)
-          if old[k] != new.get(k) and not resumable(k)]
+  ungated = not (old.get("gates.enabled") or new.get("gates.enabled"))
+  ignored = lambda key: (any(key == k or key.startswith(k.rstrip("*")) for k in RESUMABLE)
+                         or (ungated and key.startswith("gates.")))
+  return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
+          if old[k] != new[k] and not ignored(k)]
 
 
 def _leaves(config: ml_collections.ConfigDict) -> dict:
@@ -178,8 +179,7 @@ def _check_names(config):
   for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
                        ("model.rel_pos", REL_POS),
                        ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
-                       ("train.optimizer", optim.OPTIMIZERS),
-                       ("gates.budget_count", budget.COUNTS)):
+                       ("train.optimizer", optim.OPTIMIZERS)):
     if _value(config, key) not in choices:
       raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
                         f"{', '.join(map(repr, choices))}.")
