@@ -156,6 +156,10 @@ class RunCheckpoints:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
+    # A writable manager starts deleting leftover temporary folders in a thread as it
+    # opens, and orbax's close() does not wait for it: a command stopping right after
+    # (a bad input) would exit under it, and it dies with a traceback at shutdown.
+    self.manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self.manager.close()
 
 

@@ -4,7 +4,7 @@
 L0 term, train-step constants, state shapes and evaluator; everything below
 (`steps`, `evaluate`, `validation`'s state checks, export) receives these objects.
 It checks the config first (`validation.check_config`), so a bad config fails before
-anything is traced, and it reads no data: the corpus is loaded by the run itself.
+anything is traced, and it reads no data until a run asks for its `corpus`.
 """
 import dataclasses
 import functools
@@ -42,6 +42,11 @@ class RunSetup:
   @functools.cached_property
   def evaluator(self) -> evaluation.Evaluator:
     return evaluation.Evaluator.from_config(self.lm, self.mesh, self.config)
+
+  @functools.cached_property
+  def corpus(self) -> data_lib.Corpus:
+    """The run's dataset (`load_corpus`), loaded on first use."""
+    return load_corpus(self.config)
 
   def new_state(self) -> steps.TrainState:
     """A freshly initialised state, placed on the mesh."""

@@ -42,19 +42,23 @@ PHASES_FILE = "finished_phases.json"
 
 def start(config: ml_collections.ConfigDict, workdir
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
-  """The run's setup and its one CheckpointManager, after every check that needs
-  neither the dataset nor a compiled step (config, workdir, resume, `init_from`).
+  """The run's setup and its one CheckpointManager, after every check that needs no
+  compiled step (config, dataset, workdir, resume, `init_from`).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, or a
-      pruning run without `init_from`.
+    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, a
+      pruning run without `init_from`, or a model.vocab_size not the dataset's.
+    DataError: the dataset cannot be loaded.
     CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
       `workdir` holds a checkpoint of a run with other shapes than this config gives.
   """
   workdir = rundir.run_path(workdir)
   setup = run_setup.resolve(config)
-  validation.check_workdir(workdir)
   validation.check_pruning_has_a_baseline(config)
+  # The dataset is checked before the workdir or any orbax object exists, so a wrong
+  # data folder leaves nothing behind.
+  setup.corpus  # pylint: disable=pointless-statement
+  validation.check_workdir(workdir)
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
   try:
     validation.check_start(config, checkpoints, setup.abstract_state)
@@ -120,8 +124,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
                         deadline: float | None,
                         watch: preemption.PreemptionWatch) -> dict:
-  config = setup.config
-  corpus = run_setup.load_corpus(config)
+  config, corpus = setup.config, setup.corpus
   latest = checkpoints.latest_step()
   vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
   validation.check_vocabulary(vocabulary, workdir, validation.init_source(config),

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from allatt_jax import checkpointing
 from allatt_jax import cli
 from allatt_jax import config_base
 from allatt_jax import console
@@ -117,6 +118,23 @@ def test_experiments_missing_required_flag(tmp_path):
   result = command("allatt_jax.experiments", "--config=exp_chars.py:tiny",
                    f"--workdir={tmp_path}")
   assert_one_error_line(result, "--suite is required")
+
+
+def test_main_wrong_data_folder_stops_before_anything_is_written(tmp_path):
+  # The pipeline's baseline stage used to open its CheckpointManager first: the folder
+  # stayed behind, and orbax's cleanup thread died with a traceback at exit.
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
+                   f"--config.data.manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
+  assert_one_error_line(result, str(tmp_path / "nowhere"), "--config.data.manual_dir")
+  assert not (tmp_path / "run" / "baseline").exists()
+
+
+def test_closing_a_run_waits_for_its_cleanup_thread(tmp_path):
+  (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").mkdir(parents=True)
+  checkpoints = checkpointing.RunCheckpoints(tmp_path)
+  checkpoints.close()
+  assert not (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").exists()
 
 
 def test_a_bug_prints_its_traceback_and_asks_for_a_report():
