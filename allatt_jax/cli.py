@@ -161,10 +161,21 @@ def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pyli
                               "(default: the latest finished one).", lower_bound=0)
   return checkpoint, step
 
+# absl's flags that print help, then exit with status 1.
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
 def _parse_flags(argv):
   with errors.reported_to_user():
     try:
       return flags.FLAGS(argv)
+    except SystemExit as e:
+      # Help that was asked for is a success: scripts and `&&` chains go on.
+      asked = any(arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS
+                  for arg in argv[1:])
+      if asked and e.code == 1:
+        sys.exit(0)
+      raise
     except flags.Error as e:
       message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
       # absl's words for a missing required flag: "flag --x=None: Flag --x must have a

@@ -1,6 +1,7 @@
-r"""Evaluates a trained model (a run's workdir, any checkpoint step, or an export) on
-a split of its dataset, or on a text file (read as one row, as `python -m
-allatt_jax.score` reads it, which needs no dataset), and prints a JSON summary:
+r"""Evaluates a trained model on a split of its dataset, or on a text file, as JSON.
+
+The model is a run's workdir (any checkpoint step) or an export; a text file is read
+as one row, as `python -m allatt_jax.score` reads it, and needs no dataset:
 
   python -m allatt_jax.evaluate --checkpoint=DIR [--step=N] [--split=valid|test]
   python -m allatt_jax.evaluate --checkpoint=DIR --text_file=FILE

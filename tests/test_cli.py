@@ -201,6 +201,8 @@ def test_the_command_list_names_every_command():
   assert listed == list(cli_commands())
   assert all(len(line.split()) > 2 for line in result.stdout.splitlines()
              if line.startswith("  "))
+  assert all(line.endswith(".") for line in result.stdout.splitlines()
+             if line.startswith("  ")), result.stdout
 
 
 def cli_commands():
@@ -210,8 +212,16 @@ def cli_commands():
 
 def test_help_describes_the_flags():
   result = command("allatt_jax.main", "--help")
+  assert result.returncode == 0, result.stderr
   for flag in ("--config", "--workdir", "shipped config", "demo.py"):
     assert flag in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("name", ["score", "sample", "evaluate", "export", "data"])
+def test_help_is_a_success(name):
+  result = command(f"allatt_jax.{name}", "--help")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "--" in result.stdout
 
 
 @pytest.mark.parametrize("argv,verbose", [
