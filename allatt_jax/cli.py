@@ -188,6 +188,7 @@ def _parse_flags(argv):
 def _reported_main(main, argv):
   if flags.FLAGS.verbosity < 1:
     logging.get_absl_handler().addFilter(console.LibraryChatterFilter())
+    logging.get_absl_handler().setFormatter(console.PlainFormatter())
   with errors.reported_to_user():
     if len(argv) > 1:
       raise errors.FlagError(f"unexpected arguments {argv[1:]}: flags take the form "

@@ -8,6 +8,7 @@ inputs that fail before anything is compiled.
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -239,6 +240,23 @@ def test_library_records_below_error_are_hidden():
   assert not keep(record("/site-packages/orbax/checkpoint/x.py", logging.INFO))
   assert not keep(record("/site-packages/jax/_src/xla_bridge.py", logging.WARNING))
   assert keep(record("/site-packages/orbax/checkpoint/x.py", logging.ERROR))
+
+
+def test_the_default_console_has_no_log_prefixes(tmp_path):
+  for name in ("train.txt", "valid.txt", "test.txt"):
+    (tmp_path / name).write_text("the cat sat on the mat\n" * 20)
+  result = command("allatt_jax.data", "--dataset=text_files", f"--manual_dir={tmp_path}",
+                   tmp=tmp_path)
+  assert result.returncode == 0, result.stderr
+  assert "Preparing dataset 'text_files'" in result.stderr   # shown, as a plain line
+  assert not re.search(r"^[IWEF]\d{4} \d\d:\d\d", result.stderr, re.M), result.stderr
+
+
+def test_plain_records_keep_their_level_where_it_matters():
+  plain = console.PlainFormatter().format
+  record = lambda level: logging.LogRecord("absl", level, "x.py", 1, "m %d", (3,), None)
+  assert plain(record(logging.INFO)) == "m 3"
+  assert plain(record(logging.WARNING)) == "warning: m 3"
 
 
 def test_native_stderr_hidden_unless_the_block_fails(capfd):
