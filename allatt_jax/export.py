@@ -73,4 +73,4 @@ if __name__ == "__main__":
                              "WORKDIR/export, replacing the run's own export).")
   _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the "
                                "latest finished one).", lower_bound=0)
-  cli.run(main)
+  cli.run(main, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)

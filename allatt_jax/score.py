@@ -110,4 +110,4 @@ if __name__ == "__main__":
       "vocabulary.", required=True)
   _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
                              "(JSON lines); none written without it.")
-  cli.run(main)
+  cli.run(main, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)

@@ -201,6 +201,7 @@ def test_evaluate_cli_picks_a_step(workdir):
   first = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--step=20",
                              "--split=valid").stdout)
   assert first["step"] == 20 and first["tokens"] == last["tokens"] > 0
+  assert last["step"] == 30   # the step it used, not the absent flag's None
   assert first["bpc"] != last["bpc"]
   results = json.loads((workdir / "results.json").read_text())
   assert last["bpc"] == pytest.approx(results["valid"], rel=1e-5)

@@ -115,6 +115,62 @@ def test_data_missing_folder(tmp_path):
   assert_one_error_line(result, str(tmp_path / "nowhere"))
 
 
+def text_folder(folder, **texts):
+  folder.mkdir(parents=True, exist_ok=True)
+  for split in ("train", "valid", "test"):
+    (folder / f"{split}.txt").write_text(texts.get(split, "the cat sat on the mat\n" * 20))
+  return folder
+
+
+def saved_run_config(workdir, manual_dir):
+  """A run's config.json on dataset text_files in `manual_dir`, without checkpoints."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.update(dict(name="text_files", manual_dir=str(manual_dir)))
+  rundir.save_config(workdir, config)
+
+
+def test_data_advice_names_the_data_commands_flags(tmp_path):
+  result = command("allatt_jax.data", "--dataset=text_files",
+                   f"--manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
+  assert_one_error_line(result, "--manual_dir=DIR", "--files=TRAIN,VALID,TEST")
+  assert "--config" not in result.stderr
+
+
+def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
+  saved_run_config(tmp_path / "run", tmp_path / "moved")
+  moved = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
+                  "--split=valid", tmp=tmp_path)
+  # Only flags evaluate takes, and the dataset checked before any checkpoint is read.
+  assert_one_error_line(moved, str(tmp_path / "moved"), "--manual_dir=DIR",
+                        "files this model was trained on")
+  assert "--config" not in moved.stderr
+  found = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
+                  "--split=valid", f"--manual_dir={text_folder(tmp_path / 'here')}",
+                  tmp=tmp_path)
+  assert_one_error_line(found, "No checkpoint in")
+
+
+def test_an_empty_file_gets_advice_that_applies(tmp_path):
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
+                   f"--config.data.manual_dir={text_folder(tmp_path / 'text', valid='')}",
+                   tmp=tmp_path)
+  assert_one_error_line(result, "valid.txt is empty. Put its text in it")
+  assert "file names" not in result.stderr
+
+
+def test_advice_is_spelled_in_the_commands_own_flags():
+  message = ("Dataset 'x' not found. Pass it with --config.data.manual_dir=DIR. Other "
+             "names go in --config.data.files=A,B,C.")
+  assert cli.advice_for_command(message, {"data.manual_dir": "--manual_dir",
+                                          "data.files": "--files"}) == (
+      "Dataset 'x' not found. Pass it with --manual_dir=DIR. Other names go in "
+      "--files=A,B,C.")
+  assert cli.advice_for_command(message, {"data.manual_dir": "--manual_dir"},
+                                "Or this.") == (
+      "Dataset 'x' not found. Pass it with --manual_dir=DIR. Or this.")
+
+
 def test_experiments_missing_required_flag(tmp_path):
   result = command("allatt_jax.experiments", "--config=exp_chars.py:tiny",
                    f"--workdir={tmp_path}")

@@ -74,22 +74,19 @@ class DatasetSpec:
   def source_hint(self) -> str:
     """How a user provides the files, for error messages."""
     if self.name == TEXT_FILES_NAME:
-      return ('Pass the folder holding them with --config.data.manual_dir=DIR (or '
-              '--manual_dir=DIR for `python -m allatt_jax.data`); other file names '
-              'go in --config.data.files=TRAIN,VALID,TEST.')
+      return ('Pass the folder holding them with --config.data.manual_dir=DIR. Other '
+              'file names go in --config.data.files=TRAIN,VALID,TEST.')
     if self.tfds_name:
       return (f'TFDS downloads {self.archive_name} (needs internet), or finds it in '
-              'the folder given with --config.data.manual_dir=DIR (--manual_dir=DIR '
-              'for `python -m allatt_jax.data`).')
+              'the folder given with --config.data.manual_dir=DIR.')
     if self.url is None:
       return (f'It ships inside the package in {CORPUS_DIR}; reinstall allatt_jax, '
               'or rebuild it with `python -m allatt_jax.data '
               '--make_embedded_corpus_from=DIR` from a folder holding the WikiText-2 '
               'raw files wiki.valid.raw and wiki.test.raw.')
     return ('Either let TFDS download it (needs internet) or pass the folder that '
-            'holds the official files with --config.data.manual_dir=DIR (or '
-            f'--manual_dir=DIR for `python -m allatt_jax.data`), e.g. an unzip of '
-            f'{self.archive_name}.')
+            f'holds the official files with --config.data.manual_dir=DIR, e.g. an '
+            f'unzip of {self.archive_name}.')
 
   def not_found(self, reason: str) -> DataError:
     return DataError(
