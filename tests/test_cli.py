@@ -18,8 +18,10 @@ from allatt_jax import checkpointing
 from allatt_jax import cli
 from allatt_jax import config_base
 from allatt_jax import console
+from allatt_jax import data as data_lib
 from allatt_jax import rundir
 from allatt_jax import train
+from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -218,6 +220,31 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   config.init_from = "none"
   _, checkpoints = train.start(config, tmp_path)
   checkpoints.close()
+
+
+def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.data.data_dir = str(tmp_path / "tfds")
+  workdir = tmp_path / "run"
+  setup, checkpoints = train.start(config, workdir)
+  checkpoints.save(1, setup.new_state(), {"position": 0}, force=True)
+  checkpoints.wait()
+  checkpoints.close()
+  rundir.save_config(workdir, config)
+
+  other = config.copy_and_resolve_references()
+  other.data.update(dict(name="text_files", manual_dir=str(text_folder(tmp_path / "text"))))
+  other.model.vocab_size = data_lib.load_run_corpus(other).vocab_size
+  with caplog.at_level(logging.DEBUG, logger="absl"):
+    with pytest.raises(CheckpointError) as error:
+      train.start(other, workdir)
+  message = str(error.value)
+  assert (f"another vocabulary (27 tokens, dataset 'wikitext_chars'; this config: "
+          f"{other.model.vocab_size}, dataset 'text_files')") in message, message
+  assert "use a new --workdir" in message and "saved (" not in message, message
+  assert "Shapes that differ" in caplog.text   # for --verbosity=1
 
 
 # --- Configs by name, from any folder.
