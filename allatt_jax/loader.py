@@ -18,6 +18,11 @@ from allatt_jax import model as model_lib
 from allatt_jax import rundir
 from allatt_jax.data import tokenization
 
+# What score, sample and export, which take no data flags, say when a model saved
+# before tokenizer.json existed cannot read its dataset.
+OLD_MODEL_ADVICE = ("Its dataset is needed, as the model has no tokenizer.json: put the "
+                    "files back where its config.json says (data.manual_dir).")
+
 
 def load_lm(checkpoint, step: int | None = None
             ) -> tuple[ml_collections.ConfigDict, model_lib.TransformerLM, Any]:
@@ -49,11 +54,6 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
         f"({len(saved['vocab'])}): its scores would mean nothing. Point "
         "--config.data.manual_dir at the files the model was trained on.")
   return corpus
-
-# What score, sample and export, which take no data flags, say when a model saved
-# before tokenizer.json existed cannot read its dataset.
-OLD_MODEL_ADVICE = ("Its dataset is needed, as the model has no tokenizer.json: put the "
-                    "files back where its config.json says (data.manual_dir).")
 
 
 def load_tokenizer(checkpoint, config: ml_collections.ConfigDict) -> tokenization.Tokenizer:
