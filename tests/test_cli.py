@@ -89,6 +89,14 @@ def test_score_of_a_folder_without_a_model(tmp_path):
   assert_one_error_line(result, str(tmp_path), "no config.json")
 
 
+def test_score_out_file_in_a_missing_folder(tmp_path):
+  # Found out after scoring, this was a traceback.
+  out = tmp_path / "nowhere" / "scores.jsonl"
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
+                   f"--text_file={tmp_path / 'missing.txt'}", f"--out={out}")
+  assert_one_error_line(result, f"--out={out}", "does not exist")
+
+
 def test_sample_negative_token_count(tmp_path):
   result = command("allatt_jax.sample", f"--checkpoint={tmp_path}", "--prompt=the",
                    "--num_tokens=-1")
