@@ -276,7 +276,7 @@ def resolve(name: str, level: str = '', files: str = DEFAULT_FILES, min_count: i
   defaults = {'level': '', 'files': DEFAULT_FILES, 'min_count': 1, 'max_vocab': 0,
               'clean': ''}
   if name != TEXT_FILES_NAME:
-    changed = [f'data.{key}={value!r}' for key, value in given.items()
+    changed = [f'--config.data.{key}={value!r}' for key, value in given.items()
                if value != defaults[key]]
     if changed:
       raise DataError(f"{', '.join(changed)} only applies to dataset "
@@ -287,20 +287,22 @@ def resolve(name: str, level: str = '', files: str = DEFAULT_FILES, min_count: i
   names = tuple(part.strip() for part in files.split(','))
   problems = []
   if level not in LEVELS:
-    problems.append(f"data.level={level!r} is not one of {', '.join(LEVELS)}")
+    problems.append(f"--config.data.level={level!r} is not one of {', '.join(LEVELS)}")
   if len(names) != 3 or not all(names) or len(set(names)) != 3:
-    problems.append(f'data.files={files!r} must name three different files, '
+    problems.append(f'--config.data.files={files!r} must name three different files, '
                     'train,valid,test')
   if clean not in CLEANING or (clean and level != 'char'):
-    problems.append(f"data.clean={clean!r}: use '' or 'text8' (char level only)")
+    problems.append(f"--config.data.clean={clean!r}: use '' or 'text8' (char level "
+                    'only)')
   if min_count < 1 or (min_count > 1 and level != 'word'):
-    problems.append(f'data.min_count={min_count}: use 1, or more at word level only')
+    problems.append(f'--config.data.min_count={min_count}: use 1, or more at word '
+                    'level only')
   if max_vocab < 0 or (level == 'word' and max_vocab == 1):
-    problems.append(f'data.max_vocab={max_vocab}: use 0 (no limit) or at least 2 '
-                    '(<eos> and <unk>)')
+    problems.append(f'--config.data.max_vocab={max_vocab}: use 0 (no limit) or at '
+                    'least 2 (<eos> and <unk>)')
   if level == 'byte' and 0 < max_vocab < 256:
-    problems.append(f'data.max_vocab={max_vocab}: bytes have no <unk> to map the '
-                    'rest to, so the vocabulary is all 256 byte values; use 0')
+    problems.append(f'--config.data.max_vocab={max_vocab}: bytes have no <unk> to map '
+                    'the rest to, so the vocabulary is all 256 byte values; use 0')
   if problems:
     raise DataError(f"Dataset '{TEXT_FILES_NAME}': " + '; '.join(problems) + '.')
   return dataclasses.replace(spec, level=level, files=names, min_count=min_count,
