@@ -24,6 +24,7 @@ from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import train
+from allatt_jax.errors import ConfigError
 
 
 def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
@@ -40,6 +41,12 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
 
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
+  if (workdir / rundir.CONFIG_FILE).is_file():
+    # Its stages would go into new runs inside that run's folder, and exit 0.
+    raise ConfigError(
+        f"--workdir {workdir} holds a single run (its {rundir.CONFIG_FILE}), but this "
+        "config is a pipeline, whose runs go in WORKDIR/baseline and WORKDIR/pruned. "
+        "Give the pipeline's own --workdir (the folder above its baseline/), or a new one.")
   baseline_config, prune_config = stage_configs(config, workdir)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: SIGTERM between stages stops it there too.

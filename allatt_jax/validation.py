@@ -321,6 +321,10 @@ def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
 
 def check_export(workdir) -> None:
   """Raises CheckpointError unless `workdir` is a pruning run with a finished checkpoint."""
+  if (rundir.run_path(workdir) / "params").is_dir():
+    raise CheckpointError(
+        f"{workdir} is an exported model, not a run: it has no checkpoints or gates left "
+        "to export. Give the pruning run's --workdir (the folder holding checkpoints/).")
   config = rundir.load_config(workdir)
   if not config.gates.enabled:
     raise CheckpointError(

@@ -83,6 +83,31 @@ def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
   assert_one_error_line(result, str(tmp_path))
 
 
+def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
+  rundir.save_config(tmp_path / "export", prune_config)
+  (tmp_path / "export" / "params").mkdir()
+  result = command("allatt_jax.export", f"--workdir={tmp_path / 'export'}")
+  assert_one_error_line(result, "is an exported model, not a run", "--workdir")
+
+
+def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
+  # Its stages went into new runs nested in that run's folder, and it exited 0.
+  rundir.save_config(tmp_path / "run", prune_config)
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", tmp=tmp_path)
+  assert_one_error_line(result, "holds a single run", "WORKDIR/baseline")
+  assert not (tmp_path / "run" / "baseline").exists()
+
+
+def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
+  rundir.save_config(tmp_path / "baseline", prune_config)
+  rundir.save_config(tmp_path / "pruned", prune_config)
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
+                   f"--text_file={tmp_path / 'missing.txt'}")
+  assert_one_error_line(result, "no config.json", "pipeline's workdir",
+                        "baseline and pruned/")
+
+
 def test_score_of_a_folder_without_a_model(tmp_path):
   result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
                    f"--text_file={tmp_path / 'missing.txt'}")
@@ -144,6 +169,9 @@ def test_data_advice_names_the_data_commands_flags(tmp_path):
                    f"--manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
   assert_one_error_line(result, "--manual_dir=DIR", "--files=TRAIN,VALID,TEST")
   assert "--config" not in result.stderr
+  two_files = command("allatt_jax.data", "--dataset=text_files", "--files=a.txt,b.txt",
+                      f"--manual_dir={text_folder(tmp_path / 'text')}", tmp=tmp_path)
+  assert_one_error_line(two_files, "--files='a.txt,b.txt' must name three")
 
 
 def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
