@@ -260,8 +260,8 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
   if previous is not None and previous.model.vocab_size != config.model.vocab_size:
     # Other data changes the shape of every embedding and its optimizer state: the
     # cause says more than that list, which only --verbosity=1 shows.
-    logging.debug("Shapes that differ from the checkpoint's: %s",
-                  _shape_differences(state_shapes, found, limit=len(found) + len(state_shapes)))
+    logging.debug("Shapes that differ from the checkpoint's: %s", _shape_differences(
+        state_shapes, found, limit=len(found) + len(state_shapes)))
     raise CheckpointError(
         f"--workdir {workdir} holds a checkpoint (step {step}) of a run on another "
         f"vocabulary ({previous.model.vocab_size} tokens, dataset "
