@@ -192,13 +192,17 @@ def advice_for_command(message: str, flag_names: dict[str, str],
   Errors below the commands name run config keys as `--config.SECTION.KEY` flags. Each
   such flag becomes the command's own (`flag_names`: 'SECTION.KEY' -> '--flag'); a
   sentence naming a key the command cannot set is dropped, and `fallback` (the fix
-  this command offers instead) added.
+  this command offers instead) added when no advice with a flag is left.
   """
   sentences = re.split(r"(?<=\.) (?=[A-Z(])", message)
-  kept = [re.sub(r"--config\.([\w.]+)", lambda m: flag_names[m.group(1)], sentence)
-          for sentence in sentences
-          if all(key in flag_names for key in re.findall(r"--config\.([\w.]+)", sentence))]
-  if len(kept) < len(sentences) and fallback:
+  kept, advice_left = [], False
+  for sentence in sentences:
+    keys = re.findall(r"--config\.([\w.]+)", sentence)
+    if all(key in flag_names for key in keys):
+      kept.append(re.sub(r"--config\.([\w.]+)", lambda m: flag_names[m.group(1)],
+                         sentence))
+      advice_left = advice_left or bool(keys)
+  if len(kept) < len(sentences) and not advice_left and fallback:
     kept.append(fallback)
   return " ".join(kept)
 

@@ -44,9 +44,10 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   if (workdir / rundir.CONFIG_FILE).is_file():
     # Its stages would go into new runs inside that run's folder, and exit 0.
     raise ConfigError(
-        f"--workdir {workdir} holds a single run (its {rundir.CONFIG_FILE}), but this "
-        "config is a pipeline, whose runs go in WORKDIR/baseline and WORKDIR/pruned. "
-        "Give the pipeline's own --workdir (the folder above its baseline/), or a new one.")
+        f"--workdir {workdir} holds a single run or export (its {rundir.CONFIG_FILE}), "
+        "but this config is a pipeline, whose runs go in WORKDIR/baseline and "
+        "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
+        "baseline/), or a new one.")
   baseline_config, prune_config = stage_configs(config, workdir)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: SIGTERM between stages stops it there too.

@@ -75,8 +75,8 @@ def load_config(directory) -> ml_collections.ConfigDict:
   if not path.is_file():
     stages = [name for name in ("baseline", "pruned")
               if (run_path(directory) / name / CONFIG_FILE).is_file()]
-    hint = (f" It is a pipeline's workdir: its runs are {' and '.join(stages)}/ in it."
-            if stages else "")
+    hint = (" It is a pipeline's workdir: its runs are "
+            f"{' and '.join(name + '/' for name in stages)} in it." if stages else "")
     raise CheckpointError(
         f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
         f"exported model. Point at the --workdir of a run, or at its export/ folder.{hint}")

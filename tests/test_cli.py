@@ -105,7 +105,7 @@ def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
   result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
                    f"--text_file={tmp_path / 'missing.txt'}")
   assert_one_error_line(result, "no config.json", "pipeline's workdir",
-                        "baseline and pruned/")
+                        "baseline/ and pruned/")
 
 
 def test_score_of_a_folder_without_a_model(tmp_path):
@@ -179,8 +179,7 @@ def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
   moved = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
                   "--split=valid", tmp=tmp_path)
   # Only flags evaluate takes, and the dataset checked before any checkpoint is read.
-  assert_one_error_line(moved, str(tmp_path / "moved"), "--manual_dir=DIR",
-                        "files this model was trained on")
+  assert_one_error_line(moved, str(tmp_path / "moved"), "--manual_dir=DIR")
   assert "--config" not in moved.stderr
   found = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
                   "--split=valid", f"--manual_dir={text_folder(tmp_path / 'here')}",
@@ -204,9 +203,12 @@ def test_advice_is_spelled_in_the_commands_own_flags():
                                           "data.files": "--files"}) == (
       "Dataset 'x' not found. Pass it with --manual_dir=DIR. Other names go in "
       "--files=A,B,C.")
+  # A dropped sentence is replaced by the command's own fix where no advice is left.
   assert cli.advice_for_command(message, {"data.manual_dir": "--manual_dir"},
                                 "Or this.") == (
-      "Dataset 'x' not found. Pass it with --manual_dir=DIR. Or this.")
+      "Dataset 'x' not found. Pass it with --manual_dir=DIR.")
+  assert cli.advice_for_command(message, {}, "Or this.") == (
+      "Dataset 'x' not found. Or this.")
 
 
 def test_experiments_missing_required_flag(tmp_path):
