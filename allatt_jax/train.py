@@ -40,25 +40,23 @@ GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
 PHASES_FILE = "finished_phases.json"
 
 
-def start(config: ml_collections.ConfigDict, workdir
+def start(config: ml_collections.ConfigDict, workdir,
+          setup: run_setup.RunSetup | None = None
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
-  """The run's setup and its one CheckpointManager, after every check that needs no
-  compiled step (config, dataset, workdir, resume, `init_from`).
+  """The run's setup (`setup`, if the caller resolved it already) and its one
+  CheckpointManager, after every check that needs neither the dataset nor a compiled
+  step (config, workdir, resume, `init_from`).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, a
-      pruning run without `init_from`, or a model.vocab_size not the dataset's.
-    DataError: the dataset cannot be loaded.
+    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, or a
+      pruning run without `init_from`.
     CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
       `workdir` holds a checkpoint of a run with other shapes than this config gives.
   """
   workdir = rundir.run_path(workdir)
-  setup = run_setup.resolve(config)
-  validation.check_pruning_has_a_baseline(config)
-  # The dataset is checked before the workdir or any orbax object exists, so a wrong
-  # data folder leaves nothing behind.
-  setup.corpus  # pylint: disable=pointless-statement
+  setup = setup or run_setup.resolve(config)
   validation.check_workdir(workdir)
+  validation.check_pruning_has_a_baseline(config)
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
   try:
     validation.check_start(config, checkpoints, setup.abstract_state)
@@ -111,7 +109,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
   with preemption.watching(watch) as watch:
-    setup, checkpoints = start(config, workdir)
+    # The config, then the dataset, are checked before `start` creates the workdir
+    # and opens orbax, so a wrong data folder leaves nothing behind.
+    setup = run_setup.resolve(config)
+    validation.check_pruning_has_a_baseline(config)
+    setup.corpus  # pylint: disable=pointless-statement
+    setup, checkpoints = start(config, workdir, setup)
     try:
       return _train_and_evaluate(setup, workdir, checkpoints, deadline, watch)
     finally:
