@@ -31,7 +31,9 @@ def summary(command: str) -> str:
   first_line = doc.strip().split("\n", 1)[0]
   if first_line.endswith("."):
     return first_line
-  return " ".join(doc.strip().split("\n\n", 1)[0].split())
+  paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+  # A paragraph leading into an example ends with ':', which reads as cut off here.
+  return paragraph[:-1] + "." if paragraph.endswith(":") else paragraph
 
 
 def usage() -> str:

@@ -156,6 +156,10 @@ class RunCheckpoints:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
+    # A writable manager starts deleting leftover temporary folders in a thread as it
+    # opens, and orbax's close() does not wait for it: a command stopping right after
+    # (a bad input) would exit under it, and it dies with a traceback at shutdown.
+    self.manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self.manager.close()
 
 
@@ -192,7 +196,12 @@ def latest_finished_step(workdir) -> int:
 
 
 def restore_variables(workdir, step: int | None = None) -> dict:
-  """The model variables of a run's checkpoint, as host arrays.
+  """The model variables of a run's checkpoint, as host arrays (see restore_step)."""
+  return restore_step(workdir, step)[1]
+
+
+def restore_step(workdir, step: int | None = None) -> tuple[int, dict]:
+  """(step, model variables as host arrays) of a run's checkpoint.
 
   By default the newest checkpoint that restores (unreadable newer ones are skipped
   with a warning); with `step`, that checkpoint or a CheckpointError. Arrays are read
@@ -211,13 +220,13 @@ def restore_variables(workdir, step: int | None = None) -> dict:
 
   try:
     if step is None:
-      return run.newest_restorable(read)[1]
+      return run.newest_restorable(read)[:2]
     if step not in run.manager.all_steps():
       raise CheckpointError(
           f"No checkpoint of step {step} in {run.directory}; it holds steps "
           f"{sorted(run.manager.all_steps()) or 'none'}. Choose one of those.")
     try:
-      return read(step)
+      return step, read(step)
     except Exception as e:  # pylint: disable=broad-except  (see newest_restorable)
       raise CheckpointError(
           f"Checkpoint {run.directory / str(step)} is unreadable ({_reason(e)}). Leave "
@@ -261,6 +270,11 @@ def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:
 def load_model(directory, step: int | None = None):
   """(run config, variables) of an exported model, or of a run's checkpoint (`step`,
   or by default the newest that restores: see `restore_variables`)."""
+  return load_model_and_step(directory, step)[:2]
+
+
+def load_model_and_step(directory, step: int | None = None):
+  """(run config, variables, the checkpoint step used: None for an exported model)."""
   directory = rundir.run_path(directory)
   config = rundir.load_config(directory)
   if (directory / "params").is_dir():
@@ -270,5 +284,6 @@ def load_model(directory, step: int | None = None):
           "Leave out the step, or point at the training run's workdir.")
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
-    return config, {"params": jax.tree.map(np.asarray, params)}
-  return config, restore_variables(directory, step)
+    return config, {"params": jax.tree.map(np.asarray, params)}, None
+  used, variables = restore_step(directory, step)
+  return config, variables, used

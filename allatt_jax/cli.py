@@ -161,10 +161,21 @@ def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pyli
                               "(default: the latest finished one).", lower_bound=0)
   return checkpoint, step
 
+# absl's flags that print help, then exit with status 1.
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
 def _parse_flags(argv):
   with errors.reported_to_user():
     try:
       return flags.FLAGS(argv)
+    except SystemExit as e:
+      # Help that was asked for is a success: scripts and `&&` chains go on.
+      asked = any(arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS
+                  for arg in argv[1:])
+      if asked and e.code == 1:
+        sys.exit(0)
+      raise
     except flags.Error as e:
       message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
       # absl's words for a missing required flag: "flag --x=None: Flag --x must have a
@@ -174,9 +185,32 @@ def _parse_flags(argv):
       raise errors.FlagError(f"{message} (--help lists the flags).") from None
 
 
-def _reported_main(main, argv):
+def advice_for_command(message: str, flag_names: dict[str, str],
+                       fallback: str = "") -> str:
+  """`message` as a command without a config flag says it.
+
+  Errors below the commands name run config keys as `--config.SECTION.KEY` flags. Each
+  such flag becomes the command's own (`flag_names`: 'SECTION.KEY' -> '--flag'); a
+  sentence naming a key the command cannot set is dropped, and `fallback` (the fix
+  this command offers instead) added when no advice with a flag is left.
+  """
+  sentences = re.split(r"(?<=\.) (?=[A-Z(])", message)
+  kept, advice_left = [], False
+  for sentence in sentences:
+    keys = re.findall(r"--config\.([\w.]+)", sentence)
+    if all(key in flag_names for key in keys):
+      kept.append(re.sub(r"--config\.([\w.]+)", lambda m: flag_names[m.group(1)],
+                         sentence))
+      advice_left = advice_left or bool(keys)
+  if len(kept) < len(sentences) and not advice_left and fallback:
+    kept.append(fallback)
+  return " ".join(kept)
+
+
+def _reported_main(main, argv, flag_names, fallback_advice):
   if flags.FLAGS.verbosity < 1:
     logging.get_absl_handler().addFilter(console.LibraryChatterFilter())
+    logging.get_absl_handler().setFormatter(console.PlainFormatter())
   with errors.reported_to_user():
     if len(argv) > 1:
       raise errors.FlagError(f"unexpected arguments {argv[1:]}: flags take the form "
@@ -185,7 +219,11 @@ def _reported_main(main, argv):
       return main(argv)
     except app.UsageError as e:
       raise errors.FlagError(str(e)) from None
-    except (errors.AllattError, errors.Preempted):
+    except errors.AllattError as e:
+      if flag_names is None:
+        raise
+      raise type(e)(advice_for_command(str(e), flag_names, fallback_advice)) from None
+    except errors.Preempted:
       raise
     except BrokenPipeError:
       # The reader of the output went away (`| head`): nothing is wrong, nothing to say.
@@ -197,6 +235,12 @@ def _reported_main(main, argv):
       sys.exit(1)
 
 
-def run(main) -> None:
-  """absl's `app.run(main)` with the error path of every command (module docstring)."""
-  app.run(functools.partial(_reported_main, main), flags_parser=_parse_flags)
+def run(main, flag_names: dict[str, str] | None = None, fallback_advice: str = "") -> None:
+  """absl's `app.run(main)` with the error path of every command (module docstring).
+
+  A command without a config flag gives `flag_names` (its flags for the config keys
+  it can set, maybe none) and `fallback_advice`: see `advice_for_command`.
+  """
+  app.run(functools.partial(_reported_main, main, flag_names=flag_names,
+                            fallback_advice=fallback_advice),
+          flags_parser=_parse_flags)

@@ -2,8 +2,9 @@
 
 By default the libraries' INFO and WARNING records (orbax's per-save steps, clu's
 work-unit notes, JAX's platform probing such as the missing libtpu, TFDS's folder
-notices) and TensorFlow's C++ start-up notices are hidden; absl's `--verbosity=1`
-shows them all. Errors always show.
+notices) and TensorFlow's C++ start-up notices are hidden, and the records shown are
+plain lines (`PlainFormatter`); absl's `--verbosity=1` shows them all, in absl's
+format. Errors always show.
 """
 import contextlib
 import logging
@@ -68,6 +69,17 @@ class LibraryChatterFilter(logging.Filter):
   def filter(self, record):
     return (record.levelno >= logging.ERROR
             or os.path.abspath(record.pathname).startswith(_PACKAGE_DIR))
+
+
+class PlainFormatter(logging.Formatter):
+  """A record as its message alone, 'warning: ' (or 'error: ') before the serious ones:
+  absl's timestamp, thread id and file:line help only whoever reads --verbosity=1."""
+
+  def format(self, record):
+    message = super().format(record)
+    if record.levelno >= logging.WARNING:
+      return f"{record.levelname.lower()}: {message}"
+    return message
 
 
 def banner(text: str) -> None:

@@ -1,5 +1,7 @@
-r"""Prints the parameter counts and forward MACs per token of a config's model or of a
-trained model (`cost_model.py` has the formulas), before and after head pruning:
+r"""Prints the parameters and MACs per token of a config's or a trained model's heads.
+
+Counts and forward MACs per token (`cost_model.py` has the formulas), before and
+after head pruning:
 
   python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
   python -m allatt_jax.costs --checkpoint=RUN/pruned/export     # a trained model

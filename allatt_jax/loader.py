@@ -18,12 +18,42 @@ from allatt_jax import model as model_lib
 from allatt_jax import rundir
 from allatt_jax.data import tokenization
 
+# What score, sample and export, which take no data flags, say when a model saved
+# before tokenizer.json existed cannot read its dataset.
+OLD_MODEL_ADVICE = ("Its dataset is needed, as the model has no tokenizer.json: put the "
+                    "files back where its config.json says (data.manual_dir).")
+
 
 def load_lm(checkpoint, step: int | None = None
             ) -> tuple[ml_collections.ConfigDict, model_lib.TransformerLM, Any]:
   """(run config, model, host variables) of a run workdir or an exported model."""
   config, variables = checkpointing.load_model(checkpoint, step)
   return config, model_lib.TransformerLM.from_config(config), variables
+
+
+def load_dataset(checkpoint, manual_dir: str | None = None,
+                 data_dir: str | None = None) -> data_lib.Corpus:
+  """The dataset a model was trained on, read before the model itself: from its
+  config's folders, or from `manual_dir` / `data_dir` where the files have moved.
+
+  Raises:
+    CheckpointError: `checkpoint` holds no run or export.
+    DataError: the dataset cannot be loaded, or its vocabulary is not the model's.
+  """
+  config = rundir.load_config(checkpoint)
+  for key, value in (("manual_dir", manual_dir), ("data_dir", data_dir)):
+    if value:
+      config.data[key] = value
+  corpus = data_lib.load_run_corpus(config)
+  saved = rundir.load_tokenizer(checkpoint)
+  if saved is not None and tokenization.Tokenizer.from_dict(saved) != corpus.tokenizer:
+    where = config.data.get("manual_dir") or "its prepared folder"
+    raise errors.DataError(
+        f"Dataset {config.data.name!r} read from {where} has another vocabulary "
+        f"({corpus.vocab_size} types) than the model in {checkpoint} was trained with "
+        f"({len(saved['vocab'])}): its scores would mean nothing. Point "
+        "--config.data.manual_dir at the files the model was trained on.")
+  return corpus
 
 
 def load_tokenizer(checkpoint, config: ml_collections.ConfigDict) -> tokenization.Tokenizer:
@@ -45,6 +75,7 @@ class LoadedModel:
   lm: model_lib.TransformerLM
   variables: Any                         # on the default device
   tokenizer: tokenization.Tokenizer
+  step: int | None = None                # the run's checkpoint step; None: an export
 
 
 def load(checkpoint, step: int | None = None) -> LoadedModel:
@@ -56,7 +87,8 @@ def load(checkpoint, step: int | None = None) -> LoadedModel:
       vocabulary size is not its tokenizer's.
     DataError: no saved tokenizer and the run's dataset cannot be loaded.
   """
-  config, lm, variables = load_lm(checkpoint, step)
+  config, variables, step = checkpointing.load_model_and_step(checkpoint, step)
+  lm = model_lib.TransformerLM.from_config(config)
   tokenizer = load_tokenizer(checkpoint, config)
   if tokenizer.vocab_size != lm.cfg.vocab_size:
     raise errors.CheckpointError(
@@ -64,4 +96,4 @@ def load(checkpoint, step: int | None = None) -> LoadedModel:
         f"tokenizer (dataset {tokenizer.dataset!r}) has {tokenizer.vocab_size} types; "
         "the checkpoint does not belong to this dataset (check data.name / "
         "data.data_dir in its config.json, or its tokenizer.json).")
-  return LoadedModel(config, lm, jax.device_put(variables), tokenizer)
+  return LoadedModel(config, lm, jax.device_put(variables), tokenizer, step)

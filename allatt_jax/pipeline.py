@@ -89,6 +89,13 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: ml_collections.ConfigDi
 
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = rundir.run_path(workdir)
+  if (workdir / rundir.CONFIG_FILE).is_file():
+    # Its stages would go into new runs inside that run's folder, and exit 0.
+    raise ConfigError(
+        f"--workdir {workdir} holds a single run or export (its {rundir.CONFIG_FILE}), "
+        "but this config is a pipeline, whose runs go in WORKDIR/baseline and "
+        "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
+        "baseline/), or a new one.")
   baseline_config, prune_config = stage_configs(config, workdir)
   # Completed here, as each stage will save it, so that the pruning stage's folder is
   # chosen by the settings it will really train with.

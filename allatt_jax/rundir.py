@@ -73,9 +73,13 @@ def load_config(directory) -> ml_collections.ConfigDict:
   """A run's or an export's saved config; keys it predates take their old meaning."""
   path = run_path(directory) / CONFIG_FILE
   if not path.is_file():
+    stages = [name for name in ("baseline", "pruned")
+              if (run_path(directory) / name / CONFIG_FILE).is_file()]
+    hint = (" It is a pipeline's workdir: its runs are "
+            f"{' and '.join(name + '/' for name in stages)} in it." if stages else "")
     raise CheckpointError(
         f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
-        "exported model. Point at the --workdir of a run, or at its export/ folder.")
+        f"exported model. Point at the --workdir of a run, or at its export/ folder.{hint}")
   saved = _read_json(path)
   for section, old_values in _BEFORE_RECIPE_KEYS.items():
     if section in saved:

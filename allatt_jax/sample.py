@@ -149,4 +149,4 @@ if __name__ == "__main__":
   _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
                                 "0 = all.")
   _SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
-  cli.run(main)
+  cli.run(main, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)

@@ -12,6 +12,7 @@ per scored token: {"position": i, "token": ..., "log_prob": ln p(token_i | token
 """
 import functools
 import json
+import os
 import pathlib
 import sys
 
@@ -92,8 +93,22 @@ def read_text(path) -> str:
     raise errors.DataError(f"Cannot read the text file {path}: {e}") from e
 
 
+def check_out_file(path) -> None:
+  """Raises FlagError unless `path` can be written: checked before the model loads,
+  not found out after scoring."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    raise errors.FlagError(f"--out={path} is a folder; give a file name, e.g. "
+                           f"--out={path / 'scores.jsonl'}.")
+  if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+    raise errors.FlagError(f"--out={path}: the folder {path.parent} does not exist or "
+                           "is not writable; create it, or write the file elsewhere.")
+
+
 def main(argv):
   del argv
+  if _OUT.value:
+    check_out_file(_OUT.value)
   model = loader.load(_CHECKPOINT.value, _STEP.value)
   summary, ids, log_probs = score_text(model, read_text(_TEXT_FILE.value))
   if _OUT.value:
@@ -110,4 +125,4 @@ if __name__ == "__main__":
       "vocabulary.", required=True)
   _OUT = flags.DEFINE_string("out", None, "Where to write per-token log-probabilities "
                              "(JSON lines); none written without it.")
-  cli.run(main)
+  cli.run(main, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)

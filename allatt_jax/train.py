@@ -113,6 +113,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
   with preemption.watching(watch) as watch:
+    # The config, then its dataset, are checked before `start` creates the workdir and
+    # opens orbax, so a wrong data folder leaves nothing behind.
+    validation.check_pruning_has_a_baseline(config)
     config, corpus = run_setup.prepare(config)
     setup, checkpoints = start(config, workdir)
     try:

@@ -10,6 +10,7 @@ a trace-time or orbax traceback minutes later.
 import json
 import uuid
 
+from absl import logging
 from etils import epath
 import flax
 import jax
@@ -311,8 +312,20 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
     return
   workdir = checkpoints.directory.parent
   saved = workdir / rundir.CONFIG_FILE
-  changed = (_config_differences(rundir.load_config(workdir), config)
-             if saved.is_file() else "unknown (no config.json)")
+  previous = rundir.load_config(workdir) if saved.is_file() else None
+  if previous is not None and previous.model.vocab_size != config.model.vocab_size:
+    # Other data changes the shape of every embedding and its optimizer state: the
+    # cause says more than that list, which only --verbosity=1 shows.
+    logging.debug("Shapes that differ from the checkpoint's: %s", _shape_differences(
+        state_shapes, found, limit=len(found) + len(state_shapes)))
+    raise CheckpointError(
+        f"--workdir {workdir} holds a checkpoint (step {step}) of a run on another "
+        f"vocabulary ({previous.model.vocab_size} tokens, dataset "
+        f"{previous.data.name!r}; this config: {config.model.vocab_size}, dataset "
+        f"{config.data.name!r}). To resume it, rerun with its data (config.data in "
+        f"{saved}); to train on this data, use a new --workdir.")
+  changed = (_config_differences(previous, config) if previous is not None
+             else "unknown (no config.json)")
   raise CheckpointError(
       f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
       f"other shapes than this config gives ({_shape_differences(state_shapes, found)})."
@@ -364,6 +377,10 @@ def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
 
 def check_export(workdir) -> None:
   """Raises CheckpointError unless `workdir` is a pruning run with a finished checkpoint."""
+  if (rundir.run_path(workdir) / "params").is_dir():
+    raise CheckpointError(
+        f"{workdir} is an exported model, not a run: it has no checkpoints or gates left "
+        "to export. Give the pruning run's --workdir (the folder holding checkpoints/).")
   config = rundir.load_config(workdir)
   if not config.gates.enabled:
     raise CheckpointError(

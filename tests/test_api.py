@@ -26,6 +26,7 @@ from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
+from allatt_jax.errors import FlagError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "The river flows past the old mill, and the town of 1850 grew along its banks."
@@ -201,6 +202,7 @@ def test_evaluate_cli_picks_a_step(workdir):
   first = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--step=20",
                              "--split=valid").stdout)
   assert first["step"] == 20 and first["tokens"] == last["tokens"] > 0
+  assert last["step"] == 30   # the step it used, not the absent flag's None
   assert first["bpc"] != last["bpc"]
   results = json.loads((workdir / "results.json").read_text())
   assert last["bpc"] == pytest.approx(results["valid"], rel=1e-5)
@@ -245,6 +247,28 @@ def test_export_of_an_earlier_step(pruned_run, tmp_path):
   assert allatt_jax.load(out).tokenizer.vocab_size == 27
   with pytest.raises(CheckpointError, match="No checkpoint of step 25"):
     export.export_run(pruned_run, tmp_path / "step25", step=25)
+
+
+def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
+  run = tmp_path / "pruned"
+  shutil.copytree(pruned_run, run)
+  own = json.loads((run / "results.json").read_text())["export"]
+  assert own["directory"] == str(pruned_run / export.EXPORT_DIR)
+  before = allatt_jax.load(run / export.EXPORT_DIR).costs()
+
+  # Another step goes next to the run's own export, which stays what results.json says.
+  assert export.export_run(run, step=20) == run / "export-step-20"
+  assert allatt_jax.load(run / export.EXPORT_DIR).costs() == before
+  refused = run_cli("export", f"--workdir={run}", "--step=20", check=False)
+  assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+  assert re.search(r"^error: .*export-step-20 already holds an exported model.* "
+                   r"--out=DIR.* --overwrite\.$", refused.stderr, re.M), refused.stderr
+  with pytest.raises(FlagError, match=r"/export already holds an exported model"):
+    export.export_run(run)
+  assert export.export_run(run, overwrite=True) == run / export.EXPORT_DIR
+  # Not even --overwrite writes a model over a folder that is not one.
+  with pytest.raises(FlagError, match=r"exists and is not an exported model"):
+    export.export_run(run, out_dir=run, overwrite=True)
 
 
 def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):

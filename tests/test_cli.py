@@ -8,16 +8,20 @@ inputs that fail before anything is compiled.
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
+from allatt_jax import checkpointing
 from allatt_jax import cli
 from allatt_jax import config_base
 from allatt_jax import console
+from allatt_jax import data as data_lib
 from allatt_jax import rundir
 from allatt_jax import train
+from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -79,10 +83,43 @@ def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
   assert_one_error_line(result, str(tmp_path))
 
 
+def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
+  rundir.save_config(tmp_path / "export", prune_config)
+  (tmp_path / "export" / "params").mkdir()
+  result = command("allatt_jax.export", f"--workdir={tmp_path / 'export'}")
+  assert_one_error_line(result, "is an exported model, not a run", "--workdir")
+
+
+def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
+  # Its stages went into new runs nested in that run's folder, and it exited 0.
+  rundir.save_config(tmp_path / "run", prune_config)
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", tmp=tmp_path)
+  assert_one_error_line(result, "holds a single run", "WORKDIR/baseline")
+  assert not (tmp_path / "run" / "baseline").exists()
+
+
+def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
+  rundir.save_config(tmp_path / "baseline", prune_config)
+  rundir.save_config(tmp_path / "pruned", prune_config)
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
+                   f"--text_file={tmp_path / 'missing.txt'}")
+  assert_one_error_line(result, "no config.json", "pipeline's workdir",
+                        "baseline/ and pruned/")
+
+
 def test_score_of_a_folder_without_a_model(tmp_path):
   result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
                    f"--text_file={tmp_path / 'missing.txt'}")
   assert_one_error_line(result, str(tmp_path), "no config.json")
+
+
+def test_score_out_file_in_a_missing_folder(tmp_path):
+  # Found out after scoring, this was a traceback.
+  out = tmp_path / "nowhere" / "scores.jsonl"
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
+                   f"--text_file={tmp_path / 'missing.txt'}", f"--out={out}")
+  assert_one_error_line(result, f"--out={out}", "does not exist")
 
 
 def test_sample_negative_token_count(tmp_path):
@@ -113,10 +150,88 @@ def test_data_missing_folder(tmp_path):
   assert_one_error_line(result, str(tmp_path / "nowhere"))
 
 
+def text_folder(folder, **texts):
+  folder.mkdir(parents=True, exist_ok=True)
+  for split in ("train", "valid", "test"):
+    (folder / f"{split}.txt").write_text(texts.get(split, "the cat sat on the mat\n" * 20))
+  return folder
+
+
+def saved_run_config(workdir, manual_dir):
+  """A run's config.json on dataset text_files in `manual_dir`, without checkpoints."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.update(dict(name="text_files", manual_dir=str(manual_dir)))
+  rundir.save_config(workdir, config)
+
+
+def test_data_advice_names_the_data_commands_flags(tmp_path):
+  result = command("allatt_jax.data", "--dataset=text_files",
+                   f"--manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
+  assert_one_error_line(result, "--manual_dir=DIR", "--files=TRAIN,VALID,TEST")
+  assert "--config" not in result.stderr
+  two_files = command("allatt_jax.data", "--dataset=text_files", "--files=a.txt,b.txt",
+                      f"--manual_dir={text_folder(tmp_path / 'text')}", tmp=tmp_path)
+  assert_one_error_line(two_files, "--files='a.txt,b.txt' must name three")
+
+
+def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
+  saved_run_config(tmp_path / "run", tmp_path / "moved")
+  moved = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
+                  "--split=valid", tmp=tmp_path)
+  # Only flags evaluate takes, and the dataset checked before any checkpoint is read.
+  assert_one_error_line(moved, str(tmp_path / "moved"), "--manual_dir=DIR")
+  assert "--config" not in moved.stderr
+  found = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
+                  "--split=valid", f"--manual_dir={text_folder(tmp_path / 'here')}",
+                  tmp=tmp_path)
+  assert_one_error_line(found, "No checkpoint in")
+
+
+def test_an_empty_file_gets_advice_that_applies(tmp_path):
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
+                   f"--config.data.manual_dir={text_folder(tmp_path / 'text', valid='')}",
+                   tmp=tmp_path)
+  assert_one_error_line(result, "valid.txt is empty. Put its text in it")
+  assert "file names" not in result.stderr
+
+
+def test_advice_is_spelled_in_the_commands_own_flags():
+  message = ("Dataset 'x' not found. Pass it with --config.data.manual_dir=DIR. Other "
+             "names go in --config.data.files=A,B,C.")
+  assert cli.advice_for_command(message, {"data.manual_dir": "--manual_dir",
+                                          "data.files": "--files"}) == (
+      "Dataset 'x' not found. Pass it with --manual_dir=DIR. Other names go in "
+      "--files=A,B,C.")
+  # A dropped sentence is replaced by the command's own fix where no advice is left.
+  assert cli.advice_for_command(message, {"data.manual_dir": "--manual_dir"},
+                                "Or this.") == (
+      "Dataset 'x' not found. Pass it with --manual_dir=DIR.")
+  assert cli.advice_for_command(message, {}, "Or this.") == (
+      "Dataset 'x' not found. Or this.")
+
+
 def test_experiments_missing_required_flag(tmp_path):
   result = command("allatt_jax.experiments", "--config=exp_chars.py:tiny",
                    f"--workdir={tmp_path}")
   assert_one_error_line(result, "--suite is required")
+
+
+def test_main_wrong_data_folder_stops_before_anything_is_written(tmp_path):
+  # The pipeline's baseline stage used to open its CheckpointManager first: the folder
+  # stayed behind, and orbax's cleanup thread died with a traceback at exit.
+  result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                   f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
+                   f"--config.data.manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
+  assert_one_error_line(result, str(tmp_path / "nowhere"), "--config.data.manual_dir")
+  assert not (tmp_path / "run" / "baseline").exists()
+
+
+def test_closing_a_run_waits_for_its_cleanup_thread(tmp_path):
+  (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").mkdir(parents=True)
+  checkpoints = checkpointing.RunCheckpoints(tmp_path)
+  checkpoints.close()
+  assert not (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").exists()
 
 
 def test_a_bug_prints_its_traceback_and_asks_for_a_report():
@@ -143,6 +258,31 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   config.init_from = "none"
   _, checkpoints = train.start(config, tmp_path)
   checkpoints.close()
+
+
+def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.data.data_dir = str(tmp_path / "tfds")
+  workdir = tmp_path / "run"
+  setup, checkpoints = train.start(config, workdir)
+  checkpoints.save(1, setup.new_state(), {"position": 0}, force=True)
+  checkpoints.wait()
+  checkpoints.close()
+  rundir.save_config(workdir, config)
+
+  other = config.copy_and_resolve_references()
+  other.data.update(dict(name="text_files", manual_dir=str(text_folder(tmp_path / "text"))))
+  other.model.vocab_size = data_lib.load_run_corpus(other).vocab_size
+  with caplog.at_level(logging.DEBUG, logger="absl"):
+    with pytest.raises(CheckpointError) as error:
+      train.start(other, workdir)
+  message = str(error.value)
+  assert (f"another vocabulary (27 tokens, dataset 'wikitext_chars'; this config: "
+          f"{other.model.vocab_size}, dataset 'text_files')") in message, message
+  assert "use a new --workdir" in message and "saved (" not in message, message
+  assert "Shapes that differ" in caplog.text   # for --verbosity=1
 
 
 # --- Configs by name, from any folder.
@@ -183,6 +323,8 @@ def test_the_command_list_names_every_command():
   assert listed == list(cli_commands())
   assert all(len(line.split()) > 2 for line in result.stdout.splitlines()
              if line.startswith("  "))
+  assert all(line.endswith(".") for line in result.stdout.splitlines()
+             if line.startswith("  ")), result.stdout
 
 
 def cli_commands():
@@ -192,8 +334,16 @@ def cli_commands():
 
 def test_help_describes_the_flags():
   result = command("allatt_jax.main", "--help")
+  assert result.returncode == 0, result.stderr
   for flag in ("--config", "--workdir", "shipped config", "demo.py"):
     assert flag in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("name", ["score", "sample", "evaluate", "export", "data"])
+def test_help_is_a_success(name):
+  result = command(f"allatt_jax.{name}", "--help")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "--" in result.stdout
 
 
 @pytest.mark.parametrize("argv,verbose", [
@@ -211,6 +361,23 @@ def test_library_records_below_error_are_hidden():
   assert not keep(record("/site-packages/orbax/checkpoint/x.py", logging.INFO))
   assert not keep(record("/site-packages/jax/_src/xla_bridge.py", logging.WARNING))
   assert keep(record("/site-packages/orbax/checkpoint/x.py", logging.ERROR))
+
+
+def test_the_default_console_has_no_log_prefixes(tmp_path):
+  for name in ("train.txt", "valid.txt", "test.txt"):
+    (tmp_path / name).write_text("the cat sat on the mat\n" * 20)
+  result = command("allatt_jax.data", "--dataset=text_files", f"--manual_dir={tmp_path}",
+                   tmp=tmp_path)
+  assert result.returncode == 0, result.stderr
+  assert "Preparing dataset 'text_files'" in result.stderr   # shown, as a plain line
+  assert not re.search(r"^[IWEF]\d{4} \d\d:\d\d", result.stderr, re.M), result.stderr
+
+
+def test_plain_records_keep_their_level_where_it_matters():
+  plain = console.PlainFormatter().format
+  record = lambda level: logging.LogRecord("absl", level, "x.py", 1, "m %d", (3,), None)
+  assert plain(record(logging.INFO)) == "m 3"
+  assert plain(record(logging.WARNING)) == "warning: m 3"
 
 
 def test_native_stderr_hidden_unless_the_block_fails(capfd):

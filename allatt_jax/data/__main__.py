@@ -75,4 +75,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, flag_names={f'data.{key}': f'--{key}' for key in (
+      'manual_dir', 'data_dir', 'level', 'files', 'min_count', 'max_vocab', 'clean')})

@@ -46,8 +46,10 @@ def check(spec: specs.DatasetSpec, paths: dict[str, pathlib.Path]) -> None:
   """Raises DataError when a file is empty, truncated or not in the official format."""
   for name, path in paths.items():
     if path.stat().st_size == 0:
-      raise DataError(f"Dataset '{spec.name}': {path} is empty. "
-                      f'{spec.source_hint()}')
+      fix = ('Put its text in it, or pass the folder holding the full files with '
+             '--config.data.manual_dir=DIR.' if spec.name == specs.TEXT_FILES_NAME
+             else spec.source_hint())
+      raise DataError(f"Dataset '{spec.name}': {path} is empty. {fix}")
     if spec.name == specs.TEXT_FILES_NAME:
       if spec.level != 'byte':
         _check_utf8(spec, path)

@@ -74,22 +74,19 @@ class DatasetSpec:
   def source_hint(self) -> str:
     """How a user provides the files, for error messages."""
     if self.name == TEXT_FILES_NAME:
-      return ('Pass the folder holding them with --config.data.manual_dir=DIR (or '
-              '--manual_dir=DIR for `python -m allatt_jax.data`); other file names '
-              'go in --config.data.files=TRAIN,VALID,TEST.')
+      return ('Pass the folder holding them with --config.data.manual_dir=DIR. Other '
+              'file names go in --config.data.files=TRAIN,VALID,TEST.')
     if self.tfds_name:
       return (f'TFDS downloads {self.archive_name} (needs internet), or finds it in '
-              'the folder given with --config.data.manual_dir=DIR (--manual_dir=DIR '
-              'for `python -m allatt_jax.data`).')
+              'the folder given with --config.data.manual_dir=DIR.')
     if self.url is None:
       return (f'It ships inside the package in {CORPUS_DIR}; reinstall allatt_jax, '
               'or rebuild it with `python -m allatt_jax.data '
               '--make_embedded_corpus_from=DIR` from a folder holding the WikiText-2 '
               'raw files wiki.valid.raw and wiki.test.raw.')
     return ('Either let TFDS download it (needs internet) or pass the folder that '
-            'holds the official files with --config.data.manual_dir=DIR (or '
-            f'--manual_dir=DIR for `python -m allatt_jax.data`), e.g. an unzip of '
-            f'{self.archive_name}.')
+            f'holds the official files with --config.data.manual_dir=DIR, e.g. an '
+            f'unzip of {self.archive_name}.')
 
   def not_found(self, reason: str) -> DataError:
     return DataError(
@@ -279,7 +276,7 @@ def resolve(name: str, level: str = '', files: str = DEFAULT_FILES, min_count: i
   defaults = {'level': '', 'files': DEFAULT_FILES, 'min_count': 1, 'max_vocab': 0,
               'clean': ''}
   if name != TEXT_FILES_NAME:
-    changed = [f'data.{key}={value!r}' for key, value in given.items()
+    changed = [f'--config.data.{key}={value!r}' for key, value in given.items()
                if value != defaults[key]]
     if changed:
       raise DataError(f"{', '.join(changed)} only applies to dataset "
@@ -290,20 +287,22 @@ def resolve(name: str, level: str = '', files: str = DEFAULT_FILES, min_count: i
   names = tuple(part.strip() for part in files.split(','))
   problems = []
   if level not in LEVELS:
-    problems.append(f"data.level={level!r} is not one of {', '.join(LEVELS)}")
+    problems.append(f"--config.data.level={level!r} is not one of {', '.join(LEVELS)}")
   if len(names) != 3 or not all(names) or len(set(names)) != 3:
-    problems.append(f'data.files={files!r} must name three different files, '
+    problems.append(f'--config.data.files={files!r} must name three different files, '
                     'train,valid,test')
   if clean not in CLEANING or (clean and level != 'char'):
-    problems.append(f"data.clean={clean!r}: use '' or 'text8' (char level only)")
+    problems.append(f"--config.data.clean={clean!r}: use '' or 'text8' (char level "
+                    'only)')
   if min_count < 1 or (min_count > 1 and level != 'word'):
-    problems.append(f'data.min_count={min_count}: use 1, or more at word level only')
+    problems.append(f'--config.data.min_count={min_count}: use 1, or more at word '
+                    'level only')
   if max_vocab < 0 or (level == 'word' and max_vocab == 1):
-    problems.append(f'data.max_vocab={max_vocab}: use 0 (no limit) or at least 2 '
-                    '(<eos> and <unk>)')
+    problems.append(f'--config.data.max_vocab={max_vocab}: use 0 (no limit) or at '
+                    'least 2 (<eos> and <unk>)')
   if level == 'byte' and 0 < max_vocab < 256:
-    problems.append(f'data.max_vocab={max_vocab}: bytes have no <unk> to map the '
-                    'rest to, so the vocabulary is all 256 byte values; use 0')
+    problems.append(f'--config.data.max_vocab={max_vocab}: bytes have no <unk> to map '
+                    'the rest to, so the vocabulary is all 256 byte values; use 0')
   if problems:
     raise DataError(f"Dataset '{TEXT_FILES_NAME}': " + '; '.join(problems) + '.')
   return dataclasses.replace(spec, level=level, files=names, min_count=min_count,
