@@ -93,7 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
       # this k at the freeze, towards the heads the export keeps (ours; 1 = the expected
       # count of Wang et al. 2020 and CoFi). The freeze keeps exactly the budget's heads
       # either way, ranked by logit where the gates disagree (budget.py).
-      budget_sharpness=4.0,
+      budget_sharpness=10.0,
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -91,16 +91,42 @@ def test_soft_gates_and_a_budget_out_of_range():
 
 # --- What the controller counts.
 
-def test_the_deterministic_count_has_the_expected_counts_gradient():
-  gate = gates_lib.GateConfig()
-  logits = [jnp.array([0.3, -0.2, 2.0]), jnp.array([-1.0, 0.0])]
-  assert float(budget.controlled_open(gate, logits, "deterministic")) == 3.0
-  assert float(budget.controlled_open(gate, logits, "expected")) == pytest.approx(
-      float(sum(jnp.sum(jax.nn.sigmoid(l)) for l in logits)))
-  grads = [jax.grad(lambda l, c=c: budget.controlled_open(gate, l, c))(logits)
-           for c in ("deterministic", "expected")]
-  for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
+  k = budget.sharpness_schedule(warmup_steps=200, freeze_step=1000, final=4.0)
+  np.testing.assert_allclose([k(0), k(200), k(600), k(1000)], [1.0, 1.0, 2.5, 4.0])
+  logits = [jnp.array([0.3, -0.2, 2.0]), jnp.array([-1.0, 0.5])]
+  hard, soft = gates_lib.GateConfig(), gates_lib.GateConfig(hard=False)
+  expected = sum(jnp.sum(jax.nn.sigmoid(l)) for l in logits)
+  np.testing.assert_allclose(budget.expected_open(hard, logits), expected, rtol=1e-6)
+  # Soft gates count P(g > 0), Louizos' open probability.
+  np.testing.assert_allclose(
+      budget.expected_open(soft, logits),
+      sum(jnp.sum(gates_lib.open_probability(l, soft)) for l in logits), rtol=1e-6)
+  # Sharper, the count nears the deterministic one (3 open heads here) ...
+  sharp = [float(budget.expected_open(hard, logits, s)) for s in (1.0, 4.0, 50.0)]
+  assert abs(sharp[0] - 3) > abs(sharp[1] - 3) > abs(sharp[2] - 3)
+  assert sharp[2] == pytest.approx(3.0, abs=1e-3)
+  # ... and its gradient moves to the heads nearest the decision.
+  grad = jax.grad(lambda l: budget.expected_open(hard, l, 4.0))(logits)
+  assert float(grad[0][1]) > float(grad[0][0]) > float(grad[1][1]) > float(grad[0][2])
+
+
+def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.model.vocab_size = 27
+  config.gates.update(config.experiments.prune_gates.to_dict())
+  config.gates.target_sparsity = 0.5
+  config.train.update(config.experiments.prune_train.to_dict())
+  setup = run_setup.resolve(config)
+  state = setup.new_state()
+  step = config.gates.l0_warmup_steps          # the target is n* = 4 of 8 from here
+  gap = float(setup.penalty.open_count(state.variables, step)) - 4.0
+  assert gap > 3.0                                # 8 heads at σ(2) ≈ 0.88 each
+  grads = jax.grad(lambda v: setup.penalty(v, None, step))(state.variables)
+  updates, _ = setup.optimizer.update(grads, state.opt_state, state.variables, step=step)
+  multipliers = updates[budget.COLLECTION]
+  # Gradient ascent: the update has the sign of ∂/∂λ1 = gap and ∂/∂λ2 = gap².
+  assert float(multipliers["lambda_1"]) > 0 and float(multipliers["lambda_2"]) > 0
 
 
 # --- A size through the pipeline; stages reused; settings never mixed.
@@ -177,6 +203,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
 def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data_dir):
   config = demo_config(data_dir)
   config.gates.target_sparsity = 0.5
+  config.train.update(config.experiments.prune_train.to_dict())
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
     pipeline.run(config, tmp_path)

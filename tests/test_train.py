@@ -31,6 +31,7 @@ def tiny_config(data_dir, **train_overrides):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
+  config.model.vocab_size = 27   # run_setup.resolve comes after prepare fills it in
   config.train.update(train_overrides)
   return config
 

@@ -34,6 +34,7 @@ def tiny_config(**sections):
   with config.unlocked():
     del config["pipeline"]
   config.data.name = "text8"
+  config.model.vocab_size = 27   # what run_setup.prepare takes from the data before start
   for name, values in sections.items():
     if isinstance(values, dict):
       config[name].update(values)
