@@ -35,6 +35,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
+  config.model.vocab_size = 27   # run_setup.resolve comes after prepare fills it in
   config.mesh.data, config.mesh.model = mesh
   # Dropout checks that random masks do not depend on how arrays are sharded.
   config.model.update(dict(dropout=0.1, dropout_attn=0.1, dropout_emb=0.1))

@@ -291,14 +291,16 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
     return ''.join(' '.join(rng.choice(vocabulary, size=rng.integers(3, 9))) + '\n'
                    for _ in range(lines))
   raw = write_folder(tmp_path / 'my_text', (text(120), text(15), text(15)))
-  stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
   config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))
-  config.model.vocab_size = stats.vocab_size
+  config.pipeline.prune_gates.target_sparsity = 0.5     # no vocab_size: the data's
   report = pipeline.run(config, tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
+  assert report['pruned']['sparsity'] == 0.5
+  stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
+  assert rundir.load_config(tmp_path / 'run' / 'baseline').model.vocab_size == stats.vocab_size
   model = loader.load(tmp_path / 'run' / 'pruned' / 'export')
   summary, ids, log_probs = score.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
   assert summary['unk'] == 1 and len(log_probs) == len(ids) - 1 == 9
