@@ -58,16 +58,12 @@ def lambda_schedule(gates: ml_collections.ConfigDict) -> optax.Schedule:
 
 def expected_open(gate: gates_lib.GateConfig, gates, sharpness=1.0) -> jax.Array:
   """The expected number of heads open in the gated forward pass; with `sharpness`
-  k > 1, the count of σ(k·x) instead of σ(x), nearer the deterministic count.
+  k > 1, nearer the deterministic count (`gates.forward_open_probability`).
 
-  With straight-through hard gates a head is open iff its stretched sample reaches
-  1/2, i.e. with probability σ(π), which is also what the deterministic rule 1[π > 0]
-  rounds; Louizos' P(g > 0) (the L0 penalty) would also count samples in (0, 1/2)
-  that the hard gate closes, so a controller on it settles with fewer heads open
-  than its target. Soft gates are open iff g > 0: there P(g > 0) is the count.
+  Not P(g > 0), the L0 penalty's count: a controller on it would settle with fewer
+  hard gates open than its target.
   """
-  offset = 0.0 if gate.hard else gate.temperature * jnp.log(-gates_lib.GAMMA / gates_lib.ZETA)
-  return sum(jnp.sum(jax.nn.sigmoid(sharpness * (logits_H - offset)))
+  return sum(jnp.sum(gates_lib.forward_open_probability(logits_H, gate, sharpness))
              for logits_H in jax.tree.leaves(gates))
 
 

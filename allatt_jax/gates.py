@@ -63,6 +63,20 @@ def open_probability(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
   return jax.nn.sigmoid(logits_H - cfg.temperature * jnp.log(-GAMMA / ZETA))
 
 
+def forward_open_probability(logits_H: jax.Array, cfg: GateConfig,
+                             sharpness=1.0) -> jax.Array:
+  """P(the sampled gate is open in the forward pass) per head.
+
+  Straight-through hard gates are open iff the stretched sample reaches 1/2, which
+  happens with probability σ(π), the probability the deterministic rule rounds;
+  P(g > 0) (`open_probability`) also counts samples in (0, 1/2) that the hard gate
+  closes. Soft gates are open iff g > 0. With `sharpness` k > 1 the argument of the
+  sigmoid is scaled by k: nearer the deterministic decision (the budget's count).
+  """
+  offset = 0.0 if cfg.hard else cfg.temperature * jnp.log(-GAMMA / ZETA)
+  return jax.nn.sigmoid(sharpness * (logits_H - offset))
+
+
 def output_scale(gates_H: jax.Array, cfg: GateConfig) -> jax.Array:
   """s_g = H / Σg, at most H (all gates closed), without gradient (technique 3)."""
   num_heads = gates_H.shape[-1]

@@ -460,9 +460,11 @@ def _summarise(pending, metric: str, gated: bool) -> dict[str, float]:
 
 
 def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> None:
-  """Per-layer, per-head open probabilities, for the gates heat map."""
-  probs = [np.asarray(gates_lib.open_probability(jnp.asarray(g["attention"]["logits"]),
-                                                 cfg.gate)).tolist() if g else []
+  """Per-layer, per-head probabilities that the gate is open in the forward pass (the
+  deterministic rule keeps a hard gate iff it is >= 1/2), for the gates heat map."""
+  open_probability = lambda logits_H: gates_lib.forward_open_probability(
+      jnp.asarray(logits_H), cfg.gate)
+  probs = [np.asarray(open_probability(g["attention"]["logits"])).tolist() if g else []
            for g in _layer_gates(jax.device_get(gates), cfg.num_layers)]
   with (rundir.run_path(workdir) / rundir.GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")

@@ -172,6 +172,10 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   assert api.load(workdir / "pruned").costs()["heads_per_layer"] == kept
   export_config = rundir.load_config(workdir / "pruned" / "export")
   assert list(export_config.model.heads_per_layer) == kept
+  # The figure's colours too: a hard gate's open probability is >= 1/2 iff it is kept.
+  last = json.loads((workdir / "pruned" / "gate_history.jsonl").read_text()
+                    .splitlines()[-1])
+  assert [sum(p >= 0.5 for p in layer) for layer in last["open_prob"]] == kept
 
 
 def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data_dir,
