@@ -382,9 +382,10 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
     return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
             f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
-            "heads by logit rank. To let the gates decide, give them more steps before "
-            f"the freeze: {gate_flags}.freeze_step (now {gates.freeze_step}), or a "
-            f"larger {gate_flags}.lagrangian_lr (now {gates.lagrangian_lr})."]
+            "heads by logit rank. To let the gates decide, give them more steps to settle "
+            f"before they freeze: a later {gate_flags}.freeze_step (now "
+            f"{gates.freeze_step}, with train.num_steps after it), or a longer target "
+            f"warm-up, {gate_flags}.l0_warmup_steps (now {gates.l0_warmup_steps})."]
   return []
 
 
