@@ -369,6 +369,8 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
   """What a user should know about a pruning run's outcome, with the flag to turn."""
   total = sum(setup.lm.cfg.layer_heads)
   gates = setup.config.gates
+  # Every caller's train section sits beside its gates section, with the same prefix.
+  train_flags = gate_flags.replace("gates", "train")
   if decision is None:
     if kept < total:
       return []
@@ -384,7 +386,7 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
             f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
             "heads by logit rank. To let the gates decide, give them more steps to settle "
             f"before they freeze: a later {gate_flags}.freeze_step (now "
-            f"{gates.freeze_step}, with train.num_steps after it), or a longer target "
+            f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
             f"warm-up, {gate_flags}.l0_warmup_steps (now {gates.l0_warmup_steps})."]
   return []
 
