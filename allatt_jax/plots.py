@@ -135,8 +135,9 @@ def trajectories_figure(runs: dict[str, dict[str, list]], out_file) -> None:
     ax.plot(steps, target, color=color, linestyle="--", linewidth=1)
   ax.set_xlabel("pruning step")
   ax.set_ylabel("heads")
-  ax.set_title("Budget controller: expected open heads (markers) and target (dashed)",
-               fontsize=10)
+  ax.set_title("Budget controller: its count of open heads, σ(k·π) summed (markers), "
+               "and target (dashed)\nuntil the freeze; from there the run keeps exactly "
+               "the target's heads", fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   _save(fig, out_file)
