@@ -94,6 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
       # count of Wang et al. 2020 and CoFi). The freeze keeps exactly the budget's heads
       # either way, ranked by logit where the gates disagree (budget.py).
       budget_sharpness=10.0,
+      # Steps over which a budget's target moves to its head count (ours); None = 60%
+      # of the steps before the freeze (budget.target_warmup_steps says why).
+      budget_warmup_steps=ml_collections.FieldReference(None, field_type=int),
   ))
 
   c.data = ml_collections.ConfigDict(dict(

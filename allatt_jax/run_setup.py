@@ -87,22 +87,23 @@ def penalty_from_config(config: ml_collections.ConfigDict,
   """The run's L0 term; a budget that cannot work fails here, at setup.
 
   With a budget, t(step) moves from the initial expected open heads down to n* over
-  the L0 warm-up.
+  `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
   """
   lam = budget.lambda_schedule(config.gates)
   if cost_model.target_key(config) is None:
     return budget.Penalty(lam, cfg.gate)
   gates = config.gates
   allowed = cost_model.target_open_heads(config, cfg)
+  warmup = budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
   controlled = functools.partial(
       budget.Penalty, lam, cfg.gate, allowed=allowed,
-      sharpness=budget.sharpness_schedule(gates.l0_warmup_steps, gates.freeze_step,
+      sharpness=budget.sharpness_schedule(warmup, gates.freeze_step,
                                           gates.budget_sharpness))
-  if not gates.l0_warmup_steps:
+  if not warmup:
     return controlled(optax.constant_schedule(float(allowed)))
   start = float(budget.expected_open(cfg.gate, [jnp.full((h,), cfg.gate.init)
                                                 for h in cfg.layer_heads if h]))
-  return controlled(optax.linear_schedule(start, float(allowed), gates.l0_warmup_steps))
+  return controlled(optax.linear_schedule(start, float(allowed), warmup))
 
 
 def prepare(config: ml_collections.ConfigDict

@@ -85,6 +85,8 @@ def load_config(directory) -> ml_collections.ConfigDict:
     if section in saved:
       for key, value in old_values.items():
         saved[section].setdefault(key, value)
+  if "gates" in saved:   # a budget's target once warmed up with λ's schedule
+    saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
   return ml_collections.ConfigDict(saved)
 
 

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import console
 from allatt_jax import cost_model
@@ -387,7 +388,8 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
             "heads by logit rank. To let the gates decide, give them more steps to settle "
             f"before they freeze: a later {gate_flags}.freeze_step (now "
             f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
-            f"warm-up, {gate_flags}.l0_warmup_steps (now {gates.l0_warmup_steps})."]
+            f"warm-up, {gate_flags}.budget_warmup_steps (now "
+            f"{budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)})."]
   return []
 
 

@@ -39,6 +39,7 @@ _MINIMUM = {
     "model.max_relative_len": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
     "gates.freeze_step": 0, "gates.lr_multiplier": 0, "gates.budget_sharpness": 1,
+    "gates.budget_warmup_steps": 0,
     "model.layer_norm_eps": 0, "train.lamb_eps": 0, "train.lamb_max_weight_norm": 0,
     "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
     "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,

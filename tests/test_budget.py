@@ -119,7 +119,7 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config.train.update(config.experiments.prune_train.to_dict())
   setup = run_setup.resolve(config)
   state = setup.new_state()
-  step = config.gates.l0_warmup_steps          # the target is n* = 4 of 8 from here
+  step = config.gates.freeze_step - 1          # the target is n* = 4 of 8 by now
   gap = float(setup.penalty.open_count(state.variables, step)) - 4.0
   assert gap > 3.0                                # 8 heads at σ(2) ≈ 0.88 each
   grads = jax.grad(lambda v: setup.penalty(v, None, step))(state.variables)
