@@ -207,7 +207,6 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
 def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data_dir):
   config = demo_config(data_dir)
   config.gates.target_sparsity = 0.5
-  config.train.update(config.experiments.prune_train.to_dict())
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
     pipeline.run(config, tmp_path)
