@@ -197,7 +197,7 @@ def _report(baseline_config, prune_config, pruned_dir, baseline, pruned, baselin
           "params_non_embedding": cost["baseline"]["params_non_embedding"],
           "heads_per_layer": list(baseline_model[0].cfg.layer_heads)},
       "pruned": {
-          "directory": str(pruned_dir),
+          "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'
           "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
           "gated_valid": pruned["valid"], "gated_test": pruned["test"],
           "params_non_embedding": cost["pruned"]["params_non_embedding"],
