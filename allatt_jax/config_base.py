@@ -34,6 +34,10 @@ import pathlib
 import ml_collections
 
 
+# The gates keys that ask for a size instead of a λ (budget.py); at most one is set.
+BUDGET_TARGETS = ("target_sparsity", "target_params", "target_macs")
+
+
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 

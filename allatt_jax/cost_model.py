@@ -29,6 +29,7 @@ import math
 import jax
 import ml_collections
 
+from allatt_jax import config_base
 from allatt_jax import model as model_lib
 from allatt_jax.errors import ConfigError
 
@@ -134,7 +135,7 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 # --- Budgets: a pruning run's requested size as a number of open heads (budget.py
 # steers the gates to it).
 
-TARGET_KEYS = ("target_sparsity", "target_params", "target_macs")
+TARGET_KEYS = config_base.BUDGET_TARGETS
 
 
 def target_key(config: ml_collections.ConfigDict) -> str | None:

@@ -19,6 +19,7 @@ import ml_collections
 
 from allatt_jax import attention
 from allatt_jax import checkpointing
+from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
@@ -61,6 +62,8 @@ _PARAMS_PREFIX = "variables/params/"
 RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
              "model.remat")
+# Settings of the budget controller, which a run without a budget never reads.
+BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
 
 def check_config(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig, *,
@@ -118,11 +121,15 @@ def setting_differences(saved: ml_collections.ConfigDict,
                         config: ml_collections.ConfigDict) -> list[str]:
   """'key: saved -> now' for each setting that differs outside RESUMABLE. Only keys
   both configs have are compared (a key one of them predates cannot have been
-  chosen), and a run without gates has no gate settings besides `gates.enabled`."""
+  chosen); a run without gates has no gate settings besides `gates.enabled`, and a
+  run without a budget no controller settings (BUDGET_ONLY)."""
   old, new = _leaves(saved), _leaves(config)
   ungated = not (old.get("gates.enabled") or new.get("gates.enabled"))
+  no_budget = not any(c.get(f"gates.{k}") is not None for c in (old, new)
+                      for k in config_base.BUDGET_TARGETS)
   ignored = lambda key: (any(key == k or key.startswith(k.rstrip("*")) for k in RESUMABLE)
-                         or (ungated and key.startswith("gates.")))
+                         or (ungated and key.startswith("gates."))
+                         or (no_budget and key in BUDGET_ONLY))
   return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
           if old[k] != new[k] and not ignored(k)]
 

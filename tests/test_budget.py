@@ -22,6 +22,7 @@ from allatt_jax import prune
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
+from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import runs as runs_lib
 
@@ -289,3 +290,16 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   with caplog.at_level(logging.WARNING):
     run_setup.load_corpus(config)
   assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
+
+
+def test_controller_settings_count_only_for_a_budget_run():
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.gates.update(config.experiments.prune_gates.to_dict())
+  config.gates.lam = 0.2
+  other = config.copy_and_resolve_references()
+  other.gates.budget_sharpness = 3.0
+  assert validation.setting_differences(config, other) == []      # a fixed-λ run
+  for c in (config, other):
+    c.gates.update(dict(lam=0.0, target_sparsity=0.5))
+  assert validation.setting_differences(config, other) == [
+      "gates.budget_sharpness: 10.0 -> 3.0"]
