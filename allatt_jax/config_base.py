@@ -25,7 +25,9 @@ the other form stays selectable:
              (`model.persistent_content_bias`: (q + u)·P_K).
   ours       empty memory slots at a stream's start are masked (the official model
              attends to zero-filled slots: its first segment's scores depend on the
-             padding, ours are those of a model without memory).
+             padding, ours are those of a model without memory); budgets instead of
+             λ (`gates.target_*`, budget.py: target warm-up, sharpened count, exactly
+             n* heads kept at the freeze); `model.vocab_size` 0 = the dataset's.
 """
 import ast
 import importlib.util
