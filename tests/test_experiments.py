@@ -156,7 +156,8 @@ def test_budget_config_errors(gates, match):
 
 
 def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
-  config = budget_config(target_sparsity=0.5, lam=0.1, l0_warmup_steps=0)
+  config = budget_config(target_sparsity=0.5, lam=0.1, l0_warmup_steps=0,
+                         budget_warmup_steps=0)
   corpus = run_setup.load_corpus(config)
   completed = run_setup.complete(config, corpus)
   assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
