@@ -7,10 +7,10 @@ Measures, on the first device and in one process:
     baseline and for the pruning step with sampled gates, and its achieved model
     GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
     forward MACs per token (`cost_model.macs_per_token`, attention stack and output layer);
-  * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models exported from
-    gated models of random parameters keeping each fraction of every layer's heads
-    (random heads, `prune.prune_variables`), their MAC ratio to the unpruned model
-    and their speed-up against the ideal 1 / MAC ratio;
+  * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models of random
+    parameters cut to each fraction of every layer's heads (random heads, removed by
+    the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
+    model and their speed-up against the ideal 1 / MAC ratio;
   * GFLOP/s of one large float32 matmul, the device's practical peak;
   * compile times, XLA's temporary buffer sizes and the process's peak memory.
 Variants are timed in interleaved rounds (the matmul in every round too) and the
@@ -40,8 +40,8 @@ import numpy as np
 from allatt_jax import cli
 from allatt_jax import cost_model
 from allatt_jax import evaluation
-from allatt_jax import prune
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 from allatt_jax import run_setup
 from allatt_jax import sharding
 
@@ -159,39 +159,34 @@ class TrainStep:
     return getattr(analysis, "temp_size_in_bytes", None)
 
 
-def gated_model(config: ml_collections.ConfigDict, seed: int = 0):
-  """(config, variables) of the config's model with head gates and random parameters.
+def random_model(config: ml_collections.ConfigDict, seed: int = 0):
+  """(config, variables) of the config's model, all its heads, random parameters.
 
   N(0, 0.02) entries of the right shapes: throughput does not depend on the values,
   and this skips compiling the initialisers.
   """
-  cfg = model_lib.ModelConfig.from_config(config, gated=True, heads_per_layer=None)
+  cfg = model_lib.ModelConfig.from_config(config, gated=False, heads_per_layer=None)
   abstract = model_lib.abstract_variables(cfg)
   rng = np.random.default_rng(seed)
   return cfg, jax.tree.map(lambda a: rng.normal(0.0, 0.02, a.shape).astype(a.dtype),
                            nn.unbox(abstract))
 
 
-def pruned_model(gated_cfg, variables, heads_kept: float, seed: int = 0):
-  """(config, params) exported from a gated model keeping a fraction of every layer's heads.
-
-  Every layer keeps round(heads_kept · H) heads chosen at random; the rest get closed
-  gates and `prune.prune_variables` cuts them out, as after a pruning run.
-  """
+def removed_heads(cfg: model_lib.ModelConfig, heads_kept: float,
+                  seed: int = 0) -> dict[int, list[int]]:
+  """{layer: heads} that leave round(heads_kept · H) random heads in every layer."""
   rng = np.random.default_rng(seed)
-  gates = {}
-  for i, heads in enumerate(gated_cfg.layer_heads):
-    open_H = np.zeros(heads, bool)
-    open_H[rng.permutation(heads)[:round(heads_kept * heads)]] = True
-    gates[f"layer_{i}"] = {"attention": {"logits": np.where(open_H, 3.0, -3.0)}}
-  return prune.prune_variables(gated_cfg, {"params": variables["params"], "gates": gates})
+  return {i: rng.permutation(heads)[round(heads_kept * heads):].tolist()
+          for i, heads in enumerate(cfg.layer_heads)}
 
 
 class Inference:
   """Evaluation-with-memory throughput of one exported model on random tokens."""
 
-  def __init__(self, config: ml_collections.ConfigDict, gated, heads_kept: float):
-    cfg, params = pruned_model(*gated, heads_kept)
+  def __init__(self, config: ml_collections.ConfigDict, model, heads_kept: float):
+    full_cfg, variables = model
+    cfg, params = prune.remove_heads(full_cfg, variables,
+                                     removed_heads(full_cfg, heads_kept))
     self.cfg = cfg
     self.heads_kept = heads_kept
     e = config.eval
@@ -242,8 +237,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
   matmul = Matmul(bench.matmul_size, jnp.dtype(config.model.dtype))
   train_steps = {"baseline": TrainStep(config, gated=False),
                  "gated": TrainStep(config, gated=True)}
-  gated = gated_model(config)
-  models = [Inference(config, gated, f) for f in bench.heads_kept]
+  model = random_model(config)
+  models = [Inference(config, model, f) for f in bench.heads_kept]
 
   # Each variant's first step in a round runs untimed: after another executable has
   # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in

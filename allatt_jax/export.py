@@ -1,7 +1,7 @@
 """Exports a pruning run as a smaller model without gates or its closed heads.
 
 The export holds the model's config.json, params (heads removed by
-`prune.prune_variables`) and tokenizer.json: loadable and usable on text without the
+`prune.remove_heads`) and tokenizer.json: loadable and usable on text without the
 training run or its dataset (`loader.load`).
 
 A pruning run exports its final state itself, to RUN/export; this command exports a
@@ -66,8 +66,8 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
   config = rundir.load_config(workdir)
   tokenizer = loader.load_tokenizer(workdir, config)
   step, variables = checkpointing.restore_step(workdir, step)
-  pruned_cfg, params = prune.prune_variables(model_lib.ModelConfig.from_config(config),
-                                             variables)
+  pruned_cfg, params = prune.remove_heads(model_lib.ModelConfig.from_config(config),
+                                          variables)
   # The default folder is named after the step that restored, so the check of the
   # folder waits for it (it still comes before anything is written).
   out_dir = (rundir.run_path(out_dir) if out_dir

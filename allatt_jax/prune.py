@@ -1,17 +1,20 @@
-"""Head removal: a gated model's variables become a smaller, ungated model's params.
+"""Head removal: the one head surgery, a model's variables to a smaller model's params.
 
-A head whose deterministic gate is closed loses its slices of every attention
-parameter; the survivors' output-projection slices absorb g_i · s_g, the gate value
-times the layer's output scale (computed over the layer's full gate vector), which
-is exactly the factor the gated model multiplies each head's output by. The exported
-model is therefore a plain `TransformerLM` with per-layer head counts whose outputs
-equal the gated model's deterministic outputs, in hard (g ∈ {0, 1}) and soft
-(fractional g) mode alike. A layer left without heads drops its attention and
-attention norm: All-att's layer becomes the identity, TXL's keeps its feed-forward;
-either keeps W_O's bias (a per-layer vector: the gated layer with every gate closed
-still adds it), as the parameter `model.HEADLESS_OUT_BIAS`.
+`remove_heads` takes the heads to remove (by index or as a mask) and, for a gated
+model, also the heads whose deterministic gate is closed. A removed head loses its
+slices of every attention parameter; the survivors' output-projection slices absorb
+g_i · s_g, the gate value times the layer's output scale (computed over the layer's
+full gate vector), which is exactly the factor the gated model multiplies each
+head's output by (an ungated model's heads count as hard gates without scale, so
+they are copied as they are). The smaller model is therefore a plain
+`TransformerLM` with per-layer head counts whose outputs equal the gated model's
+deterministic outputs, in hard (g ∈ {0, 1}) and soft (fractional g) mode alike. A
+layer left without heads drops its attention and attention norm: All-att's layer
+becomes the identity, TXL's keeps its feed-forward; either keeps W_O's bias (a
+per-layer vector: the gated layer with every gate closed still adds it), as the
+parameter `model.HEADLESS_OUT_BIAS`.
 """
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 
 import flax.linen as nn
@@ -46,15 +49,15 @@ _ATTENTION_MODULES = ("attention", "attention_norm")
 _CERTAIN_LOGIT = 10.0
 
 
-def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
-  """Per layer, the deterministic gate values (H_i,); empty for a headless layer."""
-  values = []
+def _gate_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
+  """Per layer, a float32 copy of the gate logits (H_i,); empty for a headless layer."""
+  logits = []
   for i, heads in enumerate(cfg.layer_heads):
     if not heads:
-      values.append(np.zeros((0,), np.float32))
+      logits.append(np.zeros((0,), np.float32))
       continue
     try:
-      logits_H = np.asarray(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
+      logits_H = np.array(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
     except KeyError:
       raise errors.CheckpointError(
           f"The gates collection has no logits for layer_{i} (expected at "
@@ -64,8 +67,19 @@ def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
       raise errors.CheckpointError(
           f"Gate logits of layer_{i} have shape {logits_H.shape}, but the config gives "
           f"that layer {heads} heads; the variables do not match the config.")
-    values.append(np.asarray(gates_lib.deterministic(jnp.asarray(logits_H), cfg.gate)))
-  return values
+    logits.append(logits_H)
+  return logits
+
+
+def _deterministic(logits: list[np.ndarray], gate: gates_lib.GateConfig) -> list[np.ndarray]:
+  """Per layer, the deterministic gate values of `logits`."""
+  return [np.asarray(gates_lib.deterministic(jnp.asarray(logits_H), gate))
+          if logits_H.size else logits_H for logits_H in logits]
+
+
+def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
+  """Per layer, the deterministic gate values (H_i,); empty for a headless layer."""
+  return _deterministic(_gate_logits(cfg, gates), cfg.gate)
 
 
 def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]:
@@ -134,38 +148,64 @@ def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.Mod
                              gated=False)
 
 
-def prune_variables(cfg: model_lib.ModelConfig,
-                    variables) -> tuple[model_lib.ModelConfig, dict]:
-  """Removes closed heads from a gated model and folds the gates into W_O.
+def remove_heads(cfg: model_lib.ModelConfig, variables,
+                 heads: Mapping[int, Iterable[int]] | Sequence[np.ndarray] | None = None
+                 ) -> tuple[model_lib.ModelConfig, dict]:
+  """The smaller, ungated model without the chosen heads: the one head surgery.
+
+  A gated model (a pruning run) also loses the heads its deterministic gates close,
+  and its gates fold into the survivors' W_O slices, so the result computes its
+  deterministic outputs: that is its export. An ungated model keeps its other heads
+  unchanged (hard gates, no output scale).
 
   Args:
-    cfg: the gated model's config.
-    variables: {'params': ..., 'gates': ...} of that model, unboxed arrays.
+    cfg: the model's config, gated or not.
+    variables: its variables ({'params'}, and {'gates'} when gated), unboxed arrays.
+    heads: the heads to remove, as {layer: [head, ...]} (indices of the layer's
+      current heads, 0 .. H_layer - 1) or as a mask (one bool array (H_layer,) per
+      layer, True = keep); None removes none.
 
   Returns:
-    The pruned model's config (heads_per_layer = surviving heads per layer,
-    gated=False) and its params tree, as numpy arrays.
+    The smaller model's config (heads_per_layer = the heads left per layer,
+    gated=False, the rest as in `cfg`) and its params tree, as numpy arrays.
 
   Raises:
-    CheckpointError: the variables have no gates, or do not fit `cfg`.
+    CheckpointError: a gated model's variables have no gates, or do not fit `cfg`.
+    ConfigError: a layer or head index out of range, or a mask of another shape
+      (the message names it).
   """
-  if not variables.get("gates"):
-    raise errors.CheckpointError(
-        "The variables have no 'gates' collection: this run has no head gates, so "
-        "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
-        "not a baseline.")
+  removed = _removed_heads(cfg, heads)
+  if cfg.gated:
+    if not variables.get("gates"):
+      raise errors.CheckpointError(
+          "The variables have no 'gates' collection: this run has no head gates, so "
+          "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
+          "not a baseline.")
+    logits, gate = _gate_logits(cfg, variables["gates"]), cfg.gate
+  else:
+    logits = [np.full((num_heads,), _CERTAIN_LOGIT, np.float32)
+              for num_heads in cfg.layer_heads]
+    gate = gates_lib.GateConfig(hard=True, scale_output=False)
+  for layer, layer_heads in removed.items():
+    logits[layer][layer_heads] = -_CERTAIN_LOGIT
+  return _cut_heads(cfg, variables["params"], _deterministic(logits, gate), gate)
+
+
+def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
+               gate: gates_lib.GateConfig) -> tuple[model_lib.ModelConfig, dict]:
+  """Slices out the heads whose gate value is 0 and folds g_i · s_g into W_O."""
   keep, combine = [], []
-  for g_H in _gate_values(cfg, variables["gates"]):
+  for g_H in values:
     keep.append(np.flatnonzero(g_H > 0))
     # The scale uses the layer's full gate vector, as the gated forward pass does.
-    combine_H = g_H * np.asarray(gates_lib.output_scale(jnp.asarray(g_H), cfg.gate))
+    combine_H = g_H * np.asarray(gates_lib.output_scale(jnp.asarray(g_H), gate))
     combine.append(combine_H.astype(np.float32))
 
   pruned_cfg = dataclasses.replace(
       cfg, heads_per_layer=tuple(len(k) for k in keep), gated=False)
   layer_index = {f"layer_{i}": i for i in range(cfg.num_layers)}
   pruned = {}
-  for path, leaf in traverse_util.flatten_dict(variables["params"]).items():
+  for path, leaf in traverse_util.flatten_dict(params).items():
     i = layer_index.get(path[0])
     if i is None or path[1] not in _ATTENTION_MODULES:
       pruned[path] = np.asarray(leaf)
@@ -186,48 +226,25 @@ def prune_variables(cfg: model_lib.ModelConfig,
     if sub_path == _OUT_KERNEL:
       sliced = sliced * combine[i][keep[i]][:, None, None]
     pruned[path] = sliced
-  params = traverse_util.unflatten_dict(pruned)
-  _check_matches_init(pruned_cfg, params)
-  return pruned_cfg, params
+  pruned_params = traverse_util.unflatten_dict(pruned)
+  _check_matches_init(pruned_cfg, pruned_params)
+  return pruned_cfg, pruned_params
 
 
-def remove_heads(cfg: model_lib.ModelConfig, variables,
-                 heads: Mapping[int, Iterable[int]]) -> tuple[model_lib.ModelConfig, dict]:
-  """The smaller model without the chosen heads, by the surgery of `prune_variables`.
-
-  Args:
-    cfg: the model's config, gated or not.
-    variables: its variables ({'params'}, and {'gates'} when gated).
-    heads: {layer: [head, ...]} to remove; head indices count the layer's current
-      heads (0 .. H_layer - 1).
-
-  Returns:
-    As `prune_variables`. An ungated model's other heads are unchanged (hard gates,
-    no output scale); a gated model has the chosen heads closed on top of its own
-    gates, and its output scale follows the closed gates as in its forward pass.
-
-  Raises:
-    ConfigError: a layer or head index out of range (the message names it).
-  """
-  removed = _checked_heads(cfg, heads)
-  if cfg.gated:
-    gates = {}
-    for layer, layer_gates in variables["gates"].items():
-      logits_H = np.array(layer_gates["attention"]["logits"], np.float32)
-      logits_H[removed.get(int(layer.removeprefix("layer_")), [])] = -_CERTAIN_LOGIT
-      gates[layer] = {"attention": {"logits": logits_H}}
-    return prune_variables(cfg, {"params": variables["params"], "gates": gates})
-  gated = dataclasses.replace(cfg, gated=True,
-                              gate=gates_lib.GateConfig(hard=True, scale_output=False))
-  gates = {}
-  for i, num_heads in enumerate(cfg.layer_heads):
-    if num_heads:
-      logits_H = np.full((num_heads,), _CERTAIN_LOGIT, np.float32)
-      logits_H[removed.get(i, [])] = -_CERTAIN_LOGIT
-      gates[f"layer_{i}"] = {"attention": {"logits": logits_H}}
-  pruned_cfg, params = prune_variables(gated, {"params": variables["params"],
-                                               "gates": gates})
-  return dataclasses.replace(pruned_cfg, gate=cfg.gate), params
+def _removed_heads(cfg: model_lib.ModelConfig, heads) -> dict[int, list[int]]:
+  """{layer: sorted head indices} of `heads` given as {layer: heads} or as a mask."""
+  if heads is None:
+    return {}
+  if isinstance(heads, Mapping):
+    return _checked_heads(cfg, heads)
+  mask = [np.asarray(keep) for keep in heads]
+  if ([(keep.dtype, keep.shape) for keep in mask]
+      != [(np.dtype(bool), (count,)) for count in cfg.layer_heads]):
+    got = ", ".join(f"{keep.dtype} {keep.shape}" for keep in mask)
+    raise errors.ConfigError(
+        f"A head mask needs one bool array per layer, of the layer's head count "
+        f"{list(cfg.layer_heads)}; got [{got}].")
+  return {i: np.flatnonzero(~keep).tolist() for i, keep in enumerate(mask)}
 
 
 def _checked_heads(cfg: model_lib.ModelConfig,

@@ -341,7 +341,7 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
     host_variables = multihost_utils.process_allgather(variables, tiled=True)
   else:
     host_variables = jax.device_get(variables)
-  pruned_cfg, params = prune.prune_variables(setup.lm.cfg, host_variables)
+  pruned_cfg, params = prune.remove_heads(setup.lm.cfg, host_variables)
   export_dir = workdir / export.EXPORT_DIR
   is_main = jax.process_index() == 0
   if is_main:

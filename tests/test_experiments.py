@@ -12,6 +12,7 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import cost_model
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 from allatt_jax import run_setup
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
@@ -113,8 +114,8 @@ def test_michel_importance_is_the_mean_absolute_batch_gradient(tiny_model):
 def test_masked_model_equals_the_exported_one(tiny_model):
   lm, variables, segments = tiny_model
   mask = (np.array([True, False, True, False]), np.zeros(4, bool), np.ones(4, bool))
-  pruned_cfg, params = heuristics.apply_mask(lm.cfg, variables["params"], mask)
-  assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
+  pruned_cfg, params = prune.remove_heads(lm.cfg, variables, mask)
+  assert pruned_cfg == dataclasses.replace(lm.cfg, heads_per_layer=(2, 0, 4))
   inputs, targets = segments.batches[0]
   masked, _ = heuristics.masked_loss(lm, variables, [jnp.asarray(m, jnp.float32)
                                                      for m in mask],

@@ -1,4 +1,6 @@
-"""Export: closed heads removed, gates folded into W_O, outputs unchanged."""
+"""Head surgery: chosen and closed heads removed, gates folded into W_O, outputs unchanged."""
+import dataclasses
+
 import flax.linen as nn
 from flax import traverse_util
 import jax
@@ -67,7 +69,7 @@ def abstract_params(cfg):
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
   cfg, variables = gated_model(kind, gate)
-  pruned_cfg, params = prune.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.remove_heads(cfg, variables)
   gated_lm, pruned_lm = model_lib.TransformerLM(cfg), model_lib.TransformerLM(pruned_cfg)
   seq = tokens(2, (2, 2 * SEQ_LEN + 1))
   gated_mem = model_lib.init_memory(cfg, 2, SEQ_LEN)
@@ -106,7 +108,7 @@ def test_surviving_heads(gate, expected):
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_tree_is_the_pruned_models(kind):
   cfg, variables = gated_model(kind, HARD)
-  pruned_cfg, params = prune.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.remove_heads(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
   assert pruned_cfg.head_dim == cfg.head_dim
 
@@ -153,7 +155,7 @@ def test_exported_tree_is_the_pruned_models(kind):
 def test_gated_model_with_a_headless_layer_exports():
   cfg, variables = gated_model("allatt", HARD, heads_per_layer=(4, 0, 4))
   assert "layer_1" not in variables["gates"]
-  pruned_cfg, params = prune.prune_variables(cfg, variables)
+  pruned_cfg, params = prune.remove_heads(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4)
   assert jax.tree.structure(params) == jax.tree.structure(abstract_params(pruned_cfg))
 
@@ -162,7 +164,7 @@ def test_variables_without_gates_are_refused():
   cfg, variables = gated_model("allatt")
   with pytest.raises(errors.CheckpointError, match="no head gates, so there is nothing "
                      "to prune. Export needs a pruning run"):
-    prune.prune_variables(cfg, {"params": variables["params"]})
+    prune.remove_heads(cfg, {"params": variables["params"]})
 
 
 def test_variables_that_do_not_fit_the_config_are_refused():
@@ -170,7 +172,7 @@ def test_variables_that_do_not_fit_the_config_are_refused():
   wrong_cfg = make_cfg("allatt", num_persistent=8)
   with pytest.raises(errors.CheckpointError,
                      match=r"do not fit the config.*persistent_key: shape \(2, 4, 8\)"):
-    prune.prune_variables(wrong_cfg, variables)
+    prune.remove_heads(wrong_cfg, variables)
 
 
 @pytest.mark.parametrize("open_at_zero,expected", [(True, [0, 1]), (False, [0])])
@@ -178,3 +180,50 @@ def test_logit_of_exactly_zero_is_open_as_in_the_official_code(open_at_zero, exp
   cfg = make_cfg("allatt", gates_lib.GateConfig(open_at_zero=open_at_zero), num_layers=1)
   gates = {"layer_0": {"attention": {"logits": jnp.array([1.0, 0.0, -1e-6, -2.0])}}}
   assert prune.surviving_heads(cfg, gates)[0].tolist() == expected
+
+
+@pytest.mark.parametrize("kind", model_lib.KINDS)
+def test_a_mask_removes_the_heads_that_indices_remove(kind):
+  cfg, variables = gated_model(kind, SOFT)
+  ungated = dataclasses.replace(cfg, gated=False)
+  params = {"params": variables["params"]}
+  mask = (np.array([True, False, True, False]), np.zeros(4, bool), np.ones(4, bool))
+  by_mask = prune.remove_heads(ungated, params, mask)
+  by_index = prune.remove_heads(ungated, params, {0: [3, 1], 1: [0, 1, 2, 3]})
+  assert by_mask[0] == by_index[0]
+  assert by_mask[0].layer_heads == (2, 0, 4) and not by_mask[0].gated
+  assert by_mask[0].gate == SOFT   # the model's own gate settings, not the surgery's
+  assert jax.tree.structure(by_mask[1]) == jax.tree.structure(by_index[1])
+  for a, b in zip(jax.tree.leaves(by_mask[1]), jax.tree.leaves(by_index[1])):
+    np.testing.assert_array_equal(a, b)
+  # An ungated model's kept heads are copied as they are: no gate value, no scale.
+  full = variables["params"]["layer_0"]["attention"]["out"]["kernel"]
+  np.testing.assert_array_equal(by_mask[1]["layer_0"]["attention"]["out"]["kernel"],
+                                np.asarray(full)[[0, 2]])
+  unchanged_cfg, unchanged = prune.remove_heads(ungated, params)
+  assert unchanged_cfg.layer_heads == (4, 4, 4)
+  for a, b in zip(jax.tree.leaves(unchanged), jax.tree.leaves(variables["params"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_gated_model_loses_its_closed_heads_and_the_chosen_ones():
+  cfg, variables = gated_model("allatt", HARD)
+  pruned_cfg, params = prune.remove_heads(cfg, variables, {2: [1]})
+  assert pruned_cfg.layer_heads == (2, 0, 3)
+  # Three open heads of four in layer 2: s_g = 4/3 folds into the survivors' W_O.
+  full = np.asarray(variables["params"]["layer_2"]["attention"]["out"]["kernel"])
+  np.testing.assert_allclose(params["layer_2"]["attention"]["out"]["kernel"],
+                             4 / 3 * full[[0, 2, 3]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mask, match", [
+    ((np.ones(4, bool),) * 2,
+     r"one bool array per layer.*\[4, 4, 4\]; got \[bool \(4,\), bool \(4,\)\]"),
+    ((np.ones(4, bool), np.ones(3, bool), np.ones(4, bool)), r"bool \(3,\)"),
+    ((np.ones(4, np.int32),) * 3, r"got \[int32 \(4,\)"),
+])
+def test_masks_of_another_shape_are_refused(mask, match):
+  cfg = make_cfg("allatt", gated=False)
+  _, variables = gated_model("allatt")
+  with pytest.raises(errors.ConfigError, match=match):
+    prune.remove_heads(cfg, {"params": variables["params"]}, mask)

@@ -2,9 +2,9 @@
 
 The baselines the L0 gates are compared with in the `heuristics` suite. Each turns a trained,
 ungated model into a boolean mask per layer (True = keep) with exactly the requested
-number of heads removed; `apply_mask` then removes the masked heads through the
-export path of the L0 method (`prune.prune_variables`), so both kinds of pruned
-model are built, evaluated and fine-tuned the same way.
+number of heads removed; the head surgery of the L0 method's export
+(`prune.remove_heads`, which takes the mask) then removes the masked heads, so both
+kinds of pruned model are built, evaluated and fine-tuned the same way.
 
 Scores (a higher score keeps a head), measured on training batches read in order
 with the Transformer-XL memory carried, as in training:
@@ -42,14 +42,10 @@ import numpy as np
 
 from allatt_jax import attention
 from allatt_jax import data as data_lib
-from allatt_jax import prune
-from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 
 METHODS = ("michel", "entropy", "sparsity", "distribution", "magnitude", "random")
 ATTENTION_METRICS = ("entropy", "sparsity", "distribution")
-# Far enough from 0 that every gate reads as fully open or fully closed.
-_GATE_LOGIT = 10.0
 # Where the head axis sits in the kernels `magnitude` measures.
 _KERNEL_HEAD_AXIS = {"query": 1, "key": 1, "value": 1, "rel": 1, "out": 0}
 
@@ -74,21 +70,6 @@ def full_mask(cfg: model_lib.ModelConfig) -> tuple[np.ndarray, ...]:
   return tuple(np.ones(h, bool) for h in cfg.layer_heads)
 
 
-def apply_mask(cfg: model_lib.ModelConfig, params, mask) -> tuple[model_lib.ModelConfig, dict]:
-  """The smaller model without the masked heads, through the L0 method's export.
-
-  The mask becomes the gates of a gated copy of the model (logits ±large, hard gates,
-  no output scaling, so every kept head's output is unchanged), which
-  `prune.prune_variables` slices as it slices an L0 pruning run.
-  """
-  gated = dataclasses.replace(cfg, gated=True,
-                              gate=gates_lib.GateConfig(hard=True, scale_output=False))
-  gates = {f"layer_{i}": {"attention": {"logits": np.where(keep, _GATE_LOGIT, -_GATE_LOGIT)
-                                        .astype(np.float32)}}
-           for i, keep in enumerate(mask) if keep.size}
-  return prune.prune_variables(gated, {"params": params, "gates": gates})
-
-
 def _head_mask_interceptor(xi):
   """Multiplies each head's output by ξ[layer][head] on its way into W_O."""
   def interceptor(next_fun, args, kwargs, context):
@@ -106,7 +87,8 @@ def masked_loss(lm: model_lib.TransformerLM, variables, xi, inputs_BxT, targets_
                 memory):
   """Mean NLL of a batch with head outputs scaled by ξ (one (H_l,) array per layer).
 
-  ξ = 1 is the model itself, ξ_h = 0 removes head h exactly as `apply_mask` does.
+  ξ = 1 is the model itself, ξ_h = 0 removes head h exactly as `prune.remove_heads`
+  does.
   Returns (loss, next memory).
   """
   with nn.intercept_methods(_head_mask_interceptor(xi)):

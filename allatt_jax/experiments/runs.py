@@ -40,6 +40,7 @@ from allatt_jax import cost_model
 from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
+from allatt_jax import prune
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
@@ -243,7 +244,8 @@ class Experiment:
     mask = heuristics.prune_mask(
         method, setup.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
         michel_step_fraction=self.settings.michel_step_fraction)
-    pruned_cfg, params = heuristics.apply_mask(setup.lm.cfg, variables["params"], mask)
+    pruned_cfg, params = prune.remove_heads(setup.lm.cfg, {"params": variables["params"]},
+                                            mask)
 
     config = base_config.copy_and_resolve_references()
     config.model.heads_per_layer = pruned_cfg.heads_per_layer
@@ -254,11 +256,8 @@ class Experiment:
     _write_json(directory / MASK_FILE,
                 {"method": method, "removed": num_remove, "seed": seed,
                  "mask": [m.astype(int).tolist() for m in mask]})
-    # The masked model as the fine-tuning run will build it: the baseline's model with
-    # fewer heads (apply_mask's config carries the gates it pruned through).
-    masked_lm = model_lib.TransformerLM(dataclasses.replace(
-        setup.lm.cfg, heads_per_layer=pruned_cfg.heads_per_layer))
-    evaluator = evaluation.Evaluator.from_config(masked_lm, setup.mesh, config)
+    evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg),
+                                                 setup.mesh, config)
     results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
     results["metric"] = corpus.metric
     _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
