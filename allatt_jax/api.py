@@ -9,8 +9,8 @@
   smaller.save("DIR")                                 # a standalone exported model
 
 Everything the CLIs do goes through the same functions (`score.score_text`,
-`sample.sample_text`, `prune.remove_heads`, `checkpointing.save_model`), so a result
-here is the CLI's result.
+`sample.sample_text`, `prune.remove_heads`, `exported_model.save`), so a result here
+is the CLI's result.
 """
 from collections.abc import Iterable, Mapping
 import functools
@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from allatt_jax import checkpointing
 from allatt_jax import cost_model
 from allatt_jax import errors
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -127,17 +126,17 @@ class Model:
     """
     host_variables = jax.device_get(self.variables)
     pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads)
-    config = export.exported_config(self.config, pruned_cfg)
+    config = exported_model.exported_config(self.config, pruned_cfg)
     return Model(loader.LoadedModel(config, model_lib.TransformerLM.from_config(config),
                                     jax.device_put({"params": params}), self.tokenizer))
 
   def save(self, directory) -> None:
-    """Writes this model as a standalone export (config, params, tokenizer) that
-    `load` and every CLI read; a gated model is saved without its closed heads."""
+    """Writes this model as a standalone export (config, params, tokenizer and its
+    vocabulary) that `load` and every CLI read; a gated model is saved without its
+    closed heads."""
     model = self.prune_heads({}) if self.lm.cfg.gated else self
-    checkpointing.save_model(directory, model.config,
-                             jax.device_get(model.variables["params"]),
-                             self.tokenizer.to_dict())
+    exported_model.save(directory, model.config, model.lm.cfg,
+                        jax.device_get(model.variables["params"]), self.tokenizer)
 
 
 def load(directory, step: int | None = None) -> Model:

@@ -14,7 +14,8 @@ each one skipped; a resuming run also moves the skipped ones to
 would neither save that step again nor leave it alone when it prunes old steps.
 
 An exported model is a folder with `config.json` (its run config, model section
-describing the smaller model) and `params/`: loadable without the training run.
+describing the smaller model), `params/` and its tokenizer: loadable without the
+training run. `exported_model.save` writes it; its params go through `save_params`.
 """
 from typing import Any, Callable
 
@@ -22,7 +23,6 @@ from absl import logging
 import flax
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -234,21 +234,11 @@ def restore_step(workdir, step: int | None = None) -> tuple[int, dict]:
   finally:
     run.close()
 
-def save_model(directory, config: ml_collections.ConfigDict, params,
-               tokenizer: dict | None = None) -> None:
-  """A standalone model: its config, parameters (no optimizer, no gates) and, given
-  its description (`Tokenizer.to_dict()`), the tokenizer that reads text for it."""
-  directory = rundir.run_path(directory)
+def save_params(directory, params) -> None:
+  """An exported model's parameters (no optimizer, no gates) in `directory`/params;
+  `exported_model.save` writes the rest of the folder."""
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory / "params", params, force=True)
-  # In a multi-process run one process writes the file, and the others, which read
-  # the model back next, wait for it.
-  if jax.process_index() == 0:
-    rundir.save_config(directory, config)
-    if tokenizer is not None:
-      rundir.save_tokenizer(directory, tokenizer)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f"save_model {directory}")
+    checkpointer.save(rundir.run_path(directory) / "params", params, force=True)
 
 
 def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:

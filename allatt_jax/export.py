@@ -1,8 +1,8 @@
 """Exports a pruning run as a smaller model without gates or its closed heads.
 
-The export holds the model's config.json, params (heads removed by
-`prune.remove_heads`) and tokenizer.json: loadable and usable on text without the
-training run or its dataset (`loader.load`).
+The export (`exported_model.save`: config.json, params with the closed heads removed
+by `prune.remove_heads`, tokenizer.json, vocabulary.json) is loadable and usable on
+text without the training run or its dataset (`loader.load`).
 
 A pruning run exports its final state itself, to RUN/export; this command exports a
 run's latest checkpoint (or checkpoint --step) again:
@@ -19,34 +19,13 @@ import ml_collections
 
 from allatt_jax import checkpointing
 from allatt_jax import cli
+from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import rundir
 from allatt_jax import validation
 from allatt_jax.errors import FlagError
-
-EXPORT_DIR = "export"
-
-
-def exported_config(config: ml_collections.ConfigDict,
-                    pruned_cfg: model_lib.ModelConfig) -> ml_collections.ConfigDict:
-  """The run's config describing the smaller model: per-layer head counts, no gates,
-  no init_from, so that every CLI that takes a checkpoint can load the export."""
-  exported = config.copy_and_resolve_references()
-  exported.model.heads_per_layer = pruned_cfg.heads_per_layer
-  exported.model.max_relative_len = pruned_cfg.max_relative_len
-  exported.gates.enabled = False
-  exported.init_from = ""
-  return exported
-
-
-def save_export(out_dir, config: ml_collections.ConfigDict,
-                pruned_cfg: model_lib.ModelConfig, params, tokenizer: dict) -> None:
-  """Writes the pruned model of a run with `config` to `out_dir`, with the run's
-  tokenizer (`Tokenizer.to_dict()`)."""
-  checkpointing.save_model(out_dir, exported_config(config, pruned_cfg), params,
-                           tokenizer)
 
 
 def export_run(workdir, out_dir=None, step: int | None = None, *,
@@ -73,7 +52,7 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
   out_dir = (rundir.run_path(out_dir) if out_dir
              else default_export_dir(workdir, config, step))
   _check_target(out_dir, overwrite)
-  save_export(out_dir, config, pruned_cfg, params, tokenizer.to_dict())
+  exported_model.save(out_dir, config, pruned_cfg, params, tokenizer)
   return out_dir
 
 
@@ -81,8 +60,8 @@ def default_export_dir(workdir, config: ml_collections.ConfigDict,
                        step: int) -> epath.Path:
   """RUN/export for the run's final step, the folder its own export went to, and
   RUN/export-step-N for an earlier one."""
-  return workdir / (EXPORT_DIR if step == config.train.num_steps
-                    else f"{EXPORT_DIR}-step-{step}")
+  own = exported_model.EXPORT_DIR
+  return workdir / (own if step == config.train.num_steps else f"{own}-step-{step}")
 
 
 def _check_target(out_dir: epath.Path, overwrite: bool) -> None:

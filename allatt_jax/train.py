@@ -24,7 +24,7 @@ from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import data as data_lib
 from allatt_jax import evaluation
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
@@ -334,31 +334,20 @@ def _save_phases(workdir, phases: dict) -> None:
 
 def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Corpus,
                          variables, gate_flags: str) -> dict:
-  """Removes the closed heads of the final state, saves the smaller model once and
-  scores its parameters, as they are in memory, on valid and test; says so when
-  pruning removed nothing or the gates alone ended far from the budget."""
+  """The final state's export and its scores (`exported_model.export_and_evaluate`),
+  with the budget's decision; says so when pruning removed nothing or the gates alone
+  ended far from the budget."""
   if jax.process_count() > 1:
     host_variables = multihost_utils.process_allgather(variables, tiled=True)
   else:
     host_variables = jax.device_get(variables)
-  pruned_cfg, params = prune.remove_heads(setup.lm.cfg, host_variables)
-  export_dir = workdir / export.EXPORT_DIR
-  is_main = jax.process_index() == 0
-  if is_main:
-    console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(setup.lm.cfg.layer_heads)}"
-                   f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}) "
-                   f"to {export_dir}; evaluating it")
-  export.save_export(export_dir, setup.config, pruned_cfg, params,
-                     corpus.tokenizer.to_dict())
-  lm = model_lib.TransformerLM(pruned_cfg)
-  evaluator = evaluation.Evaluator.from_config(lm, setup.mesh, setup.config)
-  results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
-  results["heads_per_layer"] = list(lm.cfg.layer_heads)
-  results["directory"] = str(export_dir)
+  results = exported_model.export_and_evaluate(
+      workdir / exported_model.EXPORT_DIR, setup.config, setup.lm.cfg, host_variables,
+      corpus, setup.mesh)
   results["budget"] = budget_decision(workdir) if setup.penalty.allowed is not None else None
-  results["warnings"] = _pruning_warnings(setup, sum(pruned_cfg.layer_heads),
+  results["warnings"] = _pruning_warnings(setup, sum(results["heads_per_layer"]),
                                           results["budget"], gate_flags)
-  if is_main:
+  if jax.process_index() == 0:
     print(_results_line("exported model", results, corpus.metric), flush=True)
     for warning in results["warnings"]:
       print(f"warning: {warning}", flush=True)

@@ -18,6 +18,7 @@ from allatt_jax import costs
 from allatt_jax import evaluate
 from allatt_jax import gates as gates_lib
 from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
@@ -129,7 +130,7 @@ def test_bad_heads_are_named(model):
     model.prune_heads({0: [0, 1, 2, 3]}).prune_heads({0: [5]})
 
 
-def test_save_load_round_trip_is_exact(model, ids, tmp_path):
+def test_save_load_round_trip_is_exact(workdir, model, ids, tmp_path):
   smaller = model.prune_heads({0: [3], 3: [0, 1, 2, 3, 4, 5, 6, 7]})
   smaller.save(tmp_path / "smaller")
   loaded = allatt_jax.load(tmp_path / "smaller")
@@ -139,6 +140,7 @@ def test_save_load_round_trip_is_exact(model, ids, tmp_path):
   np.testing.assert_array_equal(np.asarray(loaded.log_probs(ids)[0]),
                                 np.asarray(smaller.log_probs(ids)[0]))
   assert loaded.tokenizer == smaller.tokenizer
+  assert rundir.load_vocabulary(tmp_path / "smaller") == rundir.load_vocabulary(workdir)
   with pytest.raises(CheckpointError, match="is an exported model: it has one set of parameters, no steps"):
     allatt_jax.load(tmp_path / "smaller", step=3)
 
@@ -222,13 +224,14 @@ def test_readme_python_example_runs(workdir, tmp_path, capsys):
 
 
 def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
-  for directory in (pruned_run, pruned_run / export.EXPORT_DIR):
+  for directory in (pruned_run, pruned_run / exported_model.EXPORT_DIR):
     assert rundir.load_tokenizer(directory) == model.tokenizer.to_dict()
+    assert rundir.load_vocabulary(directory) == rundir.load_vocabulary(pruned_run)
 
 
 def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
   gated = allatt_jax.load(pruned_run)
-  exported = allatt_jax.load(pruned_run / export.EXPORT_DIR)
+  exported = allatt_jax.load(pruned_run / exported_model.EXPORT_DIR)
   assert gated.lm.cfg.gated and sum(exported.heads_per_layer) < 32
   np.testing.assert_allclose(np.asarray(gated.log_probs(ids)[0]),
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
@@ -253,19 +256,19 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
   run = tmp_path / "pruned"
   shutil.copytree(pruned_run, run)
   own = json.loads((run / "results.json").read_text())["export"]
-  assert own["directory"] == str(pruned_run / export.EXPORT_DIR)
-  before = allatt_jax.load(run / export.EXPORT_DIR).costs()
+  assert own["directory"] == str(pruned_run / exported_model.EXPORT_DIR)
+  before = allatt_jax.load(run / exported_model.EXPORT_DIR).costs()
 
   # Another step goes next to the run's own export, which stays what results.json says.
   assert export.export_run(run, step=20) == run / "export-step-20"
-  assert allatt_jax.load(run / export.EXPORT_DIR).costs() == before
+  assert allatt_jax.load(run / exported_model.EXPORT_DIR).costs() == before
   refused = run_cli("export", f"--workdir={run}", "--step=20", check=False)
   assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
   assert re.search(r"^error: .*export-step-20 already holds an exported model.* "
                    r"--out=DIR.* --overwrite\.$", refused.stderr, re.M), refused.stderr
   with pytest.raises(FlagError, match=r"/export already holds an exported model"):
     export.export_run(run)
-  assert export.export_run(run, overwrite=True) == run / export.EXPORT_DIR
+  assert export.export_run(run, overwrite=True) == run / exported_model.EXPORT_DIR
   # Not even --overwrite writes a model over a folder that is not one.
   with pytest.raises(FlagError, match=r"exists and is not an exported model"):
     export.export_run(run, out_dir=run, overwrite=True)

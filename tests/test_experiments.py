@@ -14,6 +14,7 @@ from allatt_jax import cost_model
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_setup
+from allatt_jax import rundir
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
@@ -223,6 +224,8 @@ def test_heuristic_runs_start_from_the_masked_model(experiment):
   mask = json.loads((masked_dir / runs_lib.MASK_FILE).read_text())["mask"]
   assert masked.heads_per_layer == tuned.heads_per_layer == [sum(m) for m in mask]
   assert masked.heads == 8 - removed
+  assert (rundir.load_vocabulary(masked_dir)
+          == rundir.load_vocabulary(experiment.run_dir("baseline")))
   config = json.loads((experiment.run_dir(tuned.name) / "config.json").read_text())
   assert config["init_from"] == str(masked_dir)
   assert not config["gates"]["enabled"]

@@ -20,7 +20,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import errors
 from allatt_jax import evaluation
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import pipeline
 from allatt_jax import train
 from allatt_jax.errors import Preempted
@@ -151,7 +151,7 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   assert (baseline / "results.json").is_file() and not pruned.exists()
 
   # 4. During the pruning run's export, after its own training and evaluation.
-  calls = rerun(lambda m: sigterm_before(m, export, "save_export"),
+  calls = rerun(lambda m: sigterm_before(m, exported_model, "save"),
                 rf"^Preempted after the export to {pruned}/export\. Rerun the same "
                 r"command to write results.json\.$")
   assert calls.evaluations == 2 and not (pruned / "results.json").exists()

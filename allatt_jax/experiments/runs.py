@@ -11,8 +11,9 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
                       seed and ablation variant; scored as its exported model
   txl                 a Transformer-XL baseline of some width, baseline recipe
   heuristic           a head mask from `heuristics.prune_mask` on the baseline, the
-                      masked model exported (`<name>_masked`, scored as it is), then
-                      fine-tuned like `continued`, from it
+                      masked model exported (`<name>_masked`, scored as it is, by
+                      `exported_model.export_and_evaluate`), then fine-tuned like
+                      `continued`, from it
   budget              a pruning run with a budget target instead of λ (budget.py, cost_model.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
@@ -37,10 +38,9 @@ import numpy as np
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import cost_model
-from allatt_jax import evaluation
+from allatt_jax import exported_model
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
-from allatt_jax import prune
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
@@ -164,7 +164,7 @@ class Experiment:
     name = f"{method}_r{num_remove}_s{seed}"
     masked_dir = self.run_dir(f"{name}_masked")
     if not (masked_dir / RESULTS_FILE).is_file():
-      self._save_masked(masked_dir, method, num_remove, seed)
+      self._export_masked(masked_dir, method, num_remove, seed)
     masked_config = rundir.load_config(masked_dir)
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
@@ -223,9 +223,10 @@ class Experiment:
         d_model=cfg.d_model,
         wall_s=_read_json(self.run_dir(name) / SUMMARY_FILE).get("wall_s", 0.0), extra=extra)
 
-  def _save_masked(self, directory: pathlib.Path, method: str, num_remove: int,
-                   seed: int) -> None:
-    """The masked baseline as an exported model, with its scores.
+  def _export_masked(self, directory: pathlib.Path, method: str, num_remove: int,
+                     seed: int) -> None:
+    """The baseline without the heads `method` removes, as an exported model
+    (`exported_model.export_and_evaluate`), with its mask and scores.
 
     The fine-tuning run starts from it through `init_from`, which takes exported
     models. What an interrupted call left is redone.
@@ -244,21 +245,12 @@ class Experiment:
     mask = heuristics.prune_mask(
         method, setup.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
         michel_step_fraction=self.settings.michel_step_fraction)
-    pruned_cfg, params = prune.remove_heads(setup.lm.cfg, {"params": variables["params"]},
-                                            mask)
-
-    config = base_config.copy_and_resolve_references()
-    config.model.heads_per_layer = pruned_cfg.heads_per_layer
-    checkpointing.save_model(directory, config, params, corpus.tokenizer.to_dict())
-    if jax.process_index() == 0:
-      rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(
-          corpus.name, corpus.vocab))
+    results = exported_model.export_and_evaluate(
+        directory, base_config, setup.lm.cfg, {"params": variables["params"]}, corpus,
+        setup.mesh, heads=mask)
     _write_json(directory / MASK_FILE,
                 {"method": method, "removed": num_remove, "seed": seed,
                  "mask": [m.astype(int).tolist() for m in mask]})
-    evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg),
-                                                 setup.mesh, config)
-    results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
     results["metric"] = corpus.metric
     _update_json(directory / SUMMARY_FILE, {"wall_s": time.perf_counter() - start})
     _write_json(directory / RESULTS_FILE, results)

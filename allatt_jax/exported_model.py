@@ -1,0 +1,100 @@
+"""Exported models: a smaller model cut by `prune.remove_heads`, written and evaluated.
+
+An exported model is a folder with its run config (describing the smaller model),
+params, tokenizer.json and vocabulary.json: loadable and usable on text without the
+training run or its dataset (`loader.load`), and a start for another run
+(`init_from`), whose dataset is checked against its vocabulary. `save` is the one
+writer of such a folder, for a pruning run's export, `python -m allatt_jax.export`,
+`api.Model.save` and the heuristic pruners' masked models; `export_and_evaluate` cuts
+a model, writes it and scores the parameters it wrote, as a pruning run does with
+its final state and the experiments with a masked baseline.
+"""
+from collections.abc import Iterable, Mapping, Sequence
+
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+
+from allatt_jax import checkpointing
+from allatt_jax import console
+from allatt_jax import data as data_lib
+from allatt_jax import evaluation
+from allatt_jax import model as model_lib
+from allatt_jax import prune
+from allatt_jax import rundir
+from allatt_jax.data import tokenization
+
+# A pruning run's own export: RUN/export.
+EXPORT_DIR = "export"
+
+
+def exported_config(config: ml_collections.ConfigDict,
+                    model_cfg: model_lib.ModelConfig) -> ml_collections.ConfigDict:
+  """The run's config describing the smaller model: per-layer head counts, no gates,
+  no init_from, so that every CLI that takes a checkpoint can load the export."""
+  exported = config.copy_and_resolve_references()
+  exported.model.heads_per_layer = model_cfg.heads_per_layer
+  exported.model.max_relative_len = model_cfg.max_relative_len
+  exported.gates.enabled = False
+  exported.init_from = ""
+  return exported
+
+
+def save(directory, config: ml_collections.ConfigDict,
+         model_cfg: model_lib.ModelConfig, params,
+         tokenizer: tokenization.Tokenizer) -> None:
+  """Writes the ungated model `model_cfg` with `params` as an exported model.
+
+  Args:
+    directory: the export's folder.
+    config: the run config the model comes from (data, eval lengths); saved as
+      `exported_config` describes it.
+    model_cfg: the model's config (e.g. `prune.remove_heads`'s).
+    params: its parameters, on the host.
+    tokenizer: the tokenizer of its dataset, saved with its vocabulary's fingerprint.
+  """
+  directory = rundir.run_path(directory)
+  checkpointing.save_params(directory, params)
+  # In a multi-process run one process writes the files, and the others, which read
+  # the model back next, wait for them.
+  if jax.process_index() == 0:
+    rundir.save_config(directory, exported_config(config, model_cfg))
+    rundir.save_tokenizer(directory, tokenizer.to_dict())
+    rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(tokenizer.dataset,
+                                                                    tokenizer.vocab))
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"exported_model.save {directory}")
+
+
+def export_and_evaluate(
+    directory, config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig,
+    variables, corpus: data_lib.Corpus, mesh, *,
+    heads: Mapping[int, Iterable[int]] | Sequence[np.ndarray] | None = None) -> dict:
+  """Cuts `heads` (and a gated model's closed heads) out of a model, saves the smaller
+  model once and scores its parameters, as they are in memory, on valid and test.
+
+  Args:
+    directory: the export's folder.
+    config: the model's run config (its eval batch and lengths score the export).
+    cfg: the model's config; variables: its variables, on the host.
+    corpus: the dataset the model was trained on.
+    mesh: where the evaluation runs.
+    heads: as `prune.remove_heads` takes them.
+
+  Returns:
+    {split: metric value, '{split}_nll'} of valid and test, 'heads_per_layer' of the
+    export and its 'directory'.
+  """
+  pruned_cfg, params = prune.remove_heads(cfg, variables, heads)
+  if jax.process_index() == 0:
+    console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
+                   f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}) "
+                   f"to {directory}; evaluating it")
+  save(directory, config, pruned_cfg, params, corpus.tokenizer)
+  evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
+                                               config)
+  results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
+  results["heads_per_layer"] = list(pruned_cfg.layer_heads)
+  results["directory"] = str(directory)
+  return results
