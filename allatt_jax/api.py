@@ -9,8 +9,8 @@
   smaller.save("DIR")                                 # a standalone exported model
 
 Everything the CLIs do goes through the same functions (`score.score_text`,
-`sample.sample_text`, `prune.remove_heads`, `exported_model.save`), so a result here
-is the CLI's result.
+`sample.sample_text`, `evaluation.read_stream`, `prune.remove_heads`,
+`exported_model.save`), so a result here is the CLI's result.
 """
 from collections.abc import Iterable, Mapping
 import functools
@@ -22,6 +22,7 @@ import numpy as np
 
 from allatt_jax import cost_model
 from allatt_jax import errors
+from allatt_jax import evaluation
 from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
@@ -32,7 +33,7 @@ from allatt_jax.data import tokenization
 
 
 @functools.partial(jax.jit, static_argnames="lm")
-def _log_probs(variables, inputs_BxT, memory, *, lm):
+def _log_probs(variables, memory, inputs_BxT, *, lm):
   return lm.apply(variables, inputs_BxT, memory, method=lm.log_probs)
 
 
@@ -92,12 +93,9 @@ class Model:
     if memory is None:
       memory = model_lib.init_memory(self.lm.cfg, ids_BxT.shape[0],
                                      self.config.eval.mem_len)
-    # Segments of at most eval.seq_len: what the relative positions were trained for.
-    seq_len, segments = self.config.eval.seq_len, []
-    for start in range(0, ids_BxT.shape[1], seq_len):
-      logp_BxTxV, memory = _log_probs(self.variables, ids_BxT[:, start:start + seq_len],
-                                      memory, lm=self.lm)
-      segments.append(logp_BxTxV)
+    segments, memory = evaluation.read_stream(
+        functools.partial(_log_probs, self.variables, lm=self.lm),
+        evaluation.row_segments(ids_BxT, self.config.eval.seq_len), memory)
     logp_BxTxV = jnp.concatenate(segments, axis=1)
     return logp_BxTxV.reshape(*ids.shape, -1), memory
 

@@ -5,10 +5,17 @@ carried along each row (Transformer-XL's evaluation); padded positions of the la
 segment carry zero weight. Word-level corpora report perplexity, character/byte
 level ones bits per character. `python -m allatt_jax.evaluate` runs it on a trained
 model.
+
+`read_stream` is the one loop that reads segments with the memory carried: the
+evaluator's, and that of scoring, the Python API, the sampler's prompt and the
+heuristic pruners' scores, each with its own jitted step.
 """
+from collections.abc import Callable, Iterable
 import functools
+import itertools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +38,32 @@ def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
   """Weighted NLL sum and token count of one eval batch, and the next memory."""
   nll_BxT, memory, _ = lm.apply(variables, inputs_BxT, targets_BxT, memory)
   return (jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), memory
+
+
+def read_stream(step: Callable[[Any, Any], tuple[Any, Any]], segments: Iterable,
+                memory) -> tuple[list, Any]:
+  """Reads `segments` in order, each attending to the memory the one before it left.
+
+  Args:
+    step: `step(memory, segment)` -> (its output, the next memory).
+    segments: what `step` reads (inputs, or a tuple with their targets), in order.
+    memory: the memory before the first segment (`model.init_memory`'s, or what an
+      earlier read returned).
+
+  Returns:
+    (the outputs of the segments in order, the memory after the last one).
+  """
+  outputs = []
+  for segment in segments:
+    output, memory = step(memory, segment)
+    outputs.append(output)
+  return outputs, memory
+
+
+def row_segments(ids_BxN: np.ndarray, seq_len: int) -> list[np.ndarray]:
+  """(B, <= seq_len) consecutive slices of the rows: the segments of a long input, of
+  the lengths the relative positions were trained for."""
+  return [ids_BxN[:, start:start + seq_len] for start in range(0, ids_BxN.shape[1], seq_len)]
 
 
 class Evaluator:
@@ -60,18 +93,19 @@ class Evaluator:
     batch_sharding = sharding.batch_sharding(self.mesh)
     memory = jax.device_put(model_lib.init_memory(self.lm.cfg, self.batch_size, self.mem_len),
                             sharding.memory_sharding(self.mesh))
-    nll_sum, num_tokens = jnp.zeros(()), jnp.zeros(())
-    start = time.perf_counter()
-    batches = data_lib.eval_batches(tokens, self.batch_size, self.seq_len, process, count)
     shape = (self.batch_size, self.seq_len)
-    for i, arrays in enumerate(batches):
-      if max_batches and i >= max_batches:
-        break
+
+    def step(memory, arrays):
       inputs, targets, weights = (data_lib.to_global_array(a, batch_sharding, shape)
                                   for a in arrays)
       with sharding.activate(self.mesh):
-        (batch_nll, batch_tokens), memory = self._step(variables, memory, inputs, targets,
-                                                       weights)
+        return self._step(variables, memory, inputs, targets, weights)
+
+    start = time.perf_counter()
+    batches = data_lib.eval_batches(tokens, self.batch_size, self.seq_len, process, count)
+    sums, _ = read_stream(step, itertools.islice(batches, max_batches or None), memory)
+    nll_sum, num_tokens = jnp.zeros(()), jnp.zeros(())
+    for batch_nll, batch_tokens in sums:
       nll_sum, num_tokens = nll_sum + batch_nll, num_tokens + batch_tokens
     num_tokens = float(num_tokens)
     seconds = time.perf_counter() - start

@@ -19,14 +19,15 @@ import numpy as np
 
 from allatt_jax import cli
 from allatt_jax import errors
+from allatt_jax import evaluation
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 
 
-@functools.partial(jax.jit, static_argnames="lm", donate_argnums=(2,))
-def _consume(variables, inputs_1xT, memory, *, lm):
+@functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
+def _consume(variables, memory, inputs_1xT, *, lm):
   _, memory, _ = lm.apply(variables, inputs_1xT, memory, method=lm.hidden)
-  return memory
+  return None, memory
 
 
 @functools.partial(jax.jit, static_argnames=("lm", "temperature", "top_k"),
@@ -75,9 +76,9 @@ class Sampler:
 
   def consume(self, variables, tokens: np.ndarray, memory):
     """The memory after reading `tokens` (1-D) in segments of at most seq_len."""
-    for start in range(0, len(tokens), self.seq_len):
-      segment_1xT = np.asarray(tokens[start:start + self.seq_len], np.int32)[None]
-      memory = _consume(variables, segment_1xT, memory, lm=self.lm)
+    _, memory = evaluation.read_stream(
+        functools.partial(_consume, variables, lm=self.lm),
+        evaluation.row_segments(np.asarray(tokens, np.int32)[None], self.seq_len), memory)
     return memory
 
   def step(self, variables, token_1x1, memory, key):

@@ -30,7 +30,9 @@ from allatt_jax import model as model_lib
 
 
 @functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
-def _segment_nll(variables, memory, inputs_1xT, targets_1xT, *, lm):
+def _segment_nll(variables, memory, batch, *, lm):
+  """Per-token NLL of one `eval_batches` batch (its weights are read outside)."""
+  inputs_1xT, targets_1xT, _ = batch
   nll_1xT, memory, _ = lm.apply(variables, inputs_1xT, targets_1xT, memory)
   return nll_1xT, memory
 
@@ -39,19 +41,18 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
                     seq_len: int, mem_len: int) -> np.ndarray:
   """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats.
 
-  One row read in segments of `seq_len` with `mem_len` positions of memory, batched
-  like `evaluation.Evaluator` with a batch of one, so the mean of the negated values is
-  that evaluator's NLL.
+  One row read in segments of `seq_len` with `mem_len` positions of memory
+  (`evaluation.read_stream`), batched like `evaluation.Evaluator` with a batch of one,
+  so the mean of the negated values is that evaluator's NLL.
   """
-  memory = model_lib.init_memory(lm.cfg, 1, mem_len)
-  nll_segments, weight_segments = [], []
-  for inputs, targets, weights in data_lib.eval_batches(tokens, 1, seq_len):
-    nll_1xT, memory = _segment_nll(variables, memory, inputs, targets, lm=lm)
-    nll_segments.append(nll_1xT)
-    weight_segments.append(weights)
+  batches = list(data_lib.eval_batches(tokens, 1, seq_len))
+  nll_segments, _ = evaluation.read_stream(
+      functools.partial(_segment_nll, variables, lm=lm), batches,
+      model_lib.init_memory(lm.cfg, 1, mem_len))
   # One transfer at the end keeps the device busy instead of syncing per segment.
   nll = np.asarray(jnp.concatenate(nll_segments, axis=1)).ravel()
-  return -nll[np.concatenate(weight_segments, axis=1).ravel() > 0].astype(np.float64)
+  weights = np.concatenate([batch_weights for *_, batch_weights in batches], axis=1)
+  return -nll[weights.ravel() > 0].astype(np.float64)
 
 
 def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Training segments and evaluation batches for Transformer-XL, single- and multi-host."""
+"""Training segments, evaluation batches (single- and multi-host) and the memory-carrying
+read of segments."""
 import os
 import pathlib
 import socket
@@ -14,6 +15,8 @@ from allatt_jax.data import eval_batches
 from allatt_jax.data import SegmentStream
 from allatt_jax.data import to_global_array
 from allatt_jax.errors import DataError
+from allatt_jax.evaluation import read_stream
+from allatt_jax.evaluation import row_segments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,6 +133,20 @@ def test_eval_process_slices_partition_the_global_batches():
   for global_batch, first, second in zip(whole, *halves):
     for full, a, b in zip(global_batch, first, second):
       np.testing.assert_array_equal(np.concatenate([a, b]), full)
+
+
+def test_read_stream_feeds_segments_in_order_with_the_memory_carried():
+  ids_BxN = np.arange(14, dtype=np.int32).reshape(2, 7)
+  segments = row_segments(ids_BxN, 3)
+  assert [s.shape for s in segments] == [(2, 3), (2, 3), (2, 1)]
+  np.testing.assert_array_equal(np.concatenate(segments, axis=1), ids_BxN)
+  assert row_segments(ids_BxN[:, :0], 3) == []
+
+  def step(memory, segment):   # the memory: every id read so far
+    return len(memory), memory + segment[0].tolist()
+  outputs, memory = read_stream(step, segments, [])
+  assert outputs == [0, 3, 6] and memory == list(range(7))
+  assert read_stream(step, [], ["kept"]) == ([], ["kept"])
 
 
 def test_to_global_array_on_one_process():

@@ -7,7 +7,7 @@ number of heads removed; the head surgery of the L0 method's export
 kinds of pruned model are built, evaluated and fine-tuned the same way.
 
 Scores (a higher score keeps a head), measured on training batches read in order
-with the Transformer-XL memory carried, as in training:
+with the Transformer-XL memory carried, as in training (`evaluation.read_stream`):
 
   michel        Michel et al. 2019: I_h = E_batch |∂L/∂ξ_h| for a head mask ξ that
                 multiplies each head's output, L2-normalised within each layer; heads
@@ -42,6 +42,7 @@ import numpy as np
 
 from allatt_jax import attention
 from allatt_jax import data as data_lib
+from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 
 METHODS = ("michel", "entropy", "sparsity", "distribution", "magnitude", "random")
@@ -105,10 +106,11 @@ def _mask_gradient(lm, variables, xi, inputs_BxT, targets_BxT, memory):
 def michel_importance(lm, variables, segments: Segments, mask) -> list[np.ndarray]:
   """Per layer, E_batch |∂L/∂ξ_h| at ξ = mask (before the per-layer normalisation)."""
   xi = [jnp.asarray(m, jnp.float32) for m in mask]
-  memory = segments.memory(lm.cfg)
+  batch_grads, _ = evaluation.read_stream(
+      lambda memory, batch: _mask_gradient(lm, variables, xi, *batch, memory),
+      segments.batches, segments.memory(lm.cfg))
   total = [np.zeros(m.shape, np.float64) for m in mask]
-  for inputs, targets in segments.batches:
-    grads, memory = _mask_gradient(lm, variables, xi, inputs, targets, memory)
+  for grads in batch_grads:
     total = [t + np.abs(np.asarray(g)) for t, g in zip(total, grads)]
   return [t / len(segments.batches) for t in total]
 
@@ -177,16 +179,22 @@ def _head_statistics(p_ctx, p_pers, mask_TxK):
 def attention_metrics(lm, variables, segments: Segments) -> dict[str, list[np.ndarray]]:
   """Per metric, per layer, the per-head mean over all queries of the segments."""
   batch, seq_len = segments.batches[0][0].shape
-  memory = segments.memory(lm.cfg)
-  sums = {k: [np.zeros(h) for h in lm.cfg.layer_heads] for k in ATTENTION_METRICS}
-  for inputs, targets in segments.batches:
+
+  def statistics(memory, inputs_and_targets):
     mask_TxK = attention.attention_mask(seq_len, segments.mem_len, memory["length"],
                                         lm.cfg.same_length, lm.cfg.same_length_keys)
-    probs, memory = _attention_probs(lm, variables, inputs, targets, memory)
-    for i, layer in enumerate(probs):
+    probs, memory = _attention_probs(lm, variables, *inputs_and_targets, memory)
+    return [None if layer is None else _head_statistics(*layer, mask_TxK)
+            for layer in probs], memory
+
+  batch_statistics, _ = evaluation.read_stream(statistics, segments.batches,
+                                               segments.memory(lm.cfg))
+  sums = {k: [np.zeros(h) for h in lm.cfg.layer_heads] for k in ATTENTION_METRICS}
+  for layers in batch_statistics:
+    for i, layer in enumerate(layers):
       if layer is None:
         continue
-      for k, v in _head_statistics(*layer, mask_TxK).items():
+      for k, v in layer.items():
         sums[k][i] += np.asarray(v)
   queries = len(segments.batches) * batch * seq_len
   return {k: [s / queries for s in v] for k, v in sums.items()}
