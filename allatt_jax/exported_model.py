@@ -77,7 +77,8 @@ def export_and_evaluate(
   Args:
     directory: the export's folder.
     config: the model's run config (its eval batch and lengths score the export).
-    cfg: the model's config; variables: its variables, on the host.
+    cfg: the model's config.
+    variables: its variables, on the host.
     corpus: the dataset the model was trained on.
     mesh: where the evaluation runs.
     heads: as `prune.remove_heads` takes them.
