@@ -35,9 +35,7 @@ import pathlib
 
 import ml_collections
 
-
-# The gates keys that ask for a size instead of a λ (budget.py); at most one is set.
-BUDGET_TARGETS = ("target_sparsity", "target_params", "target_macs")
+from allatt_jax import run_config
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -167,7 +165,7 @@ def pruning_gates(**overrides) -> ml_collections.ConfigDict:
 
 def as_txl(c: ml_collections.ConfigDict, d_model: int) -> ml_collections.ConfigDict:
   """The Transformer-XL of an All-att config: same depth and heads, FF of 4d, no N."""
-  c.model.update(dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0))
+  c.model.update(run_config.txl_model(d_model))
   return c
 
 
@@ -178,10 +176,11 @@ def paper_pruning(c: ml_collections.ConfigDict, lam: float,
   Gates at π = 2, λ warmed up over 4K steps, gates frozen at 16K of 80K steps, peak
   learning rate 1e-3 decayed to 1e-4.
   """
-  c.init_from = init_from
-  c.gates.update(dict(enabled=True, lam=lam, init=2.0, l0_warmup_steps=4000,
-                      freeze_step=16_000))
-  c.train.update(dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4))
+  stage = run_config.pruning_stage(
+      run_config.RunConfig.of(c), init_from,
+      train=dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4),
+      gates=dict(lam=lam, init=2.0, l0_warmup_steps=4000, freeze_step=16_000))
+  c.update(stage.to_dict())
   return c
 
 

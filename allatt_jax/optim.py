@@ -28,13 +28,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
+
+from allatt_jax import run_config
 
 OPTIMIZERS = ("lamb", "optax_lamb")
 
 
-def learning_rate_schedule(train: ml_collections.ConfigDict,
+def learning_rate_schedule(train: run_config.TrainSection,
                            peak: float | None = None) -> optax.Schedule:
   """Linear warm-up to the peak, then cosine decay to the final rate."""
   return optax.warmup_cosine_decay_schedule(
@@ -43,7 +44,7 @@ def learning_rate_schedule(train: ml_collections.ConfigDict,
       end_value=train.final_learning_rate)
 
 
-def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def gate_learning_rate_schedule(config: run_config.RunConfig) -> optax.Schedule:
   """`gates.lr_multiplier` times the params' schedule, zero from the freeze on.
 
   A config that sets `gates.learning_rate` gets the params' schedule shape at that
@@ -59,7 +60,7 @@ def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Sche
                               [gates.freeze_step])
 
 
-def multiplier_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def multiplier_learning_rate_schedule(config: run_config.RunConfig) -> optax.Schedule:
   """The budget controller's ascent rate, zero from the gate freeze on."""
   return optax.join_schedules(
       [optax.constant_schedule(config.gates.lagrangian_lr), optax.constant_schedule(0.0)],
@@ -136,7 +137,7 @@ def decay_mask(patterns) -> callable:
   return mask
 
 
-def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
+def lamb(train: run_config.TrainSection, schedule: optax.Schedule,
          weight_decay: float) -> optax.GradientTransformationExtraArgs:
   """LAMB of the form `train.optimizer` names, at `schedule(step)`."""
   if train.optimizer == "lamb":
@@ -152,7 +153,7 @@ def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
   return optax.chain(moments, decay, trust, scale_by_step_schedule(schedule))
 
 
-def make_optimizer(config: ml_collections.ConfigDict, ascent_collection: str | None = None
+def make_optimizer(config: run_config.RunConfig, ascent_collection: str | None = None
                    ) -> optax.GradientTransformationExtraArgs:
   """Clipping over all gradients, then LAMB per group ('params', 'gates'), and plain
   gradient ascent for `ascent_collection` (a budget's multipliers) when given.

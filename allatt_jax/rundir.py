@@ -16,6 +16,8 @@ import json
 from etils import epath
 import ml_collections
 
+from allatt_jax import config_base
+from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -52,9 +54,15 @@ def _read_json(path: epath.Path):
                           "in a new --workdir.") from e
 
 
-def save_config(directory, config: ml_collections.ConfigDict) -> None:
+def save_config(directory, config) -> None:
+  """Writes a RunConfig (or a ConfigDict of one) as config.json."""
   _write_atomically(run_path(directory) / CONFIG_FILE,
-                    config.to_json_best_effort(indent=2, sort_keys=True))
+                    json.dumps(config.to_dict(), indent=2, sort_keys=True))
+
+
+def as_config_dict(run: run_config.RunConfig) -> ml_collections.ConfigDict:
+  """A RunConfig as the ConfigDict its config.json reads back as."""
+  return ml_collections.ConfigDict(run.to_dict())
 
 
 # Recipe keys added after runs were already saved, with the behaviour those runs had:
@@ -88,6 +96,16 @@ def load_config(directory) -> ml_collections.ConfigDict:
   if "gates" in saved:   # a budget's target once warmed up with λ's schedule
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
   return ml_collections.ConfigDict(saved)
+
+
+def load_run_config(directory) -> run_config.RunConfig:
+  """`load_config`, typed; keys a config.json predates that are not recipe keys
+  take today's defaults."""
+  saved = load_config(directory).to_dict()
+  defaults = config_base.base_config().to_dict()
+  return run_config.RunConfig.from_dict(
+      {**defaults, **{name: {**defaults[name], **values} if name in defaults else values
+                      for name, values in saved.items()}})
 
 
 def vocabulary_fingerprint(name: str, vocab) -> dict:

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import ml_collections
 
+from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 
 MESH_AXES = ("data", "model")
@@ -25,7 +25,7 @@ LOGICAL_RULES = (
 )
 
 
-def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
+def mesh_shape(mesh_config: run_config.MeshSection, num_devices: int) -> tuple[int, int]:
   """(data, model) sizes; one of them may be -1 to take the remaining devices."""
   data, model = mesh_config.data, mesh_config.model
   if data == -1 and model == -1:
@@ -44,7 +44,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tupl
   return data, model
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+def make_mesh(mesh_config: run_config.MeshSection) -> jax.sharding.Mesh:
   shape = mesh_shape(mesh_config, jax.device_count())
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 

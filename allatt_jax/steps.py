@@ -15,12 +15,12 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from allatt_jax import budget
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import run_config
 from allatt_jax import sharding
 from allatt_jax.errors import ConfigError
 
@@ -39,7 +39,7 @@ class StepConfig:
   gate_learning_rate: optax.Schedule
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "StepConfig":
+  def from_config(cls, config: run_config.RunConfig) -> "StepConfig":
     t = config.train
     return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
                grad_accum_steps=t.grad_accum_steps,
@@ -104,11 +104,13 @@ def _merge_micro_batches(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def _check_accumulation(batch_size: int, accum: int) -> None:
+def check_accumulation(batch_size: int, accum: int) -> None:
+  """Raises ConfigError unless `accum` micro-batches split the global batch evenly:
+  checked when a config is resolved, and again when a step is traced on a batch."""
   if accum < 1 or batch_size % accum:
     raise ConfigError(
-        f"config.train.grad_accum_steps={accum} must be a positive divisor of the global "
-        f"batch of {batch_size} rows (config.train.batch_size), one of "
+        f"config.train.grad_accum_steps={accum} must be a positive divisor of "
+        f"config.train.batch_size={batch_size}, one of "
         f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}.")
 
 
@@ -126,7 +128,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
     ConfigError: k does not divide the global batch (checked at trace time).
   """
   accum = settings.grad_accum_steps
-  _check_accumulation(inputs_BxT.shape[0], accum)
+  check_accumulation(inputs_BxT.shape[0], accum)
   rng = jax.random.fold_in(jax.random.key(settings.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
 
