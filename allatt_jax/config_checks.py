@@ -15,7 +15,6 @@ from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
 from allatt_jax import sharding
-from allatt_jax import steps
 from allatt_jax.errors import ConfigError
 
 REL_POS = ("learned", "sinusoidal")
@@ -44,9 +43,9 @@ _WHY_NOT_NEGATIVE = {
 }
 
 
-def check_config(config: run_config.RunConfig, cfg: model_lib.ModelConfig, *,
+def check_config(config: run_config.RunConfig, *,
                  vocab_from_data: bool = False) -> None:
-  """The checks of the config alone (`cfg`: its model, read but not yet traced).
+  """The checks of the config alone, before any of it is built.
 
   `vocab_from_data`: the caller loads the dataset next and takes an unset
   `model.vocab_size` from it (`run_setup.prepare`).
@@ -57,7 +56,7 @@ def check_config(config: run_config.RunConfig, cfg: model_lib.ModelConfig, *,
   _check_ranges(config)
   _check_names(config)
   _check_model(config, vocab_from_data)
-  _check_lengths(config, cfg)
+  _check_lengths(config)
   _check_mesh(config)
 
 
@@ -140,10 +139,10 @@ def _check_model(config, vocab_from_data: bool):
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")
 
 
-def _check_lengths(config, cfg: model_lib.ModelConfig):
+def _check_lengths(config):
   if config.model.rel_pos != "learned":
     return
-  table = cfg.max_relative_len
+  table = run_config.relative_table_len(config)
   for section in ("train", "eval"):
     s = getattr(config, section)
     if s.seq_len + s.mem_len > table:
@@ -177,7 +176,7 @@ def _check_batches(config, data: int) -> None:
   contiguous share of every batch, whole whenever the batch divides by `data`."""
   t, e = config.train, config.eval
   accum = t.grad_accum_steps
-  steps.check_accumulation(t.batch_size, accum)
+  sharding.check_accumulation(t.batch_size, accum)
   micro = t.batch_size // accum
   batches = [(f"config.train.batch_size={t.batch_size}", t.batch_size),
              (f"the micro-batch config.train.batch_size / grad_accum_steps = "

@@ -90,9 +90,7 @@ class ModelConfig:
     for key in ("heads_per_layer", "cutoffs", "tie_projs"):
       if values.get(key) is not None:
         values[key] = tuple(values[key])
-    if not values.get("max_relative_len"):
-      values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
-                                       config.eval.seq_len + config.eval.mem_len)
+    values["max_relative_len"] = run_config.relative_table_len(config)
     if not values.get("cutoffs") and values.get("div_val", 1) > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
       values["cutoffs"] = adaptive.default_cutoffs(config.data.name,

@@ -198,6 +198,30 @@ def txl_model(d_model: int) -> dict:
   return dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0)
 
 
+def relative_table_len(config: RunConfig) -> int:
+  """The learned relative position table's length: `model.max_relative_len`, or,
+  where that is 0 (or a saved config predates it), the longest context a train or
+  eval query sees."""
+  t, e = config.train, config.eval
+  return (getattr(config.model, "max_relative_len", 0)
+          or max(t.seq_len + t.mem_len, e.seq_len + e.mem_len))
+
+
+def paper_pruning(config, lam: float, init_from: str):
+  """The paper's pruning recipe (Shim et al. 2021, §4.1.2) on top of a baseline config
+  file's ConfigDict, which it changes (so that flags still override it) and returns.
+
+  Gates at π = 2, λ warmed up over 4K steps, gates frozen at 16K of 80K steps, peak
+  learning rate 1e-3 decayed to 1e-4.
+  """
+  stage = pruning_stage(
+      RunConfig.of(config), init_from,
+      train=dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4),
+      gates=dict(lam=lam, init=2.0, l0_warmup_steps=4000, freeze_step=16_000))
+  config.update(stage.to_dict())
+  return config
+
+
 def derived_run(base: RunConfig, *, init_from: str | None = None, train=None,
                 gates=None, model=None) -> RunConfig:
   """`base` with some keys of its train, gates and model sections replaced (dicts of

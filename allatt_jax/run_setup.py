@@ -81,8 +81,7 @@ def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
   run = RunConfig.of(config)
-  config_checks.check_config(run, model_lib.ModelConfig.from_config(run),
-                             vocab_from_data=vocab_from_data)
+  config_checks.check_config(run, vocab_from_data=vocab_from_data)
   return run
 
 
@@ -97,8 +96,10 @@ def resolve(config) -> RunSetup:
   lm = model_lib.TransformerLM(cfg)
   mesh = sharding.make_mesh(run.mesh)
   penalty = penalty_from_config(run, cfg)
-  optimizer = optim.make_optimizer(run, budget.COLLECTION if penalty.controlled else None)
-  settings = steps.StepConfig.from_config(run)
+  rates = optim.schedules(run)
+  optimizer = optim.make_optimizer(run.train, rates,
+                                   budget.COLLECTION if penalty.controlled else None)
+  settings = steps.StepConfig.from_config(run, rates)
   abstract, shardings = steps.abstract_state(lm, optimizer, penalty, settings, mesh)
   return RunSetup(run=run, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
                   settings=settings, abstract_state=abstract, state_sharding=shardings)

@@ -16,7 +16,6 @@ import json
 from etils import epath
 import ml_collections
 
-from allatt_jax import config_base
 from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
 
@@ -96,16 +95,6 @@ def load_config(directory) -> ml_collections.ConfigDict:
   if "gates" in saved:   # a budget's target once warmed up with λ's schedule
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
   return ml_collections.ConfigDict(saved)
-
-
-def load_run_config(directory) -> run_config.RunConfig:
-  """`load_config`, typed; keys a config.json predates that are not recipe keys
-  take today's defaults."""
-  saved = load_config(directory).to_dict()
-  defaults = config_base.base_config().to_dict()
-  return run_config.RunConfig.from_dict(
-      {**defaults, **{name: {**defaults[name], **values} if name in defaults else values
-                      for name, values in saved.items()}})
 
 
 def vocabulary_fingerprint(name: str, vocab) -> dict:
