@@ -231,7 +231,8 @@ def _device_memory() -> dict | None:
 
 def run(config: ml_collections.ConfigDict) -> dict:
   """The benchmark report of `config` (see the module docstring)."""
-  config = run_setup.with_vocab_size(config)
+  config = config.copy_and_resolve_references()
+  config.model.vocab_size = run_setup.vocab_size(config)
   bench, train, e = settings(config), config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(bench.matmul_size, jnp.dtype(config.model.dtype))

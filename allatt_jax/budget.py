@@ -43,15 +43,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from allatt_jax import gates as gates_lib
+from allatt_jax import run_config
 
 COLLECTION = "lagrangian"
 
 
-def lambda_schedule(gates: ml_collections.ConfigDict) -> optax.Schedule:
+def lambda_schedule(gates: run_config.GatesSection) -> optax.Schedule:
   """λ(t) of the L0 term: linear from 0 over the warm-up (technique 1), then constant."""
   if not gates.l0_warmup_steps:
     return optax.constant_schedule(gates.lam)

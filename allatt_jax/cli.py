@@ -151,6 +151,11 @@ def DEFINE_config(name: str, help_string: str, *, lock_config: bool = True,  # p
   return holder
 
 
+def config_file_name(name: str) -> str:
+  """The config file (with its `:arg`) that config flag `name` was given."""
+  return config_flags.get_config_filename(flags.FLAGS[name])
+
+
 def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pylint: disable=invalid-name
   """--checkpoint (required) and --step of the commands that use a trained model."""
   checkpoint = flags.DEFINE_string(

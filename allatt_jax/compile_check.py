@@ -22,11 +22,10 @@ import time
 from absl import flags
 import jax
 import jax.numpy as jnp
-import ml_collections
-from ml_collections import config_flags
 
 from allatt_jax import cli
 from allatt_jax import errors
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import sharding
 
@@ -70,11 +69,11 @@ def _shard_bytes(abstract) -> int:
              for a in jax.tree.leaves(abstract))
 
 
-def check(config: ml_collections.ConfigDict, mesh_shape: tuple[int, int],
+def check(config: run_config.RunConfig, mesh_shape: tuple[int, int],
           name: str = "") -> Report:
   """Lowers and compiles the train step of `config` on a mesh of the current devices."""
-  config = run_setup.with_vocab_size(config).copy_and_resolve_references()
-  config.mesh.data, config.mesh.model = mesh_shape
+  config = dataclasses.replace(run_setup.with_vocab_size(config),
+                               mesh=run_config.MeshSection(*mesh_shape))
   setup = run_setup.resolve(config)
   mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)
@@ -108,7 +107,7 @@ def _mesh_shape(text: str, devices: int) -> tuple[int, int]:
     data, model = (int(x) for x in text.split(","))
   except ValueError:
     raise errors.ConfigError(f"--mesh={text!r}: expected DATA,MODEL, e.g. 8,4.") from None
-  return sharding.mesh_shape(ml_collections.ConfigDict(dict(data=data, model=model)), devices)
+  return sharding.mesh_shape(run_config.MeshSection(data=data, model=model), devices)
 
 
 def main(argv):
@@ -123,7 +122,7 @@ def main(argv):
     raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
   mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
   report = check(_CONFIG.value, mesh,
-                 name=config_flags.get_config_filename(flags.FLAGS["config"]))
+                 name=cli.config_file_name("config"))
   print(report.summary())
   if _JSON.value:
     with open(_JSON.value, "w") as f:

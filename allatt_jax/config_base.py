@@ -36,10 +36,6 @@ import pathlib
 import ml_collections
 
 
-# The gates keys that ask for a size instead of a λ (budget.py); at most one is set.
-BUDGET_TARGETS = ("target_sparsity", "target_params", "target_macs")
-
-
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
@@ -163,26 +159,6 @@ def pruning_gates(**overrides) -> ml_collections.ConfigDict:
   gates = base_config().gates
   gates.update(dict(enabled=True, **overrides))
   return gates
-
-
-def as_txl(c: ml_collections.ConfigDict, d_model: int) -> ml_collections.ConfigDict:
-  """The Transformer-XL of an All-att config: same depth and heads, FF of 4d, no N."""
-  c.model.update(dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0))
-  return c
-
-
-def paper_pruning(c: ml_collections.ConfigDict, lam: float,
-                  init_from: str) -> ml_collections.ConfigDict:
-  """The paper's pruning recipe (Shim et al. 2021, §4.1.2) on top of a baseline config.
-
-  Gates at π = 2, λ warmed up over 4K steps, gates frozen at 16K of 80K steps, peak
-  learning rate 1e-3 decayed to 1e-4.
-  """
-  c.init_from = init_from
-  c.gates.update(dict(enabled=True, lam=lam, init=2.0, l0_warmup_steps=4000,
-                      freeze_step=16_000))
-  c.train.update(dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4))
-  return c
 
 
 def parse_arg(arg: str | None, **defaults):

@@ -27,10 +27,9 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 
-from allatt_jax import config_base
 from allatt_jax import model as model_lib
+from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 
 EMBEDDING_PARAMS = ("embedding", "relative_table")
@@ -117,7 +116,7 @@ def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: i
                                             "macs_per_token_non_embedding")}}
 
 
-def model_report(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig,
+def model_report(config: run_config.RunConfig, cfg: model_lib.ModelConfig,
                  heads_kept: float | None = None) -> dict:
   """The cost report of a trained model `cfg` at its run config's eval lengths."""
   e = config.eval
@@ -135,12 +134,12 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 # --- Budgets: a pruning run's requested size as a number of open heads (budget.py
 # steers the gates to it).
 
-TARGET_KEYS = config_base.BUDGET_TARGETS
+TARGET_KEYS = run_config.BUDGET_TARGETS
 
 
-def target_key(config: ml_collections.ConfigDict) -> str | None:
+def target_key(config: run_config.RunConfig) -> str | None:
   """The budget key the config sets, or None for a plain fixed-λ (or baseline) run."""
-  keys = [k for k in TARGET_KEYS if config.gates.get(k) is not None]
+  keys = [k for k in TARGET_KEYS if getattr(config.gates, k, None) is not None]
   if len(keys) > 1:
     raise ConfigError(f"config.gates sets {keys}; set at most one budget target.")
   return keys[0] if keys else None
@@ -161,7 +160,7 @@ def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float
   return full, full - cost(one_fewer)
 
 
-def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig) -> int:
+def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> int:
   """n*: the most open heads the config's budget allows (`cfg`: the run's model).
 
   Raises:
@@ -175,7 +174,7 @@ def target_open_heads(config: ml_collections.ConfigDict, cfg: model_lib.ModelCon
   if not gates.enabled:
     raise ConfigError(f"config.gates.{key} needs a pruning run: set "
                       "--config.gates.enabled=True (and --config.init_from=BASELINE).")
-  value = gates[key]
+  value = getattr(gates, key)
   total = sum(cfg.layer_heads)
   if key == "target_sparsity":
     if not 0.0 <= value <= 1.0:

@@ -21,11 +21,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from allatt_jax import adaptive
 from allatt_jax import attention
 from allatt_jax import gates as gates_lib
+from allatt_jax import run_config
 
 KINDS = ("allatt", "txl")
 # The parameter of a headless layer holding its removed output projection's bias.
@@ -82,24 +82,23 @@ class ModelConfig:
     return self.heads_per_layer or (self.num_heads,) * self.num_layers
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, **overrides) -> "ModelConfig":
-    """The ModelConfig of a run config (model and gates sections): the one place a
-    model's hyper-parameters are read from a ConfigDict."""
+  def from_config(cls, config: run_config.RunConfig, **overrides) -> "ModelConfig":
+    """The ModelConfig of a run config (model and gates sections; a ConfigDict of the
+    same shape reads the same): the one place a model's hyper-parameters are read."""
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in config.model.to_dict().items() if k in fields}
     for key in ("heads_per_layer", "cutoffs", "tie_projs"):
       if values.get(key) is not None:
         values[key] = tuple(values[key])
-    if not values.get("max_relative_len"):
-      values["max_relative_len"] = max(config.train.seq_len + config.train.mem_len,
-                                       config.eval.seq_len + config.eval.mem_len)
+    values["max_relative_len"] = run_config.relative_table_len(config)
     if not values.get("cutoffs") and values.get("div_val", 1) > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
       values["cutoffs"] = adaptive.default_cutoffs(config.data.name,
                                                   values["vocab_size"])
     values["gated"] = config.gates.enabled
     values["gate"] = gates_lib.GateConfig(**{
-        f.name: config.gates[f.name] for f in dataclasses.fields(gates_lib.GateConfig)})
+        f.name: getattr(config.gates, f.name)
+        for f in dataclasses.fields(gates_lib.GateConfig)})
     values.update(overrides)
     return cls(**values)
 
@@ -178,7 +177,7 @@ class TransformerLM(nn.Module):
   cfg: ModelConfig
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, **overrides) -> "TransformerLM":
+  def from_config(cls, config: run_config.RunConfig, **overrides) -> "TransformerLM":
     return cls(ModelConfig.from_config(config, **overrides))
 
   def setup(self):

@@ -28,13 +28,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
+
+from allatt_jax import run_config
 
 OPTIMIZERS = ("lamb", "optax_lamb")
 
 
-def learning_rate_schedule(train: ml_collections.ConfigDict,
+def learning_rate_schedule(train: run_config.TrainSection,
                            peak: float | None = None) -> optax.Schedule:
   """Linear warm-up to the peak, then cosine decay to the final rate."""
   return optax.warmup_cosine_decay_schedule(
@@ -43,7 +44,7 @@ def learning_rate_schedule(train: ml_collections.ConfigDict,
       end_value=train.final_learning_rate)
 
 
-def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def gate_learning_rate_schedule(config: run_config.RunConfig) -> optax.Schedule:
   """`gates.lr_multiplier` times the params' schedule, zero from the freeze on.
 
   A config that sets `gates.learning_rate` gets the params' schedule shape at that
@@ -59,11 +60,24 @@ def gate_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Sche
                               [gates.freeze_step])
 
 
-def multiplier_learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def multiplier_learning_rate_schedule(config: run_config.RunConfig) -> optax.Schedule:
   """The budget controller's ascent rate, zero from the gate freeze on."""
   return optax.join_schedules(
       [optax.constant_schedule(config.gates.lagrangian_lr), optax.constant_schedule(0.0)],
       [config.gates.freeze_step])
+
+
+class Schedules(NamedTuple):
+  """A run's learning-rate schedules, built once: the optimizer follows them and the
+  train step reports the first two."""
+  params: optax.Schedule
+  gates: optax.Schedule
+  multipliers: optax.Schedule     # a budget's ascent rate
+
+
+def schedules(config: run_config.RunConfig) -> Schedules:
+  return Schedules(learning_rate_schedule(config.train), gate_learning_rate_schedule(config),
+                   multiplier_learning_rate_schedule(config))
 
 
 class UnbiasedAdamState(NamedTuple):
@@ -136,7 +150,7 @@ def decay_mask(patterns) -> callable:
   return mask
 
 
-def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
+def lamb(train: run_config.TrainSection, schedule: optax.Schedule,
          weight_decay: float) -> optax.GradientTransformationExtraArgs:
   """LAMB of the form `train.optimizer` names, at `schedule(step)`."""
   if train.optimizer == "lamb":
@@ -152,24 +166,24 @@ def lamb(train: ml_collections.ConfigDict, schedule: optax.Schedule,
   return optax.chain(moments, decay, trust, scale_by_step_schedule(schedule))
 
 
-def make_optimizer(config: ml_collections.ConfigDict, ascent_collection: str | None = None
+def make_optimizer(train: run_config.TrainSection, rates: Schedules,
+                   ascent_collection: str | None = None
                    ) -> optax.GradientTransformationExtraArgs:
   """Clipping over all gradients, then LAMB per group ('params', 'gates'), and plain
   gradient ascent for `ascent_collection` (a budget's multipliers) when given.
 
   Its `update` takes the train state's step: `update(grads, state, params, step=step)`.
   """
-  train = config.train
-  groups = {"params": lamb(train, learning_rate_schedule(train), train.weight_decay),
+  groups = {"params": lamb(train, rates.params, train.weight_decay),
             # No decay on gate logits: it would pull every gate towards half open.
-            "gates": lamb(train, gate_learning_rate_schedule(config), 0.0)}
+            "gates": lamb(train, rates.gates, 0.0)}
   clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip else optax.identity()
   if ascent_collection:
     # The multipliers' gradients are constraint violations (in heads), not slopes of
     # the loss: clipped together, they would shrink every model gradient.
     clip = optax.masked(clip, lambda v: {name: name != ascent_collection for name in v})
     groups[ascent_collection] = scale_by_step_schedule(
-        multiplier_learning_rate_schedule(config), flip_sign=False)
+        rates.multipliers, flip_sign=False)
   label_by_collection = lambda variables: {name: name for name in variables}
   return optax.chain(clip, optax.multi_transform(groups, label_by_collection))
 

@@ -28,17 +28,20 @@ from allatt_jax import model as model_lib
 from allatt_jax import plots
 from allatt_jax import preemption
 from allatt_jax import run_setup
+from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
+from allatt_jax.run_config import RunConfig
 
 
 GATE_FLAGS = "--config.pipeline.prune_gates"
 
 
-def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
+def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path
+                  ) -> tuple[RunConfig, RunConfig]:
   """(baseline config, pruning config) of a pipeline config.
 
   Raises:
@@ -53,17 +56,13 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path):
         f"config.gates.{key}={value}: in a pipeline config the baseline has no gates; "
         f"the pruning stage's gates are config.pipeline.prune_gates. Use "
         f"{GATE_FLAGS}.{key}={value} instead.")
-  baseline = config.copy_and_resolve_references()
-  with baseline.unlocked():
-    del baseline["pipeline"]
-  prune = baseline.copy_and_resolve_references()
-  prune.train.update(config.pipeline.prune_train.to_dict())
-  prune.gates.update(config.pipeline.prune_gates.to_dict())
-  prune.init_from = str(workdir / "baseline")
-  return baseline, prune
+  baseline = RunConfig.of(config)
+  return baseline, run_config.pruning_stage(
+      baseline, str(workdir / "baseline"), train=config.pipeline.prune_train.to_dict(),
+      gates=config.pipeline.prune_gates.to_dict())
 
 
-def pruning_stage_dir(workdir: epath.Path, prune_config: ml_collections.ConfigDict
+def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                       ) -> tuple[epath.Path, str]:
   """Where the pruning stage runs: the stage folder trained with these settings, or
   the first free one; and why, when it is not `pruned/` (else '')."""
@@ -147,13 +146,13 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   return report
 
 
-def _pruning_goal(prune_config: ml_collections.ConfigDict) -> str:
+def _pruning_goal(prune_config: RunConfig) -> str:
   """'λ=0.05', or the budget: 'target_sparsity=0.5: 16 of 32 heads'."""
   key = cost_model.target_key(prune_config)
   if key is None:
     return f"λ={prune_config.gates.lam}"
   cfg = model_lib.ModelConfig.from_config(prune_config)
-  return (f"{key}={prune_config.gates[key]:g}: "
+  return (f"{key}={getattr(prune_config.gates, key):g}: "
           f"{cost_model.target_open_heads(prune_config, cfg)} of "
           f"{sum(cfg.layer_heads)} heads")
 
@@ -205,7 +204,7 @@ def _report(baseline_config, prune_config, pruned_dir, baseline, pruned, baselin
           "sparsity": 1.0 - sum(pruned_heads) / full_heads,
           # A fixed λ, or the budget asked for and what it decided at the freeze.
           "lambda": None if key else prune_config.gates.lam,
-          "budget": ({"key": key, "value": prune_config.gates[key],
+          "budget": ({"key": key, "value": getattr(prune_config.gates, key),
                       **(pruned["export"].get("budget") or {})} if key else None)},
       "speed": {
           **speed,

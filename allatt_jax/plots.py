@@ -19,6 +19,7 @@ from allatt_jax import cost_model
 from allatt_jax import errors
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import rundir
 
 matplotlib.use("Agg")
@@ -35,7 +36,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 def as_txl(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
   """The Transformer-XL of the same width and heads (d_ff = 4d, no persistent)."""
-  return dataclasses.replace(cfg, kind="txl", d_ff=4 * cfg.d_model, num_persistent=0)
+  return dataclasses.replace(cfg, **run_config.txl_model(cfg.d_model))
 
 
 def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]:

@@ -1,12 +1,12 @@
-"""A run config resolved once into the typed objects a run is made of.
+"""The resolver: a command's config becomes, once, the typed objects a run is made of.
 
-`resolve` is the one place a run reads its ConfigDict for model, mesh, optimizer,
-L0 term, train-step constants, state shapes and evaluator; everything below
-(`steps`, `evaluate`, `validation`'s state checks, export) receives these objects.
-It checks the config first (`validation.check_config`), so a bad config fails before
-anything is traced, and it reads no data. A run first calls `prepare`: the config's
-checks, then its dataset, then the config completed from it (`model.vocab_size` 0
-means the dataset's), which is what the run resolves and saves.
+`resolve_config` turns a command's ConfigDict into a frozen `RunConfig` and checks it
+(config_checks.py) before any data is read or code traced; `resolve` builds from it
+the model, mesh, optimizer, L0 term, train-step constants, state shapes and
+evaluator; everything below (`steps`, `evaluate`, `validation`'s state checks,
+export) receives these objects. A run first calls `prepare`: the config's checks,
+then its dataset, then the config completed from it (`model.vocab_size` 0 means the
+dataset's), which is what the run resolves and saves.
 """
 import dataclasses
 import functools
@@ -15,26 +15,28 @@ from typing import Any
 from absl import logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
 from allatt_jax import budget
+from allatt_jax import config_checks
 from allatt_jax import cost_model
 from allatt_jax import data as data_lib
 from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import run_config
+from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import steps
-from allatt_jax import validation
 from allatt_jax.errors import ConfigError
+from allatt_jax.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
   """Everything a run needs besides its data and its state."""
-  config: ml_collections.ConfigDict     # what the run saves as config.json
+  run: RunConfig                        # what the run saves as config.json
   lm: model_lib.TransformerLM
   mesh: jax.sharding.Mesh
   optimizer: optax.GradientTransformationExtraArgs
@@ -43,9 +45,15 @@ class RunSetup:
   abstract_state: Any                   # steps.TrainState of ShapeDtypeStructs
   state_sharding: Any
 
+  @property
+  def config(self):
+    """The run config as a ConfigDict, for the readers that still take one (the
+    export of a pruned model)."""
+    return rundir.as_config_dict(self.run)
+
   @functools.cached_property
   def evaluator(self) -> evaluation.Evaluator:
-    return evaluation.Evaluator.from_config(self.lm, self.mesh, self.config)
+    return evaluation.Evaluator.from_config(self.lm, self.mesh, self.run)
 
   def new_state(self) -> steps.TrainState:
     """A freshly initialised state, placed on the mesh."""
@@ -63,27 +71,41 @@ class RunSetup:
         sample_gates=sample_gates)
 
 
-def resolve(config: ml_collections.ConfigDict) -> RunSetup:
-  """The run's objects, after checking the config.
+def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:
+  """The checked RunConfig of a command's ConfigDict (or of a RunConfig).
+
+  `vocab_from_data`: the caller loads the dataset next and takes an unset
+  `model.vocab_size` from it (`prepare`).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config (see validation.py).
+    ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
-  cfg = model_lib.ModelConfig.from_config(config)
-  validation.check_config(config, cfg)
+  run = RunConfig.of(config)
+  config_checks.check_config(run, vocab_from_data=vocab_from_data)
+  return run
+
+
+def resolve(config) -> RunSetup:
+  """The run's objects, after checking the config (a ConfigDict or a RunConfig).
+
+  Raises:
+    ConfigError: an inconsistent or out-of-range config (see config_checks.py).
+  """
+  run = resolve_config(config)
+  cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
-  mesh = sharding.make_mesh(config.mesh)
-  penalty = penalty_from_config(config, cfg)
-  optimizer = optim.make_optimizer(
-      config, budget.COLLECTION if penalty.controlled else None)
-  settings = steps.StepConfig.from_config(config)
+  mesh = sharding.make_mesh(run.mesh)
+  penalty = penalty_from_config(run, cfg)
+  rates = optim.schedules(run)
+  optimizer = optim.make_optimizer(run.train, rates,
+                                   budget.COLLECTION if penalty.controlled else None)
+  settings = steps.StepConfig.from_config(run, rates)
   abstract, shardings = steps.abstract_state(lm, optimizer, penalty, settings, mesh)
-  return RunSetup(config=config, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
+  return RunSetup(run=run, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
                   settings=settings, abstract_state=abstract, state_sharding=shardings)
 
 
-def penalty_from_config(config: ml_collections.ConfigDict,
-                        cfg: model_lib.ModelConfig) -> budget.Penalty:
+def penalty_from_config(config: RunConfig, cfg: model_lib.ModelConfig) -> budget.Penalty:
   """The run's L0 term; a budget that cannot work fails here, at setup.
 
   With a budget, t(step) moves from the initial expected open heads down to n* over
@@ -106,31 +128,35 @@ def penalty_from_config(config: ml_collections.ConfigDict,
   return controlled(optax.linear_schedule(start, float(allowed), warmup))
 
 
-def prepare(config: ml_collections.ConfigDict
-            ) -> tuple[ml_collections.ConfigDict, data_lib.Corpus]:
+def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
   """(the config completed from its dataset (`complete`), the dataset).
 
   The config's own checks come first, so a bad config fails before any dataset is
   read or prepared.
 
   Raises:
-    ConfigError: as `validation.check_config`, or a `model.vocab_size` that is not
+    ConfigError: as `config_checks.check_config`, or a `model.vocab_size` that is not
       the dataset's.
     DataError: the dataset cannot be loaded.
   """
-  validation.check_config(config, model_lib.ModelConfig.from_config(config),
-                          vocab_from_data=True)
-  corpus = load_corpus(config)
-  return complete(config, corpus), corpus
+  run = resolve_config(config, vocab_from_data=True)
+  corpus = load_corpus(run)
+  return complete(run, corpus), corpus
 
 
-def with_vocab_size(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config`, or, when its `model.vocab_size` is unset, `prepare`'s completed one
-  (the dataset is then read): for commands that build a model without training it."""
-  return config if config.model.vocab_size else prepare(config)[0]
+def vocab_size(config) -> int:
+  """The config's `model.vocab_size`, or, when unset, its dataset's (which is then
+  read): for commands that build a model without training it."""
+  return config.model.vocab_size or prepare(config)[0].model.vocab_size
 
 
-def load_corpus(config: ml_collections.ConfigDict) -> data_lib.Corpus:
+def with_vocab_size(config) -> RunConfig:
+  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`)."""
+  run = RunConfig.of(config)
+  return run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
+
+
+def load_corpus(config: RunConfig) -> data_lib.Corpus:
   """The run's dataset, checked against the model's vocabulary size.
 
   Warns when a word-level train split never holds <unk> while valid or test do: the
@@ -151,20 +177,18 @@ def load_corpus(config: ml_collections.ConfigDict) -> data_lib.Corpus:
   return corpus
 
 
-def complete(config: ml_collections.ConfigDict,
-             corpus: data_lib.Corpus) -> ml_collections.ConfigDict:
+def complete(config, corpus: data_lib.Corpus) -> RunConfig:
   """The config with what it leaves to the run filled in, as the run will save it.
 
   `model.vocab_size` 0 (or None) becomes the dataset's; with a budget
   (`gates.target_*`) the controller finds the L0 weight, so a fixed `gates.lam` the
   config carries is set to 0 rather than saved as if it had been used.
   """
-  completed = config.copy_and_resolve_references()
-  if not completed.model.vocab_size:
-    completed.model.vocab_size = corpus.vocab_size
-  if cost_model.target_key(completed) is not None and completed.gates.lam:
-    completed.gates.lam = 0.0
-  return completed
+  run = RunConfig.of(config)
+  budgeted = cost_model.target_key(run) is not None
+  return run_config.derived_run(
+      run, model=dict(vocab_size=run.model.vocab_size or corpus.vocab_size),
+      gates=dict(lam=0.0) if budgeted and run.gates.lam else None)
 
 
 def _warn_if_unk_untrained(corpus: data_lib.Corpus) -> None:

@@ -16,6 +16,7 @@ import json
 from etils import epath
 import ml_collections
 
+from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -52,9 +53,15 @@ def _read_json(path: epath.Path):
                           "in a new --workdir.") from e
 
 
-def save_config(directory, config: ml_collections.ConfigDict) -> None:
+def save_config(directory, config) -> None:
+  """Writes a RunConfig (or a ConfigDict of one) as config.json."""
   _write_atomically(run_path(directory) / CONFIG_FILE,
-                    config.to_json_best_effort(indent=2, sort_keys=True))
+                    json.dumps(config.to_dict(), indent=2, sort_keys=True))
+
+
+def as_config_dict(run: run_config.RunConfig) -> ml_collections.ConfigDict:
+  """A RunConfig as the ConfigDict its config.json reads back as."""
+  return ml_collections.ConfigDict(run.to_dict())
 
 
 # Recipe keys added after runs were already saved, with the behaviour those runs had:

@@ -3,7 +3,8 @@
 Parameters and activations carry logical names (batch, heads, persistent, ...); the
 rules below place the batch on the 'data' mesh axis and attention heads (hence each
 head's projections and persistent vectors) and the feed-forward width on 'model'.
-Everything else is replicated.
+Everything else is replicated. A batch splits evenly over the 'data' axis, and into
+the micro-batches of gradient accumulation (`check_accumulation`).
 """
 import contextlib
 
@@ -13,8 +14,8 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import ml_collections
 
+from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 
 MESH_AXES = ("data", "model")
@@ -25,7 +26,7 @@ LOGICAL_RULES = (
 )
 
 
-def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
+def mesh_shape(mesh_config: run_config.MeshSection, num_devices: int) -> tuple[int, int]:
   """(data, model) sizes; one of them may be -1 to take the remaining devices."""
   data, model = mesh_config.data, mesh_config.model
   if data == -1 and model == -1:
@@ -44,7 +45,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tupl
   return data, model
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+def make_mesh(mesh_config: run_config.MeshSection) -> jax.sharding.Mesh:
   shape = mesh_shape(mesh_config, jax.device_count())
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
@@ -94,3 +95,13 @@ def process_rows(mesh, process_index: int | None = None) -> tuple[int, int]:
         f"{num_shards}, not one aligned block, so it cannot read a contiguous slice "
         "of the batch; choose config.mesh sizes that keep each host's devices together.")
   return first // count, num_shards // count
+
+
+def check_accumulation(batch_size: int, accum: int) -> None:
+  """Raises ConfigError unless `accum` micro-batches split the global batch evenly:
+  checked when a config is resolved, and again when a step is traced on a batch."""
+  if accum < 1 or batch_size % accum:
+    raise ConfigError(
+        f"config.train.grad_accum_steps={accum} must be a positive divisor of "
+        f"config.train.batch_size={batch_size}, one of "
+        f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}.")

@@ -15,14 +15,13 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from allatt_jax import budget
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import run_config
 from allatt_jax import sharding
-from allatt_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +38,13 @@ class StepConfig:
   gate_learning_rate: optax.Schedule
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "StepConfig":
+  def from_config(cls, config: run_config.RunConfig,
+                  rates: optim.Schedules) -> "StepConfig":
     t = config.train
     return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
                grad_accum_steps=t.grad_accum_steps,
                skip_nonfinite_steps=t.skip_nonfinite_steps,
-               learning_rate=optim.learning_rate_schedule(t),
-               gate_learning_rate=optim.gate_learning_rate_schedule(config))
+               learning_rate=rates.params, gate_learning_rate=rates.gates)
 
 
 @flax.struct.dataclass
@@ -104,14 +103,6 @@ def _merge_micro_batches(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def _check_accumulation(batch_size: int, accum: int) -> None:
-  if accum < 1 or batch_size % accum:
-    raise ConfigError(
-        f"config.train.grad_accum_steps={accum} must be a positive divisor of the global "
-        f"batch of {batch_size} rows (config.train.batch_size), one of "
-        f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}.")
-
-
 def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
                penalty: budget.Penalty, settings: StepConfig, sample_gates: bool):
@@ -126,7 +117,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
     ConfigError: k does not divide the global batch (checked at trace time).
   """
   accum = settings.grad_accum_steps
-  _check_accumulation(inputs_BxT.shape[0], accum)
+  sharding.check_accumulation(inputs_BxT.shape[0], accum)
   rng = jax.random.fold_in(jax.random.key(settings.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
 

@@ -14,12 +14,12 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import tqdm
 
 from allatt_jax import budget
 from allatt_jax import checkpointing
+from allatt_jax import config_checks
 from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import data as data_lib
@@ -36,6 +36,7 @@ from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.errors import TrainingError
+from allatt_jax.run_config import RunConfig
 
 # Train metrics that only mean something with gates; a baseline run does not log them.
 GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
@@ -43,7 +44,7 @@ PHASES_FILE = "finished_phases.json"
 BUDGET_FILE = "budget_decision.json"    # budget runs: the heads decided at the freeze
 
 
-def start(config: ml_collections.ConfigDict, workdir
+def start(config: RunConfig, workdir
           ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
   """The run's setup and its one CheckpointManager, after every check that needs
   neither the dataset nor a compiled step (config, workdir, resume, `init_from`).
@@ -57,10 +58,10 @@ def start(config: ml_collections.ConfigDict, workdir
   workdir = rundir.run_path(workdir)
   setup = run_setup.resolve(config)
   validation.check_workdir(workdir)
-  validation.check_pruning_has_a_baseline(config)
-  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
+  config_checks.check_pruning_has_a_baseline(setup.run)
+  checkpoints = checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
   try:
-    validation.check_start(config, checkpoints, setup.abstract_state)
+    validation.check_start(setup.run, checkpoints, setup.abstract_state)
   except BaseException:
     checkpoints.close()
     raise
@@ -85,7 +86,7 @@ def _new_state(setup: run_setup.RunSetup):
   `validation.check_start` has checked that those params' shapes fit the config.
   """
   state = setup.new_state()
-  source_dir = validation.init_source(setup.config)
+  source_dir = setup.run.init_source
   if not source_dir:
     return state
   _, source = checkpointing.load_model(source_dir)
@@ -96,7 +97,7 @@ def _new_state(setup: run_setup.RunSetup):
     return fresh(variables)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+def train_and_evaluate(config: RunConfig, workdir: str,
                        deadline: float | None = None,
                        watch: preemption.PreemptionWatch | None = None,
                        gate_flags: str = "--config.gates") -> dict:
@@ -116,7 +117,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with preemption.watching(watch) as watch:
     # The config, then its dataset, are checked before `start` creates the workdir and
     # opens orbax, so a wrong data folder leaves nothing behind.
-    validation.check_pruning_has_a_baseline(config)
+    config = RunConfig.of(config)
+    config_checks.check_pruning_has_a_baseline(config)
     config, corpus = run_setup.prepare(config)
     setup, checkpoints = start(config, workdir)
     try:
@@ -132,10 +134,10 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
                         corpus: data_lib.Corpus, deadline: float | None,
                         watch: preemption.PreemptionWatch, gate_flags: str) -> dict:
-  config = setup.config
+  config = setup.run
   latest = checkpoints.latest_step()
   vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
-  validation.check_vocabulary(vocabulary, workdir, validation.init_source(config),
+  validation.check_vocabulary(vocabulary, workdir, config.init_source,
                               resuming=latest is not None)
   is_main = jax.process_index() == 0
   if is_main:
@@ -313,13 +315,12 @@ def budget_decision(workdir) -> dict | None:
   return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _phases_key(config: ml_collections.ConfigDict) -> dict:
+def _phases_key(config: RunConfig) -> dict:
   """What the phases' results depend on besides the final state."""
-  return {"step": config.train.num_steps,
-          "eval": json.loads(config.eval.to_json_best_effort())}
+  return {"step": config.train.num_steps, "eval": config.eval.to_dict()}
 
 
-def _finished_phases(workdir, config: ml_collections.ConfigDict) -> dict:
+def _finished_phases(workdir, config: RunConfig) -> dict:
   """The results of the phases after training that a run before this one finished:
   {'final': ..., 'export': ...}, each present if done for this num_steps and eval."""
   path, key = workdir / PHASES_FILE, _phases_key(config)

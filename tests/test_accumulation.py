@@ -9,6 +9,7 @@ import pytest
 
 from allatt_jax import config_base
 from allatt_jax import model as model_lib
+from allatt_jax import optim
 from allatt_jax import run_setup
 from allatt_jax import steps
 from allatt_jax.errors import ConfigError
@@ -35,8 +36,9 @@ def make_state(config):
   # Plain SGD with rate 1: the update is minus the gradient, so the test compares
   # gradients without an optimizer that could amplify or hide their differences.
   optimizer = optax.sgd(1.0)
+  settings = steps.StepConfig.from_config(config, optim.schedules(config))
   state = steps.init_state(lm, optimizer, run_setup.penalty_from_config(config, lm.cfg),
-                           steps.StepConfig.from_config(config), jax.random.key(0))
+                           settings, jax.random.key(0))
   previous = jax.random.randint(jax.random.key(1), (BATCH, SEQ_LEN), 0, VOCAB)
   _, memory, _ = lm.apply(state.variables, previous, previous, state.memory)
   return lm, optimizer, state.replace(memory=memory)
@@ -56,7 +58,7 @@ def run_step(accum, gated, memory=None):
   step = jax.jit(functools.partial(
       steps.train_step, lm=lm, optimizer=optimizer,
       penalty=run_setup.penalty_from_config(config, lm.cfg),
-      settings=steps.StepConfig.from_config(config), sample_gates=gated))
+      settings=steps.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
   new_state, metrics = step(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)
   return updates, new_state.memory, metrics

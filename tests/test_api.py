@@ -23,6 +23,7 @@ from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import plots
+from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
@@ -58,7 +59,8 @@ def pruned_run(stages, workdir):
   # Gates start on the edge (logit 0, open) with a fast learning rate: within the
   # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
   # by its size, so from the usual init of 2 none would close).
-  prune_config.gates.update(dict(init=0.0, lam=0.05, learning_rate=0.1))
+  prune_config = run_config.derived_run(
+      prune_config, gates=dict(init=0.0, lam=0.05, learning_rate=0.1))
   pruned_run = workdir.parent / "pruned"
   train.train_and_evaluate(prune_config, pruned_run)
   return pruned_run

@@ -19,6 +19,7 @@ from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
@@ -227,22 +228,21 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
   baseline, _ = pipeline.stage_configs(config, tmp_path)
-  baseline.train.num_steps = 10
-  baseline.checkpoint.every_steps = 5
+  baseline = dataclasses.replace(
+      run_config.derived_run(baseline, train=dict(num_steps=10)),
+      checkpoint=dataclasses.replace(baseline.checkpoint, every_steps=5))
   train.train_and_evaluate(baseline, tmp_path / "run")
   saved = (tmp_path / "run" / "config.json").read_bytes()
-  changed = baseline.copy_and_resolve_references()
-  changed.train.learning_rate = 0.01
-  changed.model.dropout = 0.1
+  changed = run_config.derived_run(baseline, train=dict(learning_rate=0.01),
+                                  model=dict(dropout=0.1))
   with pytest.raises(ConfigError, match=(
       r"holds a run trained with other settings \(model.dropout: 0.0 -> 0.1; "
       r"train.learning_rate: 0.003 -> 0.01\)")):
     train.train_and_evaluate(changed, tmp_path / "run")
   assert (tmp_path / "run" / "config.json").read_bytes() == saved
   # More steps and another evaluation cadence are a legitimate resume.
-  longer = baseline.copy_and_resolve_references()
-  longer.train.num_steps = 15
-  longer.eval.every_steps = 5
+  longer = dataclasses.replace(run_config.derived_run(baseline, train=dict(num_steps=15)),
+                               eval=dataclasses.replace(baseline.eval, every_steps=5))
   train.train_and_evaluate(longer, tmp_path / "run")
   assert rundir.load_config(tmp_path / "run").train.num_steps == 15
 
@@ -265,9 +265,8 @@ def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_p
   assert config.model.vocab_size == 0
   completed, corpus = run_setup.prepare(config)
   assert completed.model.vocab_size == corpus.vocab_size == 27
-  config.model.vocab_size = 30
   with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
-    run_setup.prepare(config)
+    run_setup.prepare(run_config.derived_run(config, model=dict(vocab_size=30)))
 
 
 def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):

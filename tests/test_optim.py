@@ -77,7 +77,7 @@ def test_weight_decay_spares_layer_norms_biases_and_gates():
   updates = {}
   for decay in (0.0, 0.5):
     config.train.weight_decay = decay
-    tx = optim.make_optimizer(config)
+    tx = optim.make_optimizer(config.train, optim.schedules(config))
     updates[decay], _ = tx.update(grads, tx.init(variables), variables, step=jnp.int32(5))
   flat = lambda t: {jax.tree_util.keystr(p): x
                     for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
@@ -147,7 +147,7 @@ def test_schedules_at_the_named_steps():
   variables = {"params": {"w": jnp.ones((3,))},
                "gates": {"layer_0": {"attention": {"logits": jnp.full((4,), 2.0)}}}}
   grads = jax.tree.map(jnp.ones_like, variables)
-  tx = optim.make_optimizer(config)
+  tx = optim.make_optimizer(config.train, optim.schedules(config))
   state = tx.init(variables)
   moved = lambda step: tx.update(grads, state, variables, step=jnp.int32(step))[0]["gates"]
   assert np.all(np.asarray(jax.tree.leaves(moved(freeze - 1))[0]) != 0)

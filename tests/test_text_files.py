@@ -8,6 +8,7 @@ import pytest
 
 from allatt_jax import adaptive
 from allatt_jax import config_base
+from allatt_jax import config_checks
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
@@ -19,6 +20,7 @@ from allatt_jax.data import specs
 from allatt_jax.data import builder
 from allatt_jax.data import sources
 from allatt_jax.errors import DataError
+from allatt_jax.run_config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = 'the cat sat on the mat\nthe dog sat\n\na cat ran\n'
@@ -192,7 +194,7 @@ def test_bad_options_fail_with_the_config_check(name, options, match):
   config = config_base.base_config()
   config.data.update(dict(name=name, **options))
   with pytest.raises(DataError, match=match):
-    validation._check_names(config)  # pylint: disable=protected-access
+    config_checks._check_names(RunConfig.of(config))  # pylint: disable=protected-access
 
 
 def test_split_shorter_than_an_evaluation_segment(tmp_path):

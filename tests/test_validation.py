@@ -320,7 +320,7 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   config = tiny_config(train=dict(batch_size=8, grad_accum_steps=4),
                        eval=dict(batch_size=12), mesh=dict(data=-1, model=2))
-  check = lambda: validation.check_config(config, model_lib.ModelConfig.from_config(config))
+  check = lambda: run_setup.resolve_config(config)
   with pytest.raises(ConfigError) as raised:
     check()
   assert str(raised.value) == (

@@ -94,8 +94,8 @@ def load_run_corpus(config) -> Corpus:
     DataError: as load_corpus, or valid/test shorter than one evaluation segment.
   """
   data = config.data
-  corpus = load_corpus(data.name, data.get('data_dir'), data.get('manual_dir'),
-                       **{key: data[key] for key in _OPTION_KEYS if key in data})
+  corpus = load_corpus(data.name, getattr(data, 'data_dir', None),
+                       getattr(data, 'manual_dir', None), **_options(data))
   needed = config.eval.seq_len + 1
   for split in specs.SPLITS[1:]:
     if corpus.splits[split].size < needed:
@@ -108,7 +108,12 @@ def load_run_corpus(config) -> Corpus:
 
 def check_data_config(data) -> None:
   """Raises DataError when config.data names an unknown dataset or bad options."""
-  specs.resolve(data.name, **{key: data[key] for key in _OPTION_KEYS if key in data})
+  specs.resolve(data.name, **_options(data))
+
+
+def _options(data) -> dict:
+  """The text_files options a data section sets (a saved config may predate some)."""
+  return {key: getattr(data, key) for key in _OPTION_KEYS if hasattr(data, key)}
 
 
 _OPTION_KEYS = ('level', 'files', 'min_count', 'max_vocab', 'clean')

@@ -36,17 +36,18 @@ import ml_collections
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import config_base
 from allatt_jax import cost_model
 from allatt_jax import exported_model
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import Preempted
 from allatt_jax.experiments import heuristics
+from allatt_jax.run_config import RunConfig
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "experiment.json"
@@ -93,12 +94,9 @@ class Experiment:
     self.watch = watch           # the command's: SIGTERM stops it between runs too
     self.settings = config.experiments
     self.workdir = pathlib.Path(workdir)
-    base = config.copy_and_resolve_references()
-    with base.unlocked():
-      del base["experiments"]
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, _ = run_setup.prepare(base)
+    self.base, _ = run_setup.prepare(config)
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs.
@@ -106,18 +104,16 @@ class Experiment:
   def run_dir(self, name: str) -> pathlib.Path:
     return self.workdir / "runs" / name
 
-  def _continued_config(self, seed: int) -> ml_collections.ConfigDict:
-    c = self.base.copy_and_resolve_references()
-    c.train.update(self.settings.prune_train.to_dict())
-    c.train.seed = seed
-    c.init_from = str(self.run_dir("baseline"))
-    return c
+  def _continued_config(self, seed: int) -> RunConfig:
+    return run_config.derived_run(
+        self.base, init_from=str(self.run_dir("baseline")),
+        train={**self.settings.prune_train.to_dict(), "seed": seed})
 
-  def _l0_config(self, seed: int, **gates) -> ml_collections.ConfigDict:
-    c = self._continued_config(seed)
-    c.gates.update(self.settings.prune_gates.to_dict())
-    c.gates.update(gates)
-    return c
+  def _l0_config(self, seed: int, **gates) -> RunConfig:
+    return run_config.pruning_stage(
+        self.base, str(self.run_dir("baseline")),
+        train={**self.settings.prune_train.to_dict(), "seed": seed},
+        gates={**self.settings.prune_gates.to_dict(), **gates})
 
   # --- Runs.
 
@@ -136,7 +132,7 @@ class Experiment:
     return record
 
   def txl(self, width: int) -> Record:
-    config = config_base.as_txl(self.base.copy_and_resolve_references(), width)
+    config = run_config.derived_run(self.base, model=run_config.txl_model(width))
     return self._run(f"txl_d{width}", "txl", config)
 
   def budget(self, key: str, fraction: float, seed: int = 0) -> Record:
@@ -168,9 +164,9 @@ class Experiment:
     masked_config = rundir.load_config(masked_dir)
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
-    config = self._continued_config(seed)
-    config.model.heads_per_layer = masked_config.model.heads_per_layer
-    config.init_from = str(masked_dir)
+    config = run_config.derived_run(
+        self._continued_config(seed), init_from=str(masked_dir),
+        model=dict(heads_per_layer=tuple(masked_config.model.heads_per_layer)))
     tuned = self._run(name, "heuristic", config)
     for record in (masked, tuned):
       record.extra.update(method=method, removed=num_remove, seed=seed)
@@ -178,7 +174,7 @@ class Experiment:
 
   # --- Machinery.
 
-  def _run(self, name: str, kind: str, config: ml_collections.ConfigDict) -> Record:
+  def _run(self, name: str, kind: str, config: RunConfig) -> Record:
     workdir = self.run_dir(name)
     results = None
     if (workdir / RESULTS_FILE).is_file():
