@@ -15,10 +15,11 @@ from clu import metric_writers
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import data_fixtures
+from helpers import assert_bit_identical
+from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import errors
@@ -70,28 +71,6 @@ def uninterrupted(run_config, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
   train.train_and_evaluate(run_config[1], workdir)
   return saved_state(workdir, NUM_STEPS)
-
-
-def saved_state(workdir, step):
-  """Everything a checkpoint holds, as host arrays: state (step, params, gates,
-  optimizer state, memory) and the data position."""
-  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
-  try:
-    restored = checkpoints.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
-  finally:
-    checkpoints.close()
-  return {"state": jax.tree.map(np.asarray, restored.state), "data": dict(restored.data)}
-
-
-def assert_bit_identical(a, b):
-  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-  flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
-  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
-  for (path, x), (_, y) in zip(flat_a, flat_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), (
-        jax.tree_util.keystr(path))
 
 
 class Run:
