@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from allatt_jax import api
@@ -17,6 +18,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import optim
 from allatt_jax import pipeline
 from allatt_jax import prune
 from allatt_jax import run_setup
@@ -128,6 +130,45 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   multipliers = updates[budget.COLLECTION]
   # Gradient ascent: the update has the sign of ∂/∂λ1 = gap and ∂/∂λ2 = gap².
   assert float(multipliers["lambda_1"]) > 0 and float(multipliers["lambda_2"]) > 0
+
+
+def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
+  """Plain gradient ascent, unclipped: λ1 += lr·gap, λ2 += lr·gap² (from 0); a
+  positive gap raises λ1, which then pushes the gates shut; a negative one lowers
+  it; nothing moves from the freeze on."""
+  config = config_base.base_config()
+  config.gates.update(dict(enabled=True, freeze_step=40, lagrangian_lr=0.01))
+  config.train.grad_clip = 0.25      # the gaps' gradients are larger: not clipped
+  gate = gates_lib.GateConfig()
+  tx = optim.make_optimizer(config, budget.COLLECTION)
+
+  def step(logit, target, step, multipliers=None):
+    penalty = budget.Penalty(optax.constant_schedule(0.0), gate,
+                             target=optax.constant_schedule(target), allowed=int(target))
+    variables = penalty.add_multipliers(
+        {"params": {"w": jnp.ones((3,))},
+         "gates": {"layer_0": {"attention": {"logits": jnp.full((4,), logit)}}}})
+    if multipliers:
+      variables[budget.COLLECTION] = {k: jnp.asarray(v) for k, v in multipliers.items()}
+    gap = float(penalty.open_count(variables, step)) - target
+    grads = jax.grad(lambda v: penalty(v, None, step))(variables)
+    updates, _ = tx.update(grads, tx.init(variables), variables, step=jnp.int32(step))
+    return gap, optax.apply_updates(variables, updates), updates
+
+  gap, after, _ = step(2.0, 1.0, 10)             # 4 heads at σ(2) ≈ 0.88, 1 allowed
+  assert gap == pytest.approx(4 * float(jax.nn.sigmoid(2.0)) - 1.0, rel=1e-6)
+  multipliers = after[budget.COLLECTION]
+  assert gap > 0 and float(multipliers["lambda_1"]) == pytest.approx(0.01 * gap, rel=1e-5)
+  assert float(multipliers["lambda_2"]) == pytest.approx(0.01 * gap ** 2, rel=1e-5)
+  # With λ1 > 0 the next step lowers every gate logit.
+  _, _, updates = step(2.0, 1.0, 11, dict(lambda_1=1.0, lambda_2=0.0))
+  assert np.all(np.asarray(updates["gates"]["layer_0"]["attention"]["logits"]) < 0)
+  gap, after, _ = step(-2.0, 3.0, 10)            # too few open: λ1 falls, λ2 still rises
+  assert gap < 0
+  assert float(after[budget.COLLECTION]["lambda_1"]) == pytest.approx(0.01 * gap, rel=1e-5)
+  assert float(after[budget.COLLECTION]["lambda_2"]) > 0
+  _, after, _ = step(2.0, 1.0, 40)               # the freeze stops the multipliers
+  assert float(after[budget.COLLECTION]["lambda_1"]) == 0.0
 
 
 # --- A size through the pipeline; stages reused; settings never mixed.

@@ -81,6 +81,27 @@ def test_memory_equals_concatenation(kind, empty_mem_len):
   np.testing.assert_allclose(nll_seg2, nll_concat[:, t:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+def test_same_length_window_in_the_model(kind):
+  """One layer, memory length S = 3: with same_length a query sees itself and the S
+  keys before it ('mem_len+1') or the S - 1 before it ('mem_len'), whatever the
+  segment holds; without, every earlier key. A token changed at position 2 moves
+  exactly the predictions of the queries that see it."""
+  t, s, changed_at = 8, 3, 2
+  x = tokens(5, (2, t))
+  changed = x.at[:, changed_at].set((x[:, changed_at] + 1) % VOCAB)
+  for overrides, last_seeing in ((dict(), changed_at + s),
+                                 (dict(same_length_keys="mem_len"), changed_at + s - 1),
+                                 (dict(same_length=False), t - 1)):
+    cfg = make_cfg(kind, num_layers=1, **overrides)
+    lm, variables = init(cfg, seq_len=t, mem_len=s)
+    memory = model_lib.init_memory(cfg, 2, s)
+    logp, _ = lm.apply(variables, x, memory, method=lm.log_probs)
+    logp_changed, _ = lm.apply(variables, changed, memory, method=lm.log_probs)
+    moved = np.abs(np.asarray(logp) - np.asarray(logp_changed)).max(axis=(0, 2)) > 1e-6
+    assert moved.tolist() == [changed_at <= i <= last_seeing for i in range(t)], overrides
+
+
 def test_memory_is_truncated_and_counts_valid_slots():
   cfg = make_cfg()
   lm, variables = init(cfg, seq_len=4, mem_len=6)
