@@ -53,7 +53,7 @@ def workdir(stages):
 
 @pytest.fixture(scope="module")
 def pruned_run(stages, workdir):
-  prune_config = stages[1]
+  prune_config = stages[1].copy_and_resolve_references()   # `stages` stays as it is
   # Gates start on the edge (logit 0, open) with a fast learning rate: within the
   # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
   # by its size, so from the usual init of 2 none would close).

@@ -207,6 +207,7 @@ def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
 
 
 def test_finished_runs_are_reused(experiment):
+  experiment.baseline()            # trained here unless a test before trained it
   baseline = experiment.run_dir("baseline")
   before = (baseline / runs_lib.RESULTS_FILE).stat().st_mtime
   report = suites.lambda_sweep(experiment)
@@ -216,6 +217,7 @@ def test_finished_runs_are_reused(experiment):
 
 
 def test_heuristic_runs_start_from_the_masked_model(experiment):
+  suites.heuristics(experiment)    # its runs, unless the suite's test made them
   [masked_dir] = experiment.workdir.glob("runs/michel_r*_s0_masked")
   removed = int(masked_dir.name.split("_")[1][1:])
   masked, tuned = experiment.heuristic("michel", removed)   # reused, not rerun
