@@ -74,6 +74,7 @@ def assert_trees_close(a, b, **tolerance):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tolerance)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gated", [False, True], ids=["baseline", "gated"])
 def test_accumulated_step_equals_full_batch(gated):
   full_updates, full_memory, full_metrics = default_run(1, gated)

@@ -119,6 +119,7 @@ def test_log_probs_and_nll_match_naive_reference(name):
       rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['plain', 'adaptive'])
 def test_blocked_nll_matches_unblocked_values_and_grads(name):
   # Block 4 splits every cluster (37, 10, 10, 15, 15 tokens) with a remainder.

@@ -193,6 +193,7 @@ def sized_demo(tmp_path_factory, data_dir):
   return workdir, report
 
 
+@pytest.mark.slow
 def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   workdir, report = sized_demo
   pruned = report["pruned"]
@@ -220,6 +221,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   assert [sum(p >= 0.5 for p in layer) for layer in last["open_prob"]] == kept
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data_dir,
                                                                  capsys):
   workdir, _ = sized_demo
@@ -255,6 +257,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
   assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
   config = demo_config(data_dir, lam=0.0)
   report = pipeline.run(config, tmp_path)
@@ -265,6 +268,7 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
   assert f"warning: {warning}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
   baseline, _ = pipeline.stage_configs(config, tmp_path)
@@ -288,6 +292,7 @@ def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   assert rundir.load_config(tmp_path / "run").train.num_steps == 15
 
 
+@pytest.mark.slow
 def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, data_dir):
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.data.data_dir = data_dir

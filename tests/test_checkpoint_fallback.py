@@ -24,6 +24,8 @@ from allatt_jax import export
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 6, 2
 

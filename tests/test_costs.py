@@ -84,6 +84,7 @@ def test_head_pruning_shrinks_allatt_proportionally_but_not_txl():
   assert txl["relative_macs"] == pytest.approx(0.73, abs=0.02)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_json_object():
   out = subprocess.run(
       [sys.executable, "-m", "allatt_jax.costs", "--config=configs/wt103_base.py:tiny",

@@ -184,6 +184,7 @@ def monkeypatch_module():
     yield patch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite", list(suites.SUITES))
 def test_suite_writes_its_table_and_figures(experiment, suite):
   report = cli.run_suite(suite, experiment)
@@ -197,6 +198,7 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert np.isfinite(record.test) and record.params_non_embedding > 0
 
 
+@pytest.mark.slow
 def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
   record, reference = suites.budget(experiment).records
   assert record.extra["target_heads"] == 4
@@ -206,6 +208,7 @@ def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
   assert reference.kind == "l0" and reference.extra["lam"] == 0.2
 
 
+@pytest.mark.slow
 def test_finished_runs_are_reused(experiment):
   experiment.baseline()            # trained here unless a test before trained it
   baseline = experiment.run_dir("baseline")
@@ -216,6 +219,7 @@ def test_finished_runs_are_reused(experiment):
                                               "l0_lam0.2_full_s0"}
 
 
+@pytest.mark.slow
 def test_heuristic_runs_start_from_the_masked_model(experiment):
   suites.heuristics(experiment)    # its runs, unless the suite's test made them
   [masked_dir] = experiment.workdir.glob("runs/michel_r*_s0_masked")

@@ -28,6 +28,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = f'''
 from allatt_jax import config_base
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 
 def get_config(arg=None):
   c = config_base.load({str(REPO / "configs" / "demo.py")!r}, "tiny")

@@ -33,6 +33,8 @@ BASELINE_STEPS, PRUNE_STEPS = 4, 4
 CONFIG_FILE = """
 from allatt_jax import config_base
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 
 def get_config(arg=None):
   c = config_base.load({demo!r}, "tiny")

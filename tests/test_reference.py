@@ -164,6 +164,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_model_equals_naive_reference(case):
   overrides = CASES[case]

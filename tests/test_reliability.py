@@ -122,6 +122,7 @@ def resumed_from(output) -> int:
   return int(re.search(r"Resuming from step (\d+)", output).group(1))
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_path):
   config_path, config = run_config
   workdir = tmp_path / "run"
@@ -156,6 +157,7 @@ def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_p
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, uninterrupted,
                                                                    tmp_path):
   config_path, config = run_config
@@ -210,6 +212,7 @@ def short_config(run_config, **train_overrides):
   return config
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     run_config, poisoned, tmp_path):
   with pytest.raises(errors.TrainingError, match=(
@@ -221,6 +224,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
       tmp_path)))
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, poisoned,
                                                                tmp_path, monkeypatch):
   monkeypatch.setattr(metric_writers, "create_default_writer",
@@ -245,6 +249,7 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
   assert np.isfinite(RecordingWriter.scalars[6]["loss"])   # the mean of the finite step
 
 
+@pytest.mark.slow
 def test_skipped_steps_keep_every_schedule_in_step(run_config, poisoned, tmp_path):
   """A skipped step before the gate freeze must not delay the freeze (or any schedule)."""
   config = short_config(run_config, skip_nonfinite_steps=True)
