@@ -5,6 +5,7 @@ import json
 import logging
 import pathlib
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,7 @@ def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
   assert float(grad[0][1]) > float(grad[0][0]) > float(grad[1][1]) > float(grad[0][2])
 
 
+@pytest.mark.slow
 def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.model.vocab_size = 27
@@ -186,9 +188,24 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sized_demo(tmp_path_factory, data_dir):
+def demo_baseline(tmp_path_factory, data_dir):
+  """The tiny demo's baseline stage, trained once: the pipelines below start from a
+  copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
+  workdir = tmp_path_factory.mktemp("demo_baseline")
+  baseline, _ = pipeline.stage_configs(demo_config(data_dir), workdir)
+  train.train_and_evaluate(baseline, workdir / "baseline")
+  return workdir / "baseline"
+
+
+def with_baseline(workdir, demo_baseline):
+  shutil.copytree(demo_baseline, workdir / "baseline")
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def sized_demo(tmp_path_factory, demo_baseline, data_dir):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
-  workdir = tmp_path_factory.mktemp("sized")
+  workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
   report = pipeline.run(demo_config(data_dir, target_sparsity=0.5), workdir)
   return workdir, report
 
@@ -258,9 +275,10 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
+def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
+                                                   capsys):
   config = demo_config(data_dir, lam=0.0)
-  report = pipeline.run(config, tmp_path)
+  report = pipeline.run(config, with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
   assert "pruning removed no head of 8" in warning

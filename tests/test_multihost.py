@@ -21,14 +21,14 @@ import pytest
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The demo's tiny gated model as a plain run. A constant learning rate (peak = final,
 # no warm-up) makes the schedule independent of num_steps, so a run stopped at step
 # 3 and resumed to step 6 takes the same steps as one going straight to 6.
 CONFIG = f'''
 from allatt_jax import config_base
-
-pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
 
 def get_config(arg=None):

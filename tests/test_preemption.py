@@ -27,13 +27,13 @@ from allatt_jax import pipeline
 from allatt_jax import train
 from allatt_jax.errors import Preempted
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE_STEPS, PRUNE_STEPS = 4, 4
 
 CONFIG_FILE = """
 from allatt_jax import config_base
-
-pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
 
 def get_config(arg=None):
