@@ -91,6 +91,7 @@ def test_accumulated_step_equals_full_batch(gated):
     assert 0 < float(full_metrics["open_actual"].sum()) < 8, "want open and closed gates"
 
 
+@pytest.mark.slow
 def test_memory_rows_matter():
   """The comparison above can fail: a row's memory visibly changes its update.
 

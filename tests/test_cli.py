@@ -272,6 +272,7 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   checkpoints.close()
 
 
+@pytest.mark.slow
 def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   with config.unlocked():

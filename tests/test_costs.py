@@ -49,6 +49,7 @@ def test_layer_formula_equals_parameter_tree(kind, heads, official):
       + (2 * cfg.d_model if cfg.final_norm else 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 def test_macs_formula_matches_xla_cost_analysis(kind):
   cfg = small_cfg(kind, (4, 2, 3))

@@ -75,6 +75,7 @@ def test_random_masks_follow_the_seed(tiny_model):
   assert any(not np.array_equal(mask(0), mask(s)) for s in (1, 2, 3))
 
 
+@pytest.mark.slow
 def test_michel_gradient_matches_finite_differences(tiny_model):
   lm, variables, segments = tiny_model
   if lm.cfg.kind == "txl":
@@ -95,6 +96,7 @@ def test_michel_gradient_matches_finite_differences(tiny_model):
       np.testing.assert_allclose(grads[layer][head], numeric, rtol=2e-2, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_michel_importance_is_the_mean_absolute_batch_gradient(tiny_model):
   lm, variables, segments = tiny_model
   mask = heuristics.full_mask(lm.cfg)

@@ -62,6 +62,7 @@ def test_causal_with_memory(kind, rel_pos):
   assert np.abs(logp[:, 5:] - logp_changed[:, 5:]).max() > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 @pytest.mark.parametrize("empty_mem_len", [0, 8])
 def test_memory_equals_concatenation(kind, empty_mem_len):
@@ -102,6 +103,7 @@ def test_same_length_window_in_the_model(kind):
     assert moved.tolist() == [changed_at <= i <= last_seeing for i in range(t)], overrides
 
 
+@pytest.mark.slow
 def test_memory_is_truncated_and_counts_valid_slots():
   cfg = make_cfg()
   lm, variables = init(cfg, seq_len=4, mem_len=6)
@@ -160,6 +162,7 @@ def test_open_gates_reproduce_ungated_model(kind, scale_output):
   assert all(np.all(s["open"] == 1) for s in stats)
 
 
+@pytest.mark.slow
 def test_closed_layer_is_scaled_safely():
   gate = gates_lib.GateConfig(scale_output=True)
   assert float(gates_lib.output_scale(jnp.zeros(8), gate)) == 8.0
@@ -210,6 +213,7 @@ def test_bfloat16_compute_keeps_float32_params():
   np.testing.assert_allclose(nll, f32_nll, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.slow
 def test_log_probs_normalised_over_vocabulary():
   cfg = make_cfg(vocab_size=VOCAB, cutoffs=(10, 20), div_val=2)
   lm, variables = init(cfg)
@@ -218,6 +222,7 @@ def test_log_probs_normalised_over_vocabulary():
   np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_active_only_in_training():
   cfg = make_cfg(dropout=0.1, dropout_attn=0.2, dropout_emb=0.1)
   lm, variables = init(cfg)
