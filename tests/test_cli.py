@@ -182,7 +182,6 @@ def test_data_advice_names_the_data_commands_flags(tmp_path):
   assert_one_error_line(two_files, "--files='a.txt,b.txt' must name three")
 
 
-@pytest.mark.slow
 def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
   saved_run_config(tmp_path / "run", tmp_path / "moved")
   moved = command("allatt_jax.evaluate", f"--checkpoint={tmp_path / 'run'}",
