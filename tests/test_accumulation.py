@@ -76,6 +76,7 @@ def assert_trees_close(a, b, **tolerance):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tolerance)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gated", [False, True], ids=["baseline", "gated"])
 def test_accumulated_step_equals_full_batch(gated):
   full_updates, full_memory, full_metrics = default_run(1, gated)
@@ -92,6 +93,7 @@ def test_accumulated_step_equals_full_batch(gated):
     assert 0 < float(full_metrics["open_actual"].sum()) < 8, "want open and closed gates"
 
 
+@pytest.mark.slow
 def test_memory_rows_matter():
   """The comparison above can fail: a row's memory visibly changes its update.
 

@@ -119,6 +119,7 @@ def test_log_probs_and_nll_match_naive_reference(name):
       rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['plain', 'adaptive'])
 def test_blocked_nll_matches_unblocked_values_and_grads(name):
   # Block 4 splits every cluster (37, 10, 10, 15, 15 tokens) with a remainder.
@@ -248,6 +249,7 @@ def test_weights_are_tied():
   np.testing.assert_array_equal(logp2_BxTxV, logp_BxTxV)
 
 
+@pytest.mark.slow
 def test_init_scale():
   vocab_size, d_model = 2000, 64
   module = adaptive.AdaptiveEmbedding(vocab_size, d_model, (200, 600), 2)
@@ -268,6 +270,7 @@ def test_init_scale():
     assert math.log(vocab_size) < mean_nll < math.log(vocab_size) + 1.5
 
 
+@pytest.mark.slow
 def test_bfloat16_nll_is_float32_and_close():
   module = make('adaptive')
   params = random_params(module)

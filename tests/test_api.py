@@ -55,7 +55,7 @@ def workdir(stages):
 
 @pytest.fixture(scope="module")
 def pruned_run(stages, workdir):
-  prune_config = stages[1]
+  prune_config = stages[1].copy_and_resolve_references()   # `stages` stays as it is
   # Gates start on the edge (logit 0, open) with a fast learning rate: within the
   # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
   # by its size, so from the usual init of 2 none would close).
@@ -104,12 +104,14 @@ def test_import_is_light_and_exposes_the_api():
   assert out == ["False", "True", "True"]
 
 
+@pytest.mark.slow
 def test_run_saves_its_tokenizer(workdir, model):
   saved = rundir.load_tokenizer(workdir)
   assert saved["level"] == "char" and saved["clean"] == "text8"
   assert len(saved["vocab"]) == model.lm.cfg.vocab_size == 27
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("removed", [{0: [1, 5], 2: [0]}, {1: list(range(8))}],
                          ids=["some", "a_whole_layer"])
 def test_prune_heads_equals_masking_them(model, ids, removed):
@@ -123,6 +125,7 @@ def test_prune_heads_equals_masking_them(model, ids, removed):
   assert smaller.costs()["params_non_embedding"] < model.costs()["params_non_embedding"]
 
 
+@pytest.mark.slow
 def test_bad_heads_are_named(model):
   with pytest.raises(ConfigError, match=r"Layer 4 does not exist.*0 \.\. 3"):
     model.prune_heads({4: [0]})
@@ -132,6 +135,7 @@ def test_bad_heads_are_named(model):
     model.prune_heads({0: [0, 1, 2, 3]}).prune_heads({0: [5]})
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_is_exact(workdir, model, ids, tmp_path):
   smaller = model.prune_heads({0: [3], 3: [0, 1, 2, 3, 4, 5, 6, 7]})
   smaller.save(tmp_path / "smaller")
@@ -147,6 +151,7 @@ def test_save_load_round_trip_is_exact(workdir, model, ids, tmp_path):
     allatt_jax.load(tmp_path / "smaller", step=3)
 
 
+@pytest.mark.slow
 def test_log_probs_carry_memory_and_match_score(model, ids):
   e = model.config.eval
   head = ids[:e.seq_len + 1]
@@ -161,6 +166,7 @@ def test_log_probs_carry_memory_and_match_score(model, ids):
     model.log_probs(np.array([0, 27]))
 
 
+@pytest.mark.slow
 def test_export_is_standalone(model, tmp_path):
   """An export copied elsewhere scores, samples, evaluates a file and reports its
   costs with an empty TFDS folder: nothing is prepared there."""
@@ -192,6 +198,7 @@ def test_export_is_standalone(model, tmp_path):
   assert not any(empty.iterdir())
 
 
+@pytest.mark.slow
 def test_model_saved_before_tokenizers_loads_through_its_dataset(model, ids, tmp_path):
   model.save(tmp_path / "old")
   (tmp_path / "old" / rundir.TOKENIZER_FILE).unlink()
@@ -201,6 +208,7 @@ def test_model_saved_before_tokenizers_loads_through_its_dataset(model, ids, tmp
                                 np.asarray(model.log_probs(ids)[0]))
 
 
+@pytest.mark.slow
 def test_evaluate_cli_picks_a_step(workdir):
   last = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--split=valid").stdout)
   first = json.loads(run_cli("evaluate", f"--checkpoint={workdir}", "--step=20",
@@ -214,6 +222,7 @@ def test_evaluate_cli_picks_a_step(workdir):
     allatt_jax.load(workdir, step=7)
 
 
+@pytest.mark.slow
 def test_readme_python_example_runs(workdir, tmp_path, capsys):
   readme = (ROOT / "README.md").read_text()
   section = readme[readme.index("## Python API"):]
@@ -225,12 +234,14 @@ def test_readme_python_example_runs(workdir, tmp_path, capsys):
   assert (tmp_path / "smaller" / rundir.TOKENIZER_FILE).is_file()
 
 
+@pytest.mark.slow
 def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
   for directory in (pruned_run, pruned_run / exported_model.EXPORT_DIR):
     assert rundir.load_tokenizer(directory) == model.tokenizer.to_dict()
     assert rundir.load_vocabulary(directory) == rundir.load_vocabulary(pruned_run)
 
 
+@pytest.mark.slow
 def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
   gated = allatt_jax.load(pruned_run)
   exported = allatt_jax.load(pruned_run / exported_model.EXPORT_DIR)
@@ -247,6 +258,7 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
   assert both.returncode == 2 and "exactly one of --config" in both.stderr
 
 
+@pytest.mark.slow
 def test_export_of_an_earlier_step(pruned_run, tmp_path):
   out = export.export_run(pruned_run, tmp_path / "step20", step=20)
   assert allatt_jax.load(out).tokenizer.vocab_size == 27
@@ -254,6 +266,7 @@ def test_export_of_an_earlier_step(pruned_run, tmp_path):
     export.export_run(pruned_run, tmp_path / "step25", step=25)
 
 
+@pytest.mark.slow
 def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
   run = tmp_path / "pruned"
   shutil.copytree(pruned_run, run)
@@ -276,6 +289,7 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
     export.export_run(run, out_dir=run, overwrite=True)
 
 
+@pytest.mark.slow
 def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):
   out = plots.gate_figure(pruned_run, tmp_path / "gates.png")
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -62,7 +62,9 @@ KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
 
 @pytest.mark.parametrize("num_persistent", [0, 6])
 @pytest.mark.parametrize("rate", [0.0, 0.3])
-@pytest.mark.parametrize("head_block,remat", [(4, False), (1, False), (2, True)])
+@pytest.mark.parametrize("head_block,remat", [
+    (4, False), pytest.param(1, False, marks=pytest.mark.slow),
+    pytest.param(2, True, marks=pytest.mark.slow)])
 def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, remat):
   """Values and gradients equal autodiff of the all-heads forward, whatever the options."""
   args, mask, dout = _inputs(num_persistent)
@@ -98,6 +100,7 @@ def test_dropout_zeroes_weights_and_rescales():
   np.testing.assert_allclose(dropped[kept], 2 * full[kept], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_core_close_to_float32():
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)

@@ -4,6 +4,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -5,10 +5,12 @@ import json
 import logging
 import pathlib
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from allatt_jax import api
@@ -17,6 +19,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import optim
 from allatt_jax import pipeline
 from allatt_jax import prune
 from allatt_jax import run_config
@@ -113,6 +116,7 @@ def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
   assert float(grad[0][1]) > float(grad[0][0]) > float(grad[1][1]) > float(grad[0][2])
 
 
+@pytest.mark.slow
 def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.model.vocab_size = 27
@@ -131,6 +135,45 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   assert float(multipliers["lambda_1"]) > 0 and float(multipliers["lambda_2"]) > 0
 
 
+def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
+  """Plain gradient ascent, unclipped: λ1 += lr·gap, λ2 += lr·gap² (from 0); a
+  positive gap raises λ1, which then pushes the gates shut; a negative one lowers
+  it; nothing moves from the freeze on."""
+  config = config_base.base_config()
+  config.gates.update(dict(enabled=True, freeze_step=40, lagrangian_lr=0.01))
+  config.train.grad_clip = 0.25      # the gaps' gradients are larger: not clipped
+  gate = gates_lib.GateConfig()
+  tx = optim.make_optimizer(config, budget.COLLECTION)
+
+  def step(logit, target, step, multipliers=None):
+    penalty = budget.Penalty(optax.constant_schedule(0.0), gate,
+                             target=optax.constant_schedule(target), allowed=int(target))
+    variables = penalty.add_multipliers(
+        {"params": {"w": jnp.ones((3,))},
+         "gates": {"layer_0": {"attention": {"logits": jnp.full((4,), logit)}}}})
+    if multipliers:
+      variables[budget.COLLECTION] = {k: jnp.asarray(v) for k, v in multipliers.items()}
+    gap = float(penalty.open_count(variables, step)) - target
+    grads = jax.grad(lambda v: penalty(v, None, step))(variables)
+    updates, _ = tx.update(grads, tx.init(variables), variables, step=jnp.int32(step))
+    return gap, optax.apply_updates(variables, updates), updates
+
+  gap, after, _ = step(2.0, 1.0, 10)             # 4 heads at σ(2) ≈ 0.88, 1 allowed
+  assert gap == pytest.approx(4 * float(jax.nn.sigmoid(2.0)) - 1.0, rel=1e-6)
+  multipliers = after[budget.COLLECTION]
+  assert gap > 0 and float(multipliers["lambda_1"]) == pytest.approx(0.01 * gap, rel=1e-5)
+  assert float(multipliers["lambda_2"]) == pytest.approx(0.01 * gap ** 2, rel=1e-5)
+  # With λ1 > 0 the next step lowers every gate logit.
+  _, _, updates = step(2.0, 1.0, 11, dict(lambda_1=1.0, lambda_2=0.0))
+  assert np.all(np.asarray(updates["gates"]["layer_0"]["attention"]["logits"]) < 0)
+  gap, after, _ = step(-2.0, 3.0, 10)            # too few open: λ1 falls, λ2 still rises
+  assert gap < 0
+  assert float(after[budget.COLLECTION]["lambda_1"]) == pytest.approx(0.01 * gap, rel=1e-5)
+  assert float(after[budget.COLLECTION]["lambda_2"]) > 0
+  _, after, _ = step(2.0, 1.0, 40)               # the freeze stops the multipliers
+  assert float(after[budget.COLLECTION]["lambda_1"]) == 0.0
+
+
 # --- A size through the pipeline; stages reused; settings never mixed.
 
 def demo_config(data_dir, **prune_gates):
@@ -146,13 +189,29 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sized_demo(tmp_path_factory, data_dir):
+def demo_baseline(tmp_path_factory, data_dir):
+  """The tiny demo's baseline stage, trained once: the pipelines below start from a
+  copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
+  workdir = tmp_path_factory.mktemp("demo_baseline")
+  baseline, _ = pipeline.stage_configs(demo_config(data_dir), workdir)
+  train.train_and_evaluate(baseline, workdir / "baseline")
+  return workdir / "baseline"
+
+
+def with_baseline(workdir, demo_baseline):
+  shutil.copytree(demo_baseline, workdir / "baseline")
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def sized_demo(tmp_path_factory, demo_baseline, data_dir):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
-  workdir = tmp_path_factory.mktemp("sized")
+  workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
   report = pipeline.run(demo_config(data_dir, target_sparsity=0.5), workdir)
   return workdir, report
 
 
+@pytest.mark.slow
 def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   workdir, report = sized_demo
   pruned = report["pruned"]
@@ -180,6 +239,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   assert [sum(p >= 0.5 for p in layer) for layer in last["open_prob"]] == kept
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data_dir,
                                                                  capsys):
   workdir, _ = sized_demo
@@ -215,9 +275,11 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
   assert not any(tmp_path.iterdir())
 
 
-def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
+@pytest.mark.slow
+def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
+                                                   capsys):
   config = demo_config(data_dir, lam=0.0)
-  report = pipeline.run(config, tmp_path)
+  report = pipeline.run(config, with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
   assert "pruning removed no head of 8" in warning
@@ -225,6 +287,7 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, data_dir, capsys):
   assert f"warning: {warning}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
   baseline, _ = pipeline.stage_configs(config, tmp_path)
@@ -247,6 +310,7 @@ def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   assert rundir.load_config(tmp_path / "run").train.num_steps == 15
 
 
+@pytest.mark.slow
 def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, data_dir):
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.data.data_dir = data_dir

@@ -16,13 +16,15 @@ import jax
 import pytest
 
 import data_fixtures
+from helpers import assert_bit_identical
+from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import export
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
-from test_reliability import assert_bit_identical
-from test_reliability import saved_state
+
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 6, 2

@@ -65,11 +65,13 @@ def test_main_unknown_override_key_names_the_closest_keys(tmp_path):
                         "--config.train.num_steps")
 
 
+@pytest.mark.slow
 def test_main_missing_config_file_lists_the_shipped_configs(tmp_path):
   result = command("allatt_jax.main", "--config=configs/nope.py", f"--workdir={tmp_path}")
   assert_one_error_line(result, "--config=configs/nope.py", "demo.py", "wt103_prune.py")
 
 
+@pytest.mark.slow
 def test_main_config_failing_to_load_names_the_file_and_the_error(tmp_path):
   broken = tmp_path / "broken.py"
   broken.write_text("def get_config(arg=None):\n  return undefined_name\n")
@@ -84,6 +86,7 @@ def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
   assert_one_error_line(result, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
   rundir.save_config(tmp_path / "export", prune_config)
   (tmp_path / "export" / "params").mkdir()
@@ -91,6 +94,7 @@ def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
   assert_one_error_line(result, "is an exported model, not a run", "--workdir")
 
 
+@pytest.mark.slow
 def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
   # Its stages went into new runs nested in that run's folder, and it exited 0.
   rundir.save_config(tmp_path / "run", prune_config)
@@ -100,6 +104,7 @@ def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
   assert not (tmp_path / "run" / "baseline").exists()
 
 
+@pytest.mark.slow
 def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
   rundir.save_config(tmp_path / "baseline", prune_config)
   rundir.save_config(tmp_path / "pruned", prune_config)
@@ -109,6 +114,7 @@ def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
                         "baseline/ and pruned/")
 
 
+@pytest.mark.slow
 def test_score_of_a_folder_without_a_model(tmp_path):
   result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
                    f"--text_file={tmp_path / 'missing.txt'}")
@@ -165,6 +171,7 @@ def saved_run_config(workdir, manual_dir):
   rundir.save_config(workdir, config)
 
 
+@pytest.mark.slow
 def test_data_advice_names_the_data_commands_flags(tmp_path):
   result = command("allatt_jax.data", "--dataset=text_files",
                    f"--manual_dir={tmp_path / 'nowhere'}", tmp=tmp_path)
@@ -188,6 +195,7 @@ def test_evaluate_reads_a_moved_corpus_from_manual_dir(tmp_path):
   assert_one_error_line(found, "No checkpoint in")
 
 
+@pytest.mark.slow
 def test_an_empty_file_gets_advice_that_applies(tmp_path):
   result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
                    f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
@@ -218,6 +226,7 @@ def test_experiments_missing_required_flag(tmp_path):
   assert_one_error_line(result, "--suite is required")
 
 
+@pytest.mark.slow
 def test_main_wrong_data_folder_stops_before_anything_is_written(tmp_path):
   # The pipeline's baseline stage used to open its CheckpointManager first: the folder
   # stayed behind, and orbax's cleanup thread died with a traceback at exit.
@@ -235,6 +244,7 @@ def test_closing_a_run_waits_for_its_cleanup_thread(tmp_path):
   assert not (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_bug_prints_its_traceback_and_asks_for_a_report():
   result = subprocess.run(
       [sys.executable, "-c", "from allatt_jax import cli\n"
@@ -261,6 +271,7 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   checkpoints.close()
 
 
+@pytest.mark.slow
 def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   with config.unlocked():
@@ -289,6 +300,7 @@ def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, cap
 
 # --- Configs by name, from any folder.
 
+@pytest.mark.slow
 def test_shipped_config_by_name_from_another_folder(tmp_path):
   result = command("allatt_jax.costs", "--config=wt103_prune.py:lam=0.015",
                    "--heads_kept=0.5", cwd=tmp_path)
@@ -334,6 +346,7 @@ def cli_commands():
   return commands.COMMANDS
 
 
+@pytest.mark.slow
 def test_help_describes_the_flags():
   result = command("allatt_jax.main", "--help")
   assert result.returncode == 0, result.stderr
@@ -341,6 +354,7 @@ def test_help_describes_the_flags():
     assert flag in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["score", "sample", "evaluate", "export", "data"])
 def test_help_is_a_success(name):
   result = command(f"allatt_jax.{name}", "--help")
@@ -365,6 +379,7 @@ def test_library_records_below_error_are_hidden():
   assert keep(record("/site-packages/orbax/checkpoint/x.py", logging.ERROR))
 
 
+@pytest.mark.slow
 def test_the_default_console_has_no_log_prefixes(tmp_path):
   for name in ("train.txt", "valid.txt", "test.txt"):
     (tmp_path / name).write_text("the cat sat on the mat\n" * 20)

@@ -56,6 +56,7 @@ def test_parameter_cells_are_tagged():
     assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code")
 
 
+@pytest.mark.slow
 def test_train_prune_export_then_evaluate_and_sample(demo_env):
   notebook = execute("train_prune_export")
   assert "speed-up" in printed(notebook) and "head sparsity" in printed(notebook)

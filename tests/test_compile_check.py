@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

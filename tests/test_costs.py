@@ -49,6 +49,7 @@ def test_layer_formula_equals_parameter_tree(kind, heads, official):
       + (2 * cfg.d_model if cfg.final_norm else 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 def test_macs_formula_matches_xla_cost_analysis(kind):
   cfg = small_cfg(kind, (4, 2, 3))
@@ -84,6 +85,7 @@ def test_head_pruning_shrinks_allatt_proportionally_but_not_txl():
   assert txl["relative_macs"] == pytest.approx(0.73, abs=0.02)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_json_object():
   out = subprocess.run(
       [sys.executable, "-m", "allatt_jax.costs", "--config=configs/wt103_base.py:tiny",

@@ -348,6 +348,7 @@ def test_cli_prints_stats_json(tmp_path):
   assert stats['num_tokens'] == {'train': 1800, 'valid': 100, 'test': 100}
 
 
+@pytest.mark.slow
 def test_cli_help_describes_its_flags():
   result = _run_cli('--help')
   assert 'Traceback' not in result.stderr
@@ -360,6 +361,7 @@ def test_cli_help_describes_its_flags():
     assert f'--{flag}:' in result.stdout and words in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_reports_data_errors_without_traceback(tmp_path):
   result = _run_cli('--dataset=enwik8', f'--manual_dir={tmp_path}')
   assert result.returncode == 2   # bad input, as for every command

@@ -77,6 +77,7 @@ def test_random_masks_follow_the_seed(tiny_model):
   assert any(not np.array_equal(mask(0), mask(s)) for s in (1, 2, 3))
 
 
+@pytest.mark.slow
 def test_michel_gradient_matches_finite_differences(tiny_model):
   lm, variables, segments = tiny_model
   if lm.cfg.kind == "txl":
@@ -97,6 +98,7 @@ def test_michel_gradient_matches_finite_differences(tiny_model):
       np.testing.assert_allclose(grads[layer][head], numeric, rtol=2e-2, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_michel_importance_is_the_mean_absolute_batch_gradient(tiny_model):
   lm, variables, segments = tiny_model
   mask = heuristics.full_mask(lm.cfg)
@@ -186,6 +188,7 @@ def monkeypatch_module():
     yield patch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite", list(suites.SUITES))
 def test_suite_writes_its_table_and_figures(experiment, suite):
   report = cli.run_suite(suite, experiment)
@@ -199,6 +202,7 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert np.isfinite(record.test) and record.params_non_embedding > 0
 
 
+@pytest.mark.slow
 def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
   record, reference = suites.budget(experiment).records
   assert record.extra["target_heads"] == 4
@@ -208,7 +212,9 @@ def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
   assert reference.kind == "l0" and reference.extra["lam"] == 0.2
 
 
+@pytest.mark.slow
 def test_finished_runs_are_reused(experiment):
+  experiment.baseline()            # trained here unless a test before trained it
   baseline = experiment.run_dir("baseline")
   before = (baseline / runs_lib.RESULTS_FILE).stat().st_mtime
   report = suites.lambda_sweep(experiment)
@@ -217,7 +223,9 @@ def test_finished_runs_are_reused(experiment):
                                               "l0_lam0.2_full_s0"}
 
 
+@pytest.mark.slow
 def test_heuristic_runs_start_from_the_masked_model(experiment):
+  suites.heuristics(experiment)    # its runs, unless the suite's test made them
   [masked_dir] = experiment.workdir.glob("runs/michel_r*_s0_masked")
   removed = int(masked_dir.name.split("_")[1][1:])
   masked, tuned = experiment.heuristic("michel", removed)   # reused, not rerun

@@ -64,6 +64,7 @@ def abstract_params(cfg):
   return nn.unbox(abstract["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate", [HARD, SOFT, SOFT_UNSCALED],
                          ids=["hard", "soft", "soft_unscaled"])
 @pytest.mark.parametrize("kind", model_lib.KINDS)

@@ -118,6 +118,7 @@ def test_multinode_needs_one_mode(capsys):
   assert "either --hosts (SSH) or --slurm" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_main_takes_the_flags_the_scripts_pass():
   # In a subprocess: other CLIs imported by this test session define flags of the
   # same names (--config), which absl refuses to define twice in one process.

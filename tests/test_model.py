@@ -62,6 +62,7 @@ def test_causal_with_memory(kind, rel_pos):
   assert np.abs(logp[:, 5:] - logp_changed[:, 5:]).max() > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 @pytest.mark.parametrize("empty_mem_len", [0, 8])
 def test_memory_equals_concatenation(kind, empty_mem_len):
@@ -81,6 +82,28 @@ def test_memory_equals_concatenation(kind, empty_mem_len):
   np.testing.assert_allclose(nll_seg2, nll_concat[:, t:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+def test_same_length_window_in_the_model(kind):
+  """One layer, memory length S = 3: with same_length a query sees itself and the S
+  keys before it ('mem_len+1') or the S - 1 before it ('mem_len'), whatever the
+  segment holds; without, every earlier key. A token changed at position 2 moves
+  exactly the predictions of the queries that see it."""
+  t, s, changed_at = 8, 3, 2
+  x = tokens(5, (2, t))
+  changed = x.at[:, changed_at].set((x[:, changed_at] + 1) % VOCAB)
+  for overrides, last_seeing in ((dict(), changed_at + s),
+                                 (dict(same_length_keys="mem_len"), changed_at + s - 1),
+                                 (dict(same_length=False), t - 1)):
+    cfg = make_cfg(kind, num_layers=1, **overrides)
+    lm, variables = init(cfg, seq_len=t, mem_len=s)
+    memory = model_lib.init_memory(cfg, 2, s)
+    logp, _ = lm.apply(variables, x, memory, method=lm.log_probs)
+    logp_changed, _ = lm.apply(variables, changed, memory, method=lm.log_probs)
+    moved = np.abs(np.asarray(logp) - np.asarray(logp_changed)).max(axis=(0, 2)) > 1e-6
+    assert moved.tolist() == [changed_at <= i <= last_seeing for i in range(t)], overrides
+
+
+@pytest.mark.slow
 def test_memory_is_truncated_and_counts_valid_slots():
   cfg = make_cfg()
   lm, variables = init(cfg, seq_len=4, mem_len=6)
@@ -139,6 +162,7 @@ def test_open_gates_reproduce_ungated_model(kind, scale_output):
   assert all(np.all(s["open"] == 1) for s in stats)
 
 
+@pytest.mark.slow
 def test_closed_layer_is_scaled_safely():
   gate = gates_lib.GateConfig(scale_output=True)
   assert float(gates_lib.output_scale(jnp.zeros(8), gate)) == 8.0
@@ -189,6 +213,7 @@ def test_bfloat16_compute_keeps_float32_params():
   np.testing.assert_allclose(nll, f32_nll, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.slow
 def test_log_probs_normalised_over_vocabulary():
   cfg = make_cfg(vocab_size=VOCAB, cutoffs=(10, 20), div_val=2)
   lm, variables = init(cfg)
@@ -197,6 +222,7 @@ def test_log_probs_normalised_over_vocabulary():
   np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_active_only_in_training():
   cfg = make_cfg(dropout=0.1, dropout_attn=0.2, dropout_emb=0.1)
   lm, variables = init(cfg)

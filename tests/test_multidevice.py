@@ -21,6 +21,8 @@ from allatt_jax import rundir
 
 import multidevice_worker as worker
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Sharded reductions add in another order: float32 round-off, compounded over steps.
 RTOL = 2e-5

@@ -21,6 +21,8 @@ import pytest
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The demo's tiny gated model as a plain run. A constant learning rate (peak = final,
 # no warm-up) makes the schedule independent of num_steps, so a run stopped at step

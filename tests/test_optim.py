@@ -158,3 +158,30 @@ def test_schedules_at_the_named_steps():
 def test_unknown_optimizer_is_refused():
   with pytest.raises(ValueError, match="Unknown train.optimizer 'adamw'"):
     optim.lamb(tiny_config(optimizer="adamw").train, optax.constant_schedule(1.0), 0.0)
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "optax_lamb"])
+def test_a_zero_gradient_at_the_first_step_moves_nothing_and_stays_finite(optimizer):
+  """Adam's eps: at the first step a gradient element of exactly 0 has m = v = 0, so
+  its step m / (sqrt(v) + eps) is 0, not 0 / 0; a tensor whose gradient is all 0
+  (a trust ratio over a zero step) too."""
+  config = tiny_config(optimizer=optimizer)
+  params = {"w": jnp.array([[1.0, -2.0, 0.5], [0.3, 0.7, -1.1]]), "b": jnp.ones((3,))}
+  grads = {"w": jnp.array([[0.5, 0.0, -0.2], [0.0, 1.5, 0.1]]), "b": jnp.zeros((3,))}
+  tx = optim.lamb(config.train, optim.learning_rate_schedule(config.train), 0.0)
+  updates, _ = tx.update(grads, tx.init(params), params, step=jnp.int32(5))
+  for name, u in updates.items():
+    assert np.all(np.isfinite(np.asarray(u))), name
+  w = np.asarray(updates["w"])
+  np.testing.assert_array_equal(w[np.asarray(grads["w"]) == 0], 0.0)
+  assert np.all(np.sign(w[np.asarray(grads["w"]) != 0])
+                == -np.sign(np.asarray(grads["w"])[np.asarray(grads["w"]) != 0]))
+  np.testing.assert_array_equal(np.asarray(updates["b"]), 0.0)
+  # Through the whole optimizer (clipping, groups) as a train step runs it.
+  variables = {"params": params}
+  full = optim.make_optimizer(config)
+  updates, _ = full.update({"params": grads}, full.init(variables), variables,
+                           step=jnp.int32(5))
+  assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
+  np.testing.assert_array_equal(np.asarray(updates["params"]["w"])[
+      np.asarray(grads["w"]) == 0], 0.0)

@@ -164,6 +164,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_model_equals_naive_reference(case):
   overrides = CASES[case]
@@ -194,6 +195,7 @@ def test_model_equals_naive_reference(case):
                   "length": int(memory["length"])}
 
 
+@pytest.mark.slow
 def test_reference_tells_the_recipe_choices_apart():
   """Each official choice moves the output: the comparison above would catch a mix-up."""
   base = model_lib.ModelConfig(vocab_size=VOCAB, num_layers=2, d_model=D, num_heads=H,

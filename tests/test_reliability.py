@@ -15,10 +15,11 @@ from clu import metric_writers
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import data_fixtures
+from helpers import assert_bit_identical
+from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import errors
@@ -72,28 +73,6 @@ def uninterrupted(run_config, tmp_path_factory):
   return saved_state(workdir, NUM_STEPS)
 
 
-def saved_state(workdir, step):
-  """Everything a checkpoint holds, as host arrays: state (step, params, gates,
-  optimizer state, memory) and the data position."""
-  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
-  try:
-    restored = checkpoints.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
-  finally:
-    checkpoints.close()
-  return {"state": jax.tree.map(np.asarray, restored.state), "data": dict(restored.data)}
-
-
-def assert_bit_identical(a, b):
-  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-  flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
-  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
-  for (path, x), (_, y) in zip(flat_a, flat_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), (
-        jax.tree_util.keystr(path))
-
-
 class Run:
   """One `python -m allatt_jax.main` process (or `command`) on a workdir, logging to a file."""
 
@@ -143,6 +122,7 @@ def resumed_from(output) -> int:
   return int(re.search(r"Resuming from step (\d+)", output).group(1))
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_path):
   config_path, config = run_config
   workdir = tmp_path / "run"
@@ -177,6 +157,7 @@ def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_p
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, uninterrupted,
                                                                    tmp_path):
   config_path, config = run_config
@@ -231,6 +212,7 @@ def short_config(run_config, **train_overrides):
   return config
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     run_config, poisoned, tmp_path):
   with pytest.raises(errors.TrainingError, match=(
@@ -242,6 +224,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
       tmp_path)))
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, poisoned,
                                                                tmp_path, monkeypatch):
   monkeypatch.setattr(metric_writers, "create_default_writer",
@@ -266,6 +249,7 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
   assert np.isfinite(RecordingWriter.scalars[6]["loss"])   # the mean of the finite step
 
 
+@pytest.mark.slow
 def test_skipped_steps_keep_every_schedule_in_step(run_config, poisoned, tmp_path):
   """A skipped step before the gate freeze must not delay the freeze (or any schedule)."""
   config = short_config(run_config, skip_nonfinite_steps=True)

@@ -19,6 +19,8 @@ from allatt_jax.errors import Preempted
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import runs as runs_lib
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "repro_wt2.py"
 

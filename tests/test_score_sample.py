@@ -21,6 +21,8 @@ from allatt_jax import sharding
 from allatt_jax import train
 from allatt_jax.errors import ConfigError
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

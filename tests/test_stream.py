@@ -187,6 +187,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_assemble_the_global_batch(tmp_path):
   script = tmp_path / 'worker.py'
   script.write_text(_TWO_PROCESS_WORKER)

@@ -286,6 +286,7 @@ def test_lm1b_through_tfds_builder(tmp_path, monkeypatch):
 
 # The README recipe at tiny size: stats, then baseline, pruning, export, and scoring.
 
+@pytest.mark.slow
 def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   rng = np.random.default_rng(0)
   vocabulary = 'the a cat dog bird sat ran on mat and saw big small red'.split()

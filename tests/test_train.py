@@ -18,6 +18,8 @@ from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import train
 
+pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -241,6 +241,7 @@ def _cli(module, *flags):
       cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.slow
 def test_export_cli_reports_a_run_without_gates(baseline):
   result = _cli("allatt_jax.export", f"--workdir={baseline}")
   assert result.returncode == 2, result.stderr
@@ -248,6 +249,7 @@ def test_export_cli_reports_a_run_without_gates(baseline):
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_train_cli_reports_a_bad_config(tmp_path):
   result = _cli("allatt_jax.main", "--config=configs/demo.py:tiny", f"--workdir={tmp_path}",
                 "--config.model.d_model=30")

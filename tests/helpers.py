@@ -1,0 +1,29 @@
+"""Helpers shared by several test files: a checkpoint's saved state, bit-exact
+comparison of trees."""
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from allatt_jax import checkpointing
+
+
+def saved_state(workdir, step):
+  """Everything a checkpoint holds, as host arrays: state (step, params, gates,
+  optimizer state, memory) and the data position."""
+  checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True)
+  try:
+    restored = checkpoints.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+  finally:
+    checkpoints.close()
+  return {"state": jax.tree.map(np.asarray, restored.state), "data": dict(restored.data)}
+
+
+def assert_bit_identical(a, b):
+  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    x, y = np.asarray(x), np.asarray(y)
+    assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), (
+        jax.tree_util.keystr(path))
