@@ -57,11 +57,13 @@ def start(config: RunConfig, workdir
   """
   workdir = rundir.run_path(workdir)
   setup = run_setup.resolve(config)
-  validation.check_workdir(workdir)
   config_checks.check_pruning_has_a_baseline(setup.run)
+  # Before the workdir is made: a wrong init_from leaves nothing behind.
+  validation.check_init_from(setup.run, setup.abstract_state)
+  validation.check_workdir(workdir)
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
   try:
-    validation.check_start(setup.run, checkpoints, setup.abstract_state)
+    validation.check_resume(setup.run, checkpoints, setup.abstract_state)
   except BaseException:
     checkpoints.close()
     raise
@@ -83,7 +85,7 @@ def _new_state(setup: run_setup.RunSetup):
   """A fresh state; a pruning run's takes the params of `init_from` (a run or an
   exported model), its gates at their init and its optimizer fresh.
 
-  `validation.check_start` has checked that those params' shapes fit the config.
+  `validation.check_init_from` has checked that those params' shapes fit the config.
   """
   state = setup.new_state()
   source_dir = setup.run.init_source

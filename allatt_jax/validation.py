@@ -1,7 +1,7 @@
 """Checks of a run against its files, made before any data is loaded or code compiled.
 
 The config alone was checked when it was resolved (config_checks.py); here
-`check_workdir` and `check_start` (resume and `init_from`, against the abstract state
+`check_workdir`, `check_init_from` and `check_resume` (against the abstract state
 the setup built) come in `train.start`, `check_vocabulary` once the dataset is
 loaded, and `check_export` guards an export. A failed check raises one error (see
 errors.py) that says what is wrong, where (the config key, flag or file) and how to
@@ -33,20 +33,33 @@ RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
 
-def check_start(config: run_config.RunConfig,
-                checkpoints: checkpointing.RunCheckpoints, abstract_state) -> None:
-  """The checks of the run's checkpoints and `init_from` against the state's shapes.
+def check_init_from(config: run_config.RunConfig, abstract_state) -> None:
+  """The check of `init_from` against the state's shapes; it needs no workdir, so it
+  runs before the run creates one.
 
   Raises:
-    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
-      the workdir holds a checkpoint of a run with other shapes than this config gives.
+    CheckpointError: `init_from` is missing, unreadable or does not fit the config.
   """
-  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
-  _check_resume(config, checkpoints, state_shapes)
+  if config.init_source:
+    _check_init_from(config, _state_shapes(abstract_state))
+
+
+def check_resume(config: run_config.RunConfig,
+                 checkpoints: checkpointing.RunCheckpoints, abstract_state) -> None:
+  """The checks of the run's own checkpoints against the state's shapes and settings.
+
+  Raises:
+    CheckpointError: the workdir holds a checkpoint of a run with other shapes than
+      this config gives.
+    ConfigError: it holds a run trained with other settings.
+  """
+  _check_resume(config, checkpoints, _state_shapes(abstract_state))
   if checkpoints.steps():
     check_same_settings(config, checkpoints.directory.parent)
-  if config.init_source:
-    _check_init_from(config, state_shapes)
+
+
+def _state_shapes(abstract_state):
+  return checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
 
 
 def check_same_settings(config: run_config.RunConfig, workdir) -> None:

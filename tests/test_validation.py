@@ -178,7 +178,8 @@ def test_init_from_of_other_shapes(baseline, tmp_path):
   with pytest.raises(CheckpointError, match=(
       r"other shapes than config.model gives \(.*persistent_key: saved \(4, 16, 8\), "
       r"now \(4, 8, 8\).*model.num_persistent: 16 -> 8")):
-    check_run(config, tmp_path)
+    check_run(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()       # checked before the workdir is made
 
 
 def test_init_from_with_another_vocabulary_size(baseline, tmp_path):
