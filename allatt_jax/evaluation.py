@@ -95,18 +95,22 @@ class Evaluator:
                             sharding.memory_sharding(self.mesh))
     shape = (self.batch_size, self.seq_len)
 
-    def step(memory, arrays):
+    # The sums ride along with the memory, so each batch's are added as soon as its
+    # step is dispatched: the same order of device programs in every process.
+    def step(memory_and_sums, arrays):
+      memory, (nll_sum, num_tokens) = memory_and_sums
       inputs, targets, weights = (data_lib.to_global_array(a, batch_sharding, shape)
                                   for a in arrays)
       with sharding.activate(self.mesh):
-        return self._step(variables, memory, inputs, targets, weights)
+        (batch_nll, batch_tokens), memory = self._step(variables, memory, inputs, targets,
+                                                       weights)
+      return None, (memory, (nll_sum + batch_nll, num_tokens + batch_tokens))
 
     start = time.perf_counter()
     batches = data_lib.eval_batches(tokens, self.batch_size, self.seq_len, process, count)
-    sums, _ = read_stream(step, itertools.islice(batches, max_batches or None), memory)
-    nll_sum, num_tokens = jnp.zeros(()), jnp.zeros(())
-    for batch_nll, batch_tokens in sums:
-      nll_sum, num_tokens = nll_sum + batch_nll, num_tokens + batch_tokens
+    _, (_, (nll_sum, num_tokens)) = read_stream(
+        step, itertools.islice(batches, max_batches or None),
+        (memory, (jnp.zeros(()), jnp.zeros(()))))
     num_tokens = float(num_tokens)
     seconds = time.perf_counter() - start
     return {"nll": float(nll_sum) / max(num_tokens, 1.0), "tokens": int(num_tokens),
