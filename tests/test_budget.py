@@ -143,7 +143,7 @@ def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
   config.gates.update(dict(enabled=True, freeze_step=40, lagrangian_lr=0.01))
   config.train.grad_clip = 0.25      # the gaps' gradients are larger: not clipped
   gate = gates_lib.GateConfig()
-  tx = optim.make_optimizer(config, budget.COLLECTION)
+  tx = optim.make_optimizer(config.train, optim.schedules(config), budget.COLLECTION)
 
   def step(logit, target, step, multipliers=None):
     penalty = budget.Penalty(optax.constant_schedule(0.0), gate,

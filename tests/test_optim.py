@@ -179,7 +179,7 @@ def test_a_zero_gradient_at_the_first_step_moves_nothing_and_stays_finite(optimi
   np.testing.assert_array_equal(np.asarray(updates["b"]), 0.0)
   # Through the whole optimizer (clipping, groups) as a train step runs it.
   variables = {"params": params}
-  full = optim.make_optimizer(config)
+  full = optim.make_optimizer(config.train, optim.schedules(config))
   updates, _ = full.update({"params": grads}, full.init(variables), variables,
                            step=jnp.int32(5))
   assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
