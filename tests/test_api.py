@@ -55,12 +55,12 @@ def workdir(stages):
 
 @pytest.fixture(scope="module")
 def pruned_run(stages, workdir):
-  prune_config = stages[1].copy_and_resolve_references()   # `stages` stays as it is
   # Gates start on the edge (logit 0, open) with a fast learning rate: within the
   # tiny run's 15 gate steps some close and some stay open (LAMB scales a logit's step
-  # by its size, so from the usual init of 2 none would close).
+  # by its size, so from the usual init of 2 none would close). A derived RunConfig:
+  # the shared `stages` stay as they are.
   prune_config = run_config.derived_run(
-      prune_config, gates=dict(init=0.0, lam=0.05, learning_rate=0.1))
+      stages[1], gates=dict(init=0.0, lam=0.05, learning_rate=0.1))
   pruned_run = workdir.parent / "pruned"
   train.train_and_evaluate(prune_config, pruned_run)
   return pruned_run
