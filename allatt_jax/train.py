@@ -361,7 +361,7 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
                       gate_flags: str) -> list[str]:
   """What a user should know about a pruning run's outcome, with the flag to turn."""
   total = sum(setup.lm.cfg.layer_heads)
-  gates = setup.config.gates
+  gates = setup.run.gates
   # Every caller's train section sits beside its gates section, with the same prefix.
   train_flags = gate_flags.replace("gates", "train")
   if decision is None:
@@ -371,8 +371,8 @@ def _pruning_warnings(setup: run_setup.RunSetup, kept: int, decision: dict | Non
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
   if decision["allowed"] == total:
-    key = cost_model.target_key(setup.config)
-    return [f"the budget {gate_flags}.{key}={gates[key]} allows all {total} heads, so "
+    key = cost_model.target_key(setup.run)
+    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
     return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
