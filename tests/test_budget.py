@@ -366,3 +366,20 @@ def test_controller_settings_count_only_for_a_budget_run():
     c.gates.update(dict(lam=0.0, target_sparsity=0.5))
   assert validation.setting_differences(config, other) == [
       "gates.budget_sharpness: 10.0 -> 3.0"]
+
+
+def test_pruning_warnings_name_the_budget_and_its_value():
+  """A budget that allows every head, and one the gates ended far from, are said with
+  the budget's flag and value (read from the typed run config)."""
+  config = config_base.base_config()
+  config.model.vocab_size = 27
+  config.gates.update(dict(enabled=True, target_sparsity=0.0, freeze_step=100))
+  setup = run_setup.resolve(config)
+  total = sum(setup.lm.cfg.layer_heads)
+  everything = dict(allowed=total, by_gates=total, changed=0)
+  [warning] = train._pruning_warnings(setup, total, everything, "--config.gates")
+  assert f"--config.gates.target_sparsity=0.0 allows all {total} heads" in warning
+  far = dict(allowed=total // 2, by_gates=total, changed=total // 2)
+  [warning] = train._pruning_warnings(setup, total // 2, far, "--config.gates")
+  assert "--config.gates.freeze_step (now 100" in warning
+  assert "--config.gates.budget_warmup_steps (now 60)" in warning
