@@ -317,6 +317,23 @@ class AdaptiveEmbedding(nn.Module):
       nll_N = nll_N + jnp.where(cluster_N == i, tail_nll_N, 0.)
     return nll_N.reshape(targets_BxT.shape)
 
+  def clusters(self, h_BxTxD: jax.Array) -> list[list[tuple[jax.Array, ...]]]:
+    """The output distribution's clusters, for a loss that compares two models'
+    distributions without materialising all their logits (distill.py).
+
+    Cluster i is a list of parts (h_NxK, table_VxK, bias_V), whose logits h·table + bias
+    are that cluster's softmax: the head's parts are its shortlist and, with tail
+    clusters, their head logits (the last `len(cutoffs)` head rows, in order).
+    """
+    h_NxD = h_BxTxD.reshape(-1, self.d_model)
+    head_h_NxK = self._project_out(h_NxD, 0)
+    head = [(head_h_NxK, self._tables[0], self._biases[0])]
+    if len(self._bounds) > 1:
+      head.append((head_h_NxK, self._cluster_kernel, self._cluster_bias))
+    tails = [[(self._project_out(h_NxD, i), self._tables[i], self._biases[i])]
+             for i in range(1, len(self._bounds))]
+    return [head, *tails]
+
   def log_probs(self, h_BxTxD: jax.Array) -> jax.Array:
     """Full-vocabulary log-probabilities, float32 (B, T, V); materialises all logits."""
     h_NxD = h_BxTxD.reshape(-1, self.d_model)

@@ -147,6 +147,19 @@ def base_config() -> ml_collections.ConfigDict:
       max_batches=0,               # 0 = the whole split; >0 caps periodic evals only
   ))
 
+  # Distillation from the unpruned model while pruning (ours, after CoFi, Xia et al.
+  # 2022, and Minitron, Muralidharan et al. 2024; the paper has none): the teacher is
+  # the `init_from` model, frozen. Off (weight = hidden_weight = 0) is the paper's recipe.
+  c.distill = ml_collections.ConfigDict(dict(
+      weight=0.0,                  # α: loss (1 − α)·CE + α·τ²·KL(teacher_τ ‖ student_τ)
+      temperature=1.0,             # τ
+      hidden_weight=0.0,           # β: + β·Σ_layers MSE(student, teacher layer outputs)
+      # With an adaptive softmax: 'all' = the exact full-vocabulary KL (every tail
+      # cluster, in vocabulary blocks); 'head' = the head cluster's KL only (its tokens
+      # and the tail clusters' probabilities), a lower bound at a fraction of the cost.
+      kl_clusters="all",
+  ))
+
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=500, keep=3))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))   # -1 fills the rest
   c.init_from = ""                 # baseline checkpoint dir that a pruning run starts from

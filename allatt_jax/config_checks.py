@@ -18,6 +18,7 @@ from allatt_jax import sharding
 from allatt_jax.errors import ConfigError
 
 REL_POS = ("learned", "sinusoidal")
+KL_CLUSTERS = ("all", "head")
 
 # Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
 _MINIMUM = {
@@ -34,6 +35,7 @@ _MINIMUM = {
     "eval.batch_size": 1, "eval.seq_len": 1, "eval.mem_len": 0, "eval.every_steps": 0,
     "eval.max_batches": 0,
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
+    "distill.weight": 0, "distill.hidden_weight": 0,
 }
 _WHY_NOT_NEGATIVE = {
     "gates.lam": "a negative λ rewards open heads instead of penalising them",
@@ -61,12 +63,14 @@ def check_config(config: run_config.RunConfig, *,
 
 
 
-def check_pruning_has_a_baseline(config: run_config.RunConfig) -> None:
-  """Raises ConfigError for a pruning run that does not say what it starts from.
+def check_starting_point(config: run_config.RunConfig) -> None:
+  """Raises ConfigError for a pruning run that does not say what it starts from, or a
+  distilling run without a teacher.
 
   Pruning an untrained model is almost always a forgotten flag, which would only show
   in the results after the whole pruning schedule; from scratch is an explicit choice.
   """
+  _check_teacher(config)
   if config.gates.enabled and not config.init_from:
     raise ConfigError(
         "config.gates.enabled=True makes this a pruning run, which starts from a "
@@ -74,6 +78,18 @@ def check_pruning_has_a_baseline(config: run_config.RunConfig) -> None:
         "--config.init_from=BASELINE_WORKDIR (a finished baseline run's --workdir, or "
         "an exported model); to prune a model trained from scratch, "
         f"--config.init_from={run_config.FROM_SCRATCH}.")
+
+
+def _check_teacher(config: run_config.RunConfig) -> None:
+  """The teacher is the `init_from` model: a run that distills needs one."""
+  if config.distill.enabled and not config.init_source:
+    raise ConfigError(
+        f"config.distill (weight={config.distill.weight}, hidden_weight="
+        f"{config.distill.hidden_weight}) asks to learn from a teacher, the model that "
+        "config.init_from names, but init_from is not set. Add "
+        "--config.init_from=BASELINE_WORKDIR (a finished run's --workdir, or an exported "
+        "model), or turn distillation off with --config.distill.weight=0 "
+        "--config.distill.hidden_weight=0.")
 
 
 def _value(config, key):
@@ -88,6 +104,15 @@ def _check_ranges(config):
       why = _WHY_NOT_NEGATIVE.get(key, f"it must be at least {minimum}")
       raise ConfigError(f"config.{key}={value} is out of range: {why}. "
                         f"Set --config.{key} to a value >= {minimum}.")
+  distill = config.distill
+  if distill.weight > 1:
+    raise ConfigError(f"config.distill.weight={distill.weight} is out of range: the "
+                      "cross-entropy's weight 1 − α would be negative. Set "
+                      "--config.distill.weight to a value in [0, 1].")
+  if distill.temperature <= 0:
+    raise ConfigError(f"config.distill.temperature={distill.temperature} is out of range: "
+                      "the logits are divided by it. Set --config.distill.temperature "
+                      "to a value > 0 (1 = the plain distributions).")
   gates, train = config.gates, config.train
   if gates.enabled and gates.freeze_step > train.num_steps:
     raise ConfigError(
@@ -101,7 +126,8 @@ def _check_names(config):
   for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
                        ("model.rel_pos", REL_POS),
                        ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
-                       ("train.optimizer", optim.OPTIMIZERS)):
+                       ("train.optimizer", optim.OPTIMIZERS),
+                       ("distill.kl_clusters", KL_CLUSTERS)):
     if _value(config, key) not in choices:
       raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
                         f"{', '.join(map(repr, choices))}.")

@@ -32,12 +32,15 @@ EXPORT_DIR = "export"
 def exported_config(config: ml_collections.ConfigDict,
                     model_cfg: model_lib.ModelConfig) -> ml_collections.ConfigDict:
   """The run's config describing the smaller model: per-layer head counts, no gates,
-  no init_from, so that every CLI that takes a checkpoint can load the export."""
+  no init_from (and so no teacher), so that every CLI that takes a checkpoint can load
+  the export."""
   exported = config.copy_and_resolve_references()
   exported.model.heads_per_layer = model_cfg.heads_per_layer
   exported.model.max_relative_len = model_cfg.max_relative_len
   exported.gates.enabled = False
   exported.init_from = ""
+  if "distill" in exported:
+    exported.distill.update(weight=0.0, hidden_weight=0.0)
   return exported
 
 

@@ -223,6 +223,8 @@ class TransformerLM(nn.Module):
       entering.append(x_BxTxD)
       x_BxTxD, layer_stats = layer(x_BxTxD, mem_BxSxD.astype(dtype), r_KxD, mask_TxK,
                                    deterministic=deterministic, sample_gates=sample_gates)
+      # Kept only where 'intermediates' is mutable (distillation's hidden-state term).
+      self.sow("intermediates", "layer_outputs", x_BxTxD)
       stats.append(layer_stats)
     if self.final_norm is not None:
       x_BxTxD = self.final_norm(x_BxTxD)
@@ -235,6 +237,15 @@ class TransformerLM(nn.Module):
     out_BxTxD, new_memory, stats = self.hidden(
         inputs_BxT, memory, deterministic=deterministic, sample_gates=sample_gates)
     return self.embedding.nll(out_BxTxD, targets_BxT), new_memory, stats
+
+  def distill_outputs(self, inputs_BxT, targets_BxT, memory, *, deterministic=True,
+                      sample_gates=False):
+    """As `__call__`, with the output layer's clusters (`AdaptiveEmbedding.clusters`)
+    after the per-token NLL, for a distillation loss against another model's."""
+    out_BxTxD, new_memory, stats = self.hidden(
+        inputs_BxT, memory, deterministic=deterministic, sample_gates=sample_gates)
+    return (self.embedding.nll(out_BxTxD, targets_BxT), self.embedding.clusters(out_BxTxD),
+            new_memory, stats)
 
   def log_probs(self, inputs_BxT, memory):
     out_BxTxD, new_memory, _ = self.hidden(inputs_BxT, memory)

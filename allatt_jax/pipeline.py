@@ -1,9 +1,9 @@
 """Baseline → pruning → export → comparison, as one command (configs/demo.py).
 
 The config describes the baseline run; its `pipeline` section holds what the pruning
-run changes: `prune_train` (keys of the train section) and `prune_gates` (its whole
+run changes: `prune_train` (keys of the train section), `prune_gates` (its whole
 gates section: a fixed λ, or a size through `target_sparsity`, `target_params` or
-`target_macs`). Each stage is an ordinary run in its own subfolder of the workdir, so
+`target_macs`) and `prune_distill` (its distill section: the baseline as teacher). Each stage is an ordinary run in its own subfolder of the workdir, so
 a rerun resumes whatever was not finished and reuses what was: the baseline in
 `baseline/`, the pruning stage in `pruned/`, or, when `pruned/` (and every other
 `pruned-N/`) was trained with other pruning settings, in the first free `pruned-N/`.
@@ -48,18 +48,21 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path
     ConfigError: the config sets its own gates section, which the baseline does not
       use; the message names the pipeline's flag for it.
   """
-  changed = {k: v for k, v in config.gates.items()
-             if v != config_base.base_config().gates[k]}
-  if changed:
-    key, value = next(iter(changed.items()))
-    raise ConfigError(
-        f"config.gates.{key}={value}: in a pipeline config the baseline has no gates; "
-        f"the pruning stage's gates are config.pipeline.prune_gates. Use "
-        f"{GATE_FLAGS}.{key}={value} instead.")
+  defaults = config_base.base_config()
+  for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
+    changed = {k: v for k, v in config[section].items() if v != defaults[section][k]}
+    if changed:
+      key, value = next(iter(changed.items()))
+      raise ConfigError(
+          f"config.{section}.{key}={value}: in a pipeline config the baseline has no "
+          f"{section}; the pruning stage's are config.pipeline.{stage_section}. Use "
+          f"--config.pipeline.{stage_section}.{key}={value} instead.")
   baseline = RunConfig.of(config)
+  # The teacher of a distilling pruning stage is its own baseline (its init_from).
   return baseline, run_config.pruning_stage(
       baseline, str(workdir / "baseline"), train=config.pipeline.prune_train.to_dict(),
-      gates=config.pipeline.prune_gates.to_dict())
+      gates=config.pipeline.prune_gates.to_dict(),
+      distill=config.pipeline.get("prune_distill", defaults.distill).to_dict())
 
 
 def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig

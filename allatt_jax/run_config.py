@@ -146,6 +146,22 @@ class CheckpointSection(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillSection(_Section):
+  """`distill`: learning from the unpruned model (the `init_from` one) while pruning.
+
+  Defaults are off, so a config.json saved before this section reads as it trained.
+  """
+  weight: float = 0.0              # α: (1 − α)·CE + α·τ²·KL(teacher_τ ‖ student_τ)
+  temperature: float = 1.0         # τ
+  hidden_weight: float = 0.0       # β: β·Σ_layers MSE(student, teacher layer outputs)
+  kl_clusters: str = "all"         # adaptive softmax: 'all' (exact) or 'head' (bound)
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.weight or self.hidden_weight)
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSection(_Section):
   """`mesh`: the ('data', 'model') device mesh; -1 fills the devices left."""
   data: int
@@ -154,7 +170,9 @@ class MeshSection(_Section):
 
 _SECTIONS = dict(model=ModelSection, gates=GatesSection, data=DataSection,
                  train=TrainSection, eval=EvalSection, checkpoint=CheckpointSection,
-                 mesh=MeshSection)
+                 mesh=MeshSection, distill=DistillSection)
+# Sections a saved config.json may predate; they then take their defaults.
+_OPTIONAL_SECTIONS = ("distill",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +185,7 @@ class RunConfig:
   eval: EvalSection
   checkpoint: CheckpointSection
   mesh: MeshSection
+  distill: DistillSection = DistillSection()
   init_from: str = ""   # the run or export whose parameters a pruning run starts from
 
   @classmethod
@@ -179,7 +198,8 @@ class RunConfig:
   def from_dict(cls, values: dict[str, Any]) -> "RunConfig":
     """The run config of a nested dict (a ConfigDict's `to_dict()`, or config.json);
     sections and keys a run does not have (a pipeline's, an experiment's) are left."""
-    sections = {name: section.from_dict(values[name]) for name, section in _SECTIONS.items()}
+    sections = {name: section.from_dict(values[name]) for name, section in _SECTIONS.items()
+                if name in values or name not in _OPTIONAL_SECTIONS}
     return cls(**sections, init_from=values.get("init_from", ""))
 
   def to_dict(self) -> dict[str, Any]:
@@ -223,20 +243,22 @@ def paper_pruning(config, lam: float, init_from: str):
 
 
 def derived_run(base: RunConfig, *, init_from: str | None = None, train=None,
-                gates=None, model=None) -> RunConfig:
-  """`base` with some keys of its train, gates and model sections replaced (dicts of
-  keys), and its `init_from`: the one way a run's config is made from another's
-  (a pruning stage or a continued run from its baseline, an export from its run)."""
+                gates=None, model=None, distill=None) -> RunConfig:
+  """`base` with some keys of its train, gates, model and distill sections replaced
+  (dicts of keys), and its `init_from`: the one way a run's config is made from
+  another's (a pruning stage or a continued run from its baseline, an export from its
+  run)."""
   replace = lambda section, keys: dataclasses.replace(section, **(keys or {}))
   return dataclasses.replace(
       base, train=replace(base.train, train), gates=replace(base.gates, gates),
-      model=replace(base.model, model),
+      model=replace(base.model, model), distill=replace(base.distill, distill),
       init_from=base.init_from if init_from is None else init_from)
 
 
 def pruning_stage(baseline: RunConfig, init_from: str, *, train=None,
-                  gates=None) -> RunConfig:
+                  gates=None, distill=None) -> RunConfig:
   """The pruning run of a baseline: its gates enabled (with `gates`' keys), its
-  train section changed by `train`, starting from `init_from`."""
-  return derived_run(baseline, init_from=init_from, train=train,
+  train section changed by `train`, starting from `init_from`, and learning from it
+  as its teacher where `distill` turns that on."""
+  return derived_run(baseline, init_from=init_from, train=train, distill=distill,
                      gates={**(gates or {}), "enabled": True})

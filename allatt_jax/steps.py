@@ -1,11 +1,11 @@
-"""Pure train and eval steps, and the train state they transform.
+"""The pure train step, and the train state it transforms.
 
 One train step serves baseline and pruning runs: with a `gates` collection in the
 state, the loss gains the L0 term (`budget.Penalty`) and gates are sampled (before
-the freeze) or deterministic (after it). The step is jitted once per gate mode by
-`train.py`. Everything it needs besides the state and the batch (model, optimizer,
-penalty, `StepConfig`) is built once at setup (`run_setup.resolve`): the trace reads
-no config.
+the freeze) or deterministic (after it). With a teacher in the state (distill.py) the
+loss learns from it too. The step is jitted once per gate mode by `train.py`.
+Everything it needs besides the state and the batch (model, optimizer, penalty,
+`StepConfig`) is built once at setup (`run_setup.resolve`): the trace reads no config.
 """
 import dataclasses
 import functools
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from allatt_jax import budget
+from allatt_jax import distill as distill_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
@@ -36,15 +37,18 @@ class StepConfig:
   skip_nonfinite_steps: bool
   learning_rate: optax.Schedule
   gate_learning_rate: optax.Schedule
+  distill: distill_lib.Distillation | None = None   # None: no teacher
 
   @classmethod
   def from_config(cls, config: run_config.RunConfig,
                   rates: optim.Schedules) -> "StepConfig":
     t = config.train
+    distill = (distill_lib.Distillation.from_config(config.distill)
+               if config.distill.enabled else None)
     return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
                grad_accum_steps=t.grad_accum_steps,
                skip_nonfinite_steps=t.skip_nonfinite_steps,
-               learning_rate=rates.params, gate_learning_rate=rates.gates)
+               learning_rate=rates.params, gate_learning_rate=rates.gates, distill=distill)
 
 
 @flax.struct.dataclass
@@ -53,11 +57,23 @@ class TrainState:
   variables: Any                  # {'params': ...} or {'params': ..., 'gates': ...}
   opt_state: Any
   memory: Any                     # model_lib memory of the training stream's rows
+  # A distilling run's frozen teacher, {'params': ..., 'memory': ...} (its own memory
+  # of the same rows); None otherwise. Saved with the state, so resume is exact.
+  teacher: Any = None
+
+
+def teacher_model(lm: model_lib.TransformerLM) -> model_lib.TransformerLM:
+  """The teacher of a distilling run of `lm`: the same shapes, without gates."""
+  return model_lib.TransformerLM(dataclasses.replace(lm.cfg, gated=False))
 
 
 def init_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
                settings: StepConfig, rng, *, boxed=False):
-  """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only)."""
+  """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only).
+
+  A teacher starts as a copy of the fresh params; a run replaces both with its
+  `init_from` model's (train.py).
+  """
   batch = settings.batch_size
   tokens_BxT = jnp.zeros((batch, settings.seq_len), jnp.int32)
   memory = model_lib.init_memory(lm.cfg, batch, settings.mem_len)
@@ -65,8 +81,11 @@ def init_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
   if not boxed:
     variables = nn.unbox(variables)
   variables = penalty.add_multipliers(flax.core.unfreeze(variables))
+  teacher = None
+  if settings.distill is not None:
+    teacher = {"params": jax.tree.map(jnp.copy, variables["params"]), "memory": memory}
   return TrainState(step=jnp.zeros((), jnp.int32), variables=variables,
-                    opt_state=optimizer.init(variables), memory=memory)
+                    opt_state=optimizer.init(variables), memory=memory, teacher=teacher)
 
 
 def abstract_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
@@ -80,6 +99,9 @@ def abstract_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penal
     boxed = jax.eval_shape(init, jax.random.key(0))
   shardings = sharding.logical_shardings(mesh, boxed)
   shardings = shardings.replace(memory=sharding.memory_sharding(mesh))
+  if shardings.teacher is not None:
+    shardings = shardings.replace(teacher={**shardings.teacher,
+                                           "memory": sharding.memory_sharding(mesh)})
   return jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       nn.unbox(boxed), shardings), shardings
@@ -103,6 +125,16 @@ def _merge_micro_batches(x):
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def _micro_memory(memory, k):
+  """A memory's hidden states (L, B, S, D) as (k, L, B/k, S, D), micro-batch first."""
+  return jax.vmap(lambda x: _micro_batches(x, k), in_axes=0, out_axes=1)(memory["hidden"])
+
+
+def _merged_memory(hidden_kxLxbxSxD, length):
+  return {"hidden": jax.vmap(_merge_micro_batches, in_axes=1)(hidden_kxLxbxSxD),
+          "length": length}
+
+
 def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
                penalty: budget.Penalty, settings: StepConfig, sample_gates: bool):
@@ -120,40 +152,67 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   sharding.check_accumulation(inputs_BxT.shape[0], accum)
   rng = jax.random.fold_in(jax.random.key(settings.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
+  teacher = state.teacher
+  teacher_lm = teacher_model(lm) if teacher is not None else None
 
-  def loss_fn(variables, inputs, targets, memory, micro_index):
-    nll_BxT, new_memory, stats = lm.apply(
-        variables, inputs, targets, memory, deterministic=False, sample_gates=sample_gates,
-        # One gate sample per step, shared by all micro-batches, as for the full batch.
-        rngs={"gates": gates_rng, "dropout": jax.random.fold_in(dropout_rng, micro_index)})
-    nll = nll_BxT.mean()
+  def loss_fn(variables, inputs, targets, memory, teacher_memory, micro_index):
+    kwargs = dict(deterministic=False, sample_gates=sample_gates,
+                  # One gate sample per step, shared by all micro-batches, as for the
+                  # full batch.
+                  rngs={"gates": gates_rng,
+                        "dropout": jax.random.fold_in(dropout_rng, micro_index)})
+    distilled = {}
+    if teacher is None:
+      nll_BxT, new_memory, stats = lm.apply(variables, inputs, targets, memory, **kwargs)
+      nll = nll_BxT.mean()
+      loss = nll
+    else:
+      (nll_BxT, clusters, new_memory, stats), hidden = lm.apply(
+          variables, inputs, targets, memory, method=lm.distill_outputs,
+          mutable="intermediates", **kwargs)
+      # The teacher is frozen: in eval mode, and no gradient reaches its params.
+      (_, teacher_clusters, teacher_memory, _), teacher_hidden = jax.lax.stop_gradient(
+          teacher_lm.apply({"params": teacher["params"]}, inputs, targets, teacher_memory,
+                           method=teacher_lm.distill_outputs, mutable="intermediates"))
+      nll = nll_BxT.mean()
+      loss, distilled = settings.distill.loss(
+          nll, clusters, teacher_clusters, hidden["intermediates"]["layer_outputs"],
+          teacher_hidden["intermediates"]["layer_outputs"])
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
-    return nll + penalty(variables, l0, state.step), (nll, l0, new_memory, stats)
+    return loss + penalty(variables, l0, state.step), (nll, l0, new_memory, teacher_memory,
+                                                       stats, distilled)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  teacher_memory = None if teacher is None else teacher["memory"]
   if accum == 1:
-    (loss, (nll, l0, memory, stats)), grads = grad_fn(
-        state.variables, inputs_BxT, targets_BxT, state.memory, 0)
+    (loss, (nll, l0, memory, teacher_memory, stats, distilled)), grads = grad_fn(
+        state.variables, inputs_BxT, targets_BxT, state.memory, teacher_memory, 0)
   else:
     micro = lambda x: _micro_batches(x, accum)
-    memory_micro = {"hidden": jax.vmap(micro, in_axes=0, out_axes=1)(state.memory["hidden"]),
-                    "length": state.memory["length"]}
+    length = state.memory["length"]
+    teacher_hidden = None if teacher is None else _micro_memory(teacher_memory, accum)
 
     def accumulate(grad_sum, xs):
-      inputs, targets, hidden, index = xs
-      (loss, (nll, l0, memory, stats)), grads = grad_fn(
-          state.variables, inputs, targets, {"hidden": hidden, "length": memory_micro["length"]},
-          index)
+      inputs, targets, hidden, teacher_hidden, index = xs
+      teacher_memory = (None if teacher_hidden is None else
+                        {"hidden": teacher_hidden, "length": teacher["memory"]["length"]})
+      (loss, (nll, l0, memory, teacher_memory, stats, distilled)), grads = grad_fn(
+          state.variables, inputs, targets, {"hidden": hidden, "length": length},
+          teacher_memory, index)
       grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-      return grad_sum, (loss, nll, l0, memory["hidden"], memory["length"], stats)
+      return grad_sum, (loss, nll, l0, memory, teacher_memory, stats, distilled)
 
     zeros = jax.tree.map(jnp.zeros_like, state.variables)
-    grads, (loss, nll, l0, hidden, length, stats) = jax.lax.scan(
+    grads, (loss, nll, l0, memory, teacher_memory, stats, distilled) = jax.lax.scan(
         accumulate, zeros, (micro(inputs_BxT), micro(targets_BxT),
-                            memory_micro["hidden"], jnp.arange(accum)))
+                            _micro_memory(state.memory, accum), teacher_hidden,
+                            jnp.arange(accum)))
     grads = jax.tree.map(lambda g: g / accum, grads)
     loss, nll, l0 = loss.mean(), nll.mean(), l0[0]
-    memory = {"hidden": jax.vmap(_merge_micro_batches, in_axes=1)(hidden), "length": length[0]}
+    distilled = jax.tree.map(jnp.mean, distilled)
+    memory = _merged_memory(memory["hidden"], memory["length"][0])
+    if teacher is not None:
+      teacher_memory = _merged_memory(teacher_memory["hidden"], teacher_memory["length"][0])
     stats = jax.tree.map(lambda s: s[0], stats)
 
   updates, opt_state = optimizer.update(grads, state.opt_state, state.variables,
@@ -168,15 +227,19 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
       **penalty.metrics(state.variables, state.step),
+      **distilled,
   }
   if settings.skip_nonfinite_steps:
-    # Decided on device, so skipping costs no host sync. The memory restarts empty:
+    # Decided on device, so skipping costs no host sync. The memories restart empty:
     # the hidden states of a step that overflowed may hold the overflow themselves.
-    variables, opt_state, memory = _where_finite(
-        metrics, (variables, opt_state, memory),
-        (state.variables, state.opt_state, jax.tree.map(jnp.zeros_like, memory)))
+    variables, opt_state, memory, teacher_memory = _where_finite(
+        metrics, (variables, opt_state, memory, teacher_memory),
+        (state.variables, state.opt_state, *jax.tree.map(jnp.zeros_like,
+                                                         (memory, teacher_memory))))
   new_state = state.replace(step=state.step + 1, variables=variables, opt_state=opt_state,
                             memory=memory)
+  if teacher is not None:
+    new_state = new_state.replace(teacher={**teacher, "memory": teacher_memory})
   return new_state, metrics
 
 

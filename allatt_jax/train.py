@@ -57,7 +57,7 @@ def start(config: RunConfig, workdir
   """
   workdir = rundir.run_path(workdir)
   setup = run_setup.resolve(config)
-  config_checks.check_pruning_has_a_baseline(setup.run)
+  config_checks.check_starting_point(setup.run)
   # Before the workdir is made: a wrong init_from leaves nothing behind.
   validation.check_init_from(setup.run, setup.abstract_state)
   validation.check_workdir(workdir)
@@ -83,7 +83,8 @@ def _clu():
 
 def _new_state(setup: run_setup.RunSetup):
   """A fresh state; a pruning run's takes the params of `init_from` (a run or an
-  exported model), its gates at their init and its optimizer fresh.
+  exported model), its gates at their init and its optimizer fresh. A distilling
+  run's teacher is a copy of those params.
 
   `validation.check_init_from` has checked that those params' shapes fit the config.
   """
@@ -93,10 +94,15 @@ def _new_state(setup: run_setup.RunSetup):
     return state
   _, source = checkpointing.load_model(source_dir)
   variables = {**state.variables, "params": source["params"]}
+
+  def from_source(variables):
+    teacher = state.teacher and {**state.teacher, "params": jax.tree.map(
+        jnp.copy, variables["params"])}
+    return state.replace(variables=variables, opt_state=setup.optimizer.init(variables),
+                         teacher=teacher)
+
   with sharding.activate(setup.mesh):
-    fresh = jax.jit(lambda v: state.replace(variables=v, opt_state=setup.optimizer.init(v)),
-                    out_shardings=setup.state_sharding)
-    return fresh(variables)
+    return jax.jit(from_source, out_shardings=setup.state_sharding)(variables)
 
 
 def train_and_evaluate(config: RunConfig, workdir: str,
@@ -120,7 +126,7 @@ def train_and_evaluate(config: RunConfig, workdir: str,
     # The config, then its dataset, are checked before `start` creates the workdir and
     # opens orbax, so a wrong data folder leaves nothing behind.
     config = RunConfig.of(config)
-    config_checks.check_pruning_has_a_baseline(config)
+    config_checks.check_starting_point(config)
     config, corpus = run_setup.prepare(config)
     setup, checkpoints = start(config, workdir)
     try:

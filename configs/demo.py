@@ -36,6 +36,8 @@ def get_config(arg=None):
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
       prune_gates=config_base.pruning_gates(lam=0.05, l0_warmup_steps=200,
                                             freeze_step=1000),
+      # Learning from the baseline while pruning (allatt_jax/distill.py); off here.
+      prune_distill=config_base.base_config().distill,
       speed_batches=100,
   ))
   if args.tiny:

@@ -1,0 +1,143 @@
+"""Learning from the unpruned model while pruning: the distillation loss terms.
+
+The student (the run's model) learns on each batch from a frozen teacher, the model
+that `init_from` names, as in CoFi (Xia et al. 2022) and Minitron (Muralidharan et
+al. 2024):
+
+  loss = (1 − α)·CE + α·τ²·KL(teacher_τ ‖ student_τ) + β·Σ_l MSE(h_l, h_l^teacher)
+
+plus the L0 or budget term. h_l is layer l's output; pruning removes heads, never
+layers, so student layer l always has a teacher layer l. The teacher runs in the same
+jitted step on the same batch, with its own memory (steps.py).
+
+The KL with an adaptive softmax. Its distribution is hierarchical: a tail token's
+probability is its cluster's head probability times its probability within the
+cluster, so by the chain rule of the KL
+
+  KL(p ‖ q) = KL(p_head ‖ q_head) + Σ_i p_head(cluster i)·KL(p_i ‖ q_i).
+
+`kl_clusters='all'` computes both terms, which is the exact full-vocabulary KL at
+τ = 1 (at other τ each softmax, head and tails, is tempered by τ). 'head' keeps the
+first term only: a lower bound of the KL that skips the tail clusters' logits. With a
+plain softmax both are the same exact KL. Every cluster's KL streams over blocks of at
+most `BLOCK` vocabulary rows with an online accumulator, so no (tokens × vocabulary)
+logits are ever held, and the backward pass recomputes each block. Per token, 'all'
+costs the logits of every cluster for both models, Σ_i size_i·d_i multiply-adds each
+(the same as the NLL's log-sum-exp), forward, and the student's again backward.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from allatt_jax import run_config
+
+BLOCK = 8192   # vocabulary rows per step of a cluster's KL (as the NLL's log-sum-exp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+  """The distillation loss's weights (run_config.DistillSection, as traced)."""
+  weight: float = 0.0            # α
+  temperature: float = 1.0       # τ
+  hidden_weight: float = 0.0     # β
+  all_clusters: bool = True      # the tail clusters' KL too (kl_clusters='all')
+
+  @classmethod
+  def from_config(cls, section: run_config.DistillSection) -> "Distillation":
+    return cls(weight=section.weight, temperature=section.temperature,
+               hidden_weight=section.hidden_weight,
+               all_clusters=section.kl_clusters == "all")
+
+  def loss(self, nll, student_clusters, teacher_clusters, student_layers,
+           teacher_layers) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the loss, its distillation terms by name). A term of weight 0 is not computed,
+    so α = β = 0 leaves the loss the plain cross-entropy, bit for bit."""
+    loss, terms = nll, {}
+    if self.weight:
+      terms["distill_kl"] = kl_divergence(student_clusters, teacher_clusters,
+                                          self.temperature, self.all_clusters).mean()
+      loss = (1 - self.weight) * loss + self.weight * self.temperature**2 * terms["distill_kl"]
+    if self.hidden_weight:
+      terms["distill_hidden"] = hidden_mse(student_layers, teacher_layers)
+      loss = loss + self.hidden_weight * terms["distill_hidden"]
+    return loss, terms
+
+
+def _logits(h_NxK, table_VxK, bias_V, temperature):
+  logits_NxV = jnp.einsum("nk,vk->nv", h_NxK, table_VxK.astype(h_NxK.dtype),
+                          preferred_element_type=jnp.float32)
+  return (logits_NxV + bias_V.astype(jnp.float32)) / temperature
+
+
+def _accumulate(carry, student_NxB, teacher_NxB, valid_B):
+  """One block of the online KL: running (max, Σexp) of both models' logits, and the
+  teacher-weighted Σ exp(t − max_t)·(t − s), each rescaled when its max grows."""
+  t_max, t_sum, weighted, s_max, s_sum = carry
+  masked = lambda x: jnp.where(valid_B, x, -jnp.inf)
+  # The maxima only stabilise exp: the KL's gradient does not depend on them.
+  new_t_max = jax.lax.stop_gradient(jnp.maximum(t_max, masked(teacher_NxB).max(-1)))
+  new_s_max = jax.lax.stop_gradient(jnp.maximum(s_max, masked(student_NxB).max(-1)))
+  t_scale = jnp.exp(t_max - new_t_max)
+  p_NxB = jnp.exp(masked(teacher_NxB) - new_t_max[:, None])
+  difference_NxB = jnp.where(valid_B, teacher_NxB - student_NxB, 0.0)
+  return (new_t_max, t_sum * t_scale + p_NxB.sum(-1),
+          weighted * t_scale + (p_NxB * difference_NxB).sum(-1),
+          new_s_max, s_sum * jnp.exp(s_max - new_s_max)
+          + jnp.exp(masked(student_NxB) - new_s_max[:, None]).sum(-1))
+
+
+def _part(carry, student_part, teacher_part, temperature):
+  """`carry` after all rows of one part (a table and its bias) of both models."""
+  (h_s, table_s, bias_s), (h_t, table_t, bias_t) = student_part, teacher_part
+  rows = table_s.shape[0]
+  if rows <= BLOCK:
+    return _accumulate(carry, _logits(h_s, table_s, bias_s, temperature),
+                       _logits(h_t, table_t, bias_t, temperature), jnp.ones((rows,), bool))
+
+  @jax.checkpoint
+  def block(carry, b):
+    # The last block slides back to end at the last row (no padded copy of the
+    # tables); the rows an earlier block counted are masked out.
+    start = jnp.minimum(b * BLOCK, rows - BLOCK)
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, BLOCK)
+    valid_B = start + jnp.arange(BLOCK) >= b * BLOCK
+    return _accumulate(carry, _logits(h_s, cut(table_s), cut(bias_s), temperature),
+                       _logits(h_t, cut(table_t), cut(bias_t), temperature), valid_B), None
+
+  carry, _ = jax.lax.scan(block, carry, jnp.arange(-(-rows // BLOCK)))
+  return carry
+
+
+def _cluster_kl(student_parts, teacher_parts, temperature):
+  """(KL per token over one cluster's softmax, the teacher's log-normaliser)."""
+  n = student_parts[0][0].shape[0]
+  carry = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)),
+           jnp.full((n,), -jnp.inf), jnp.zeros((n,)))
+  for student_part, teacher_part in zip(student_parts, teacher_parts):
+    carry = _part(carry, student_part, teacher_part, temperature)
+  t_max, t_sum, weighted, s_max, s_sum = carry
+  teacher_lse, student_lse = t_max + jnp.log(t_sum), s_max + jnp.log(s_sum)
+  return weighted / t_sum - teacher_lse + student_lse, teacher_lse
+
+
+def kl_divergence(student_clusters, teacher_clusters, temperature: float,
+                  all_clusters: bool = True) -> jax.Array:
+  """KL(teacher_τ ‖ student_τ) per token, float32 (N,), from both models'
+  `AdaptiveEmbedding.clusters` (the module docstring says what 'all' and 'head' are)."""
+  kl_N, teacher_lse_N = _cluster_kl(student_clusters[0], teacher_clusters[0], temperature)
+  if not all_clusters or len(teacher_clusters) == 1:
+    return kl_N
+  # p_head(cluster i): the head softmax at the tail clusters' rows (its second part).
+  log_p_cluster_NxC = _logits(*teacher_clusters[0][1], temperature) - teacher_lse_N[:, None]
+  for i, (student_parts, teacher_parts) in enumerate(zip(student_clusters[1:],
+                                                         teacher_clusters[1:])):
+    tail_kl_N, _ = _cluster_kl(student_parts, teacher_parts, temperature)
+    kl_N = kl_N + jnp.exp(log_p_cluster_NxC[:, i]) * tail_kl_N
+  return kl_N
+
+
+def hidden_mse(student_layers, teacher_layers) -> jax.Array:
+  """Σ over layers of the mean squared difference of their outputs, float32."""
+  return sum(jnp.mean(jnp.square(s.astype(jnp.float32) - t.astype(jnp.float32)))
+             for s, t in zip(student_layers, teacher_layers))

@@ -1,0 +1,184 @@
+"""Distillation from the init_from model: the KL against the full-vocabulary formula,
+the step with α = β = 0 against the plain pruning step, and (slow) a distilling
+pruning run: its teacher untouched, its resume bit-exact."""
+import dataclasses
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import adaptive
+from allatt_jax import config_base
+from allatt_jax import distill
+from allatt_jax import pipeline
+from allatt_jax import run_setup
+from allatt_jax import sharding
+from allatt_jax import steps
+from allatt_jax import train
+from allatt_jax.errors import ConfigError
+from tests import helpers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _two_output_layers(cutoffs, div_val=1, vocab_size=50, d_model=16, n=12):
+  """Two independently initialised output layers and hidden states for each."""
+  emb = adaptive.AdaptiveEmbedding(vocab_size, d_model, cutoffs=cutoffs, div_val=div_val)
+  h = jax.random.normal(jax.random.key(0), (2, n // 2, d_model))
+  layers = []
+  for seed in (1, 2):
+    params = emb.init(jax.random.key(seed), h, method=emb.log_probs)
+    # Biases away from their init, so that every part of the softmax matters.
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(seed),
+                                                                p.shape), params)
+    layers.append((emb, params, h * seed))
+  return layers
+
+
+def _clusters(layer):
+  emb, params, h = layer
+  return emb.apply(params, h, method=emb.clusters)
+
+
+def _exact_kl(student, teacher, temperature=1.0):
+  """KL(p ‖ q) over the whole vocabulary from both models' log-probabilities."""
+  (emb_s, params_s, h_s), (emb_t, params_t, h_t) = student, teacher
+  log_q = emb_s.apply(params_s, h_s, method=emb_s.log_probs).reshape(-1, emb_s.vocab_size)
+  log_p = emb_t.apply(params_t, h_t, method=emb_t.log_probs).reshape(-1, emb_t.vocab_size)
+  if temperature != 1.0:
+    log_q = jax.nn.log_softmax(log_q / temperature)   # plain softmax: logits up to a shift
+    log_p = jax.nn.log_softmax(log_p / temperature)
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+@pytest.mark.parametrize("block", [distill.BLOCK, 4])   # 4: the blocked scan, slid back
+@pytest.mark.parametrize("cutoffs,div_val", [((), 1), ((10, 20, 35), 2)])
+def test_kl_is_the_full_vocabulary_kl(monkeypatch, cutoffs, div_val, block):
+  monkeypatch.setattr(distill, "BLOCK", block)
+  student, teacher = _two_output_layers(cutoffs, div_val)
+  kl = distill.kl_divergence(_clusters(student), _clusters(teacher), 1.0)
+  np.testing.assert_allclose(kl, _exact_kl(student, teacher), rtol=1e-5, atol=1e-6)
+  head_only = distill.kl_divergence(_clusters(student), _clusters(teacher), 1.0,
+                                    all_clusters=False)
+  if cutoffs:   # the head's KL alone is a strict lower bound
+    assert np.all(head_only < kl) and np.all(head_only > 0)
+  else:
+    np.testing.assert_array_equal(head_only, kl)
+
+
+@pytest.mark.parametrize("block", [distill.BLOCK, 7])
+def test_kl_with_temperature_and_its_gradient(monkeypatch, block):
+  """Plain softmax: KL of the tempered softmaxes; the student's gradient is the exact
+  formula's, through the blocked, rematerialised accumulator."""
+  monkeypatch.setattr(distill, "BLOCK", block)
+  student, teacher = _two_output_layers(())
+  emb, params_s, h_s = student
+
+  def blocked(params):
+    return distill.kl_divergence(_clusters((emb, params, h_s)), _clusters(teacher),
+                                 2.5).mean()
+
+  def exact(params):
+    return _exact_kl((emb, params, h_s), teacher, 2.5).mean()
+
+  np.testing.assert_allclose(blocked(params_s), exact(params_s), rtol=1e-5)
+  for g, want in zip(jax.tree.leaves(jax.grad(blocked)(params_s)),
+                     jax.tree.leaves(jax.grad(exact)(params_s))):
+    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7)
+
+
+def test_identical_models_have_no_kl_and_no_hidden_difference():
+  student, _ = _two_output_layers((10, 20, 35), 2)
+  kl = distill.kl_divergence(_clusters(student), _clusters(student), 3.0)
+  np.testing.assert_allclose(kl, 0.0, atol=1e-6)
+  layers = [jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 3))]
+  assert distill.hidden_mse(layers, layers) == 0.0
+  assert distill.hidden_mse(layers, [x + 2 for x in layers]) == pytest.approx(8.0)
+
+
+def _tiny_pruning_config(**distill_keys):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  config.model.vocab_size = 27
+  config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=0, freeze_step=2))
+  config.train.num_steps = 4
+  config.distill.update(distill_keys)
+  return config
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
+  """α = β = 0 with a teacher in the state: parameters, gates, optimizer state, memory
+  and metrics after three steps equal the plain pruning step's, bit for bit."""
+  plain = run_setup.resolve(_tiny_pruning_config())
+  with_teacher = run_setup.resolve(_tiny_pruning_config(weight=0.5))
+  zero = dataclasses.replace(with_teacher.settings, grad_accum_steps=accum,
+                             distill=distill.Distillation(weight=0.0, hidden_weight=0.0))
+  batch = sharding.batch_sharding(plain.mesh)
+  step_fns = []
+  for setup, settings in ((plain, dataclasses.replace(plain.settings,
+                                                      grad_accum_steps=accum)),
+                          (with_teacher, zero)):
+    step_fns.append([steps.jit_train_step(
+        setup.lm, setup.optimizer, setup.penalty, settings, setup.state_sharding, batch,
+        sharding.replicated(setup.mesh), sample_gates=sample) for sample in (True, False)])
+  states = [plain.new_state(), with_teacher.new_state()]
+  assert states[0].teacher is None and states[1].teacher is not None
+  tokens = np.random.default_rng(0).integers(0, 27, (3, 4, 17), dtype=np.int32)
+  metrics = [[], []]
+  for i, step_tokens in enumerate(tokens):
+    for k in range(2):
+      with sharding.activate(plain.mesh):
+        states[k], m = step_fns[k][i < 2](states[k], step_tokens[:, :-1], step_tokens[:, 1:])
+      metrics[k].append({key: v for key, v in m.items() if not key.startswith("distill")})
+  helpers.assert_bit_identical(jax.device_get(states[0].replace(teacher=None)),
+                               jax.device_get(states[1].replace(teacher=None)))
+  helpers.assert_bit_identical(jax.device_get(metrics[0]), jax.device_get(metrics[1]))
+
+
+def test_distillation_config_errors():
+  with pytest.raises(ConfigError, match=r"distill.weight=1.5 is out of range.*\[0, 1\]"):
+    run_setup.resolve_config(_tiny_pruning_config(weight=1.5))
+  with pytest.raises(ConfigError, match="distill.temperature=0.0 is out of range"):
+    run_setup.resolve_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
+  with pytest.raises(ConfigError, match="kl_clusters='tails' is unknown"):
+    run_setup.resolve_config(_tiny_pruning_config(kl_clusters="tails"))
+  config = _tiny_pruning_config(hidden_weight=1.0)
+  config.gates.enabled = False
+  with pytest.raises(ConfigError, match="init_from is not set.*--config.distill.weight=0"):
+    train.train_and_evaluate(config, "/nonexistent/never/made")
+  demo = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  demo.distill.weight = 0.5
+  with pytest.raises(ConfigError, match="--config.pipeline.prune_distill.weight=0.5"):
+    pipeline.stage_configs(demo, pathlib.Path("/tmp/w"))
+
+
+@pytest.mark.slow
+def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
+  """A pruning run with logit and hidden distillation: the teacher in its final
+  checkpoint is the baseline's params bit for bit, and a restart from its mid-run
+  checkpoint ends in the same state (teacher memory included) bit for bit."""
+  config = _tiny_pruning_config()
+  config.gates.enabled = False
+  config.train.num_steps = 6
+  train.train_and_evaluate(config, tmp_path / "baseline")
+  config = _tiny_pruning_config(weight=0.5, temperature=2.0, hidden_weight=0.1)
+  config.train.num_steps = 10
+  config.gates.freeze_step = 6
+  config.checkpoint.every_steps = 5
+  config.init_from = str(tmp_path / "baseline")
+  run = tmp_path / "pruned"
+  train.train_and_evaluate(config, run)
+  uninterrupted = helpers.saved_state(run, 10)
+  baseline = helpers.saved_state(tmp_path / "baseline", 6)["state"]
+  helpers.assert_bit_identical(uninterrupted["state"]["teacher"]["params"],
+                               baseline["variables"]["params"])
+  assert np.any(uninterrupted["state"]["teacher"]["memory"]["hidden"])
+  # Lose the last checkpoint, as if the run had died after step 5, and restart it.
+  shutil.rmtree(run / "checkpoints" / "10")
+  train.train_and_evaluate(config, run)
+  helpers.assert_bit_identical(helpers.saved_state(run, 10), uninterrupted)
