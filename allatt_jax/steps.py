@@ -43,8 +43,9 @@ class StepConfig:
   def from_config(cls, config: run_config.RunConfig,
                   rates: optim.Schedules) -> "StepConfig":
     t = config.train
-    distill = (distill_lib.Distillation.from_config(config.distill)
-               if config.distill.enabled else None)
+    d = config.distill
+    distill = (distill_lib.Distillation.from_config(d)
+               if d.weight or d.hidden_weight else None)
     return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
                grad_accum_steps=t.grad_accum_steps,
                skip_nonfinite_steps=t.skip_nonfinite_steps,

@@ -9,7 +9,7 @@ it (see allatt_jax/experiments/runs.py); the `experiments` section sets them up.
   python -m allatt_jax.experiments --suite=lambda_sweep --config=configs/exp_chars.py \
       --workdir=/tmp/exp_chars
 
-Suites: lambda_sweep, ablation, txl_widths, heuristics, budget, or all of them.
+Suites: lambda_sweep, ablation, txl_widths, heuristics, budget, distill, or all of them.
 Rerunning a suite reuses its finished runs and resumes an interrupted one.
 `configs/exp_chars.py:tiny` is the seconds-per-run variant the tests use.
 """
@@ -53,6 +53,13 @@ def get_config(arg=None):
                ("target_sparsity", 0.75), ("target_params", 0.6), ("target_macs", 0.6)),
       budget_seeds=(0,),
       budget_reference_lambdas=(0.04, 0.08, 0.16),   # fixed-λ runs the budgets meet
+      # --suite=distill: these head sparsities, each plain and with each variant's
+      # distill section (the baseline as teacher; allatt_jax/distill.py).
+      distill_sparsities=(0.25, 0.5, 0.75),
+      distill_variants=dict(
+          logit=dict(weight=0.5, temperature=1.0, hidden_weight=0.0, kl_clusters="all"),
+          logit_hidden=dict(weight=0.5, temperature=1.0, hidden_weight=0.1,
+                            kl_clusters="all")),
   ))
   if args.tiny:
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))
@@ -68,5 +75,6 @@ def get_config(arg=None):
                               lagrangian_lr=0.01))
     e.update(dict(lambdas=(0.2,), seeds=(0,), ablation_lambda=0.2, txl_widths=(16,),
                   heuristic_lambdas=(0.2,), random_seeds=(0,), importance_batches=2,
-                  budgets=(("target_sparsity", 0.5),), budget_reference_lambdas=(0.2,)))
+                  budgets=(("target_sparsity", 0.5),), budget_reference_lambdas=(0.2,),
+                  distill_sparsities=(0.5,)))
   return c

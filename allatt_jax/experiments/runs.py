@@ -14,7 +14,8 @@ An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus a
                       masked model exported (`<name>_masked`, scored as it is, by
                       `exported_model.export_and_evaluate`), then fine-tuned like
                       `continued`, from it
-  budget              a pruning run with a budget target instead of λ (budget.py, cost_model.py)
+  budget              a pruning run with a budget target instead of λ (budget.py,
+                      cost_model.py), plain or distilling from the baseline (distill.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
 an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
@@ -109,11 +110,12 @@ class Experiment:
         self.base, init_from=str(self.run_dir("baseline")),
         train={**self.settings.prune_train.to_dict(), "seed": seed})
 
-  def _l0_config(self, seed: int, **gates) -> RunConfig:
+  def _l0_config(self, seed: int, distill: str = "", **gates) -> RunConfig:
     return run_config.pruning_stage(
         self.base, str(self.run_dir("baseline")),
         train={**self.settings.prune_train.to_dict(), "seed": seed},
-        gates={**self.settings.prune_gates.to_dict(), **gates})
+        gates={**self.settings.prune_gates.to_dict(), **gates},
+        distill=self.settings.distill_variants[distill].to_dict() if distill else None)
 
   # --- Runs.
 
@@ -135,8 +137,9 @@ class Experiment:
     config = run_config.derived_run(self.base, model=run_config.txl_model(width))
     return self._run(f"txl_d{width}", "txl", config)
 
-  def budget(self, key: str, fraction: float, seed: int = 0) -> Record:
-    """A budget run; params and MAC budgets are fractions of the unpruned model's."""
+  def budget(self, key: str, fraction: float, seed: int = 0, distill: str = "") -> Record:
+    """A budget run; params and MAC budgets are fractions of the unpruned model's.
+    `distill` names one of the `distill_variants` (the baseline is the teacher)."""
     self.baseline()
     value = fraction
     if key != "target_sparsity":
@@ -144,12 +147,13 @@ class Experiment:
       full, _ = cost_model.head_cost(self.base_model, key,
                                  (e.seq_len, e.mem_len, e.batch_size))
       value = int(fraction * full) if key == "target_params" else fraction * full
-    config = self._l0_config(seed, lam=0.0, **{key: value})
-    record = self._run(f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}",
-                       "budget", config)
+    config = self._l0_config(seed, distill, lam=0.0, **{key: value})
+    name = f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}"
+    record = self._run(f"{name}_distill_{distill}" if distill else name, "budget", config)
     decision = json.loads((self.run_dir(record.name) / RESULTS_FILE).read_text()
                           )["export"].get("budget") or {}
     record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
+                        distill=distill,
                         target_heads=cost_model.target_open_heads(config, self.base_model),
                         by_gates=decision.get("by_gates"), changed=decision.get("changed"))
     return record

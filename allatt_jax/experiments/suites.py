@@ -11,6 +11,8 @@ Each suite takes an `runs.Experiment`, makes (or reads back) its runs, and retur
   heuristics    L0 against each heuristic pruner (heuristics.py) at the sparsities
                 the L0 runs reached, before and after the same fine-tuning
   budget        the Lagrangian controller (budget.py): requested vs reached budget
+  distill       budget runs with and without distillation from the baseline
+                (distill.py), at equal head sparsities, against `continued`
 """
 import dataclasses
 import glob
@@ -251,6 +253,47 @@ def budget(exp: runs_lib.Experiment) -> Report:
   return Report(md, [str(out)], records + fixed)
 
 
+def distill(exp: runs_lib.Experiment) -> Report:
+  """At each head sparsity: the plain budget run and each distillation variant, all
+  with exactly the same heads allowed, against the unpruned `continued` (seed 0)."""
+  s, total = exp.settings, _total_heads(exp)
+  base = exp.baseline()
+  continued = exp.continued(0)
+  variants = ("", *s.distill_variants)
+  runs = {(sparsity, variant): exp.budget("target_sparsity", sparsity, 0, variant)
+          for sparsity in s.distill_sparsities for variant in variants}
+  speed = {key: _train_tokens_per_s(exp.run_dir(r.name)) for key, r in runs.items()}
+  rows = []
+  for (sparsity, variant), r in runs.items():
+    plain = runs[sparsity, ""]
+    keys = s.distill_variants[variant] if variant else {}
+    rows.append((
+        _pct(sparsity), variant or "plain",
+        ", ".join(f"{k}={v:g}" for k, v in keys.items() if isinstance(v, float)) or "-",
+        f"{r.heads} ({' '.join(map(str, r.heads_per_layer))})", f"{r.test:.3f}",
+        f"{r.test - continued.test:+.3f}",
+        "-" if not variant else f"{r.test - plain.test:+.3f}",
+        f"{speed[sparsity, variant]:,.0f}",
+        "-" if not variant else
+        f"{speed[sparsity, ''] / speed[sparsity, variant] - 1:+.0%}"))
+  md = (f"Baseline test {base.metric} {base.test:.3f}; `continued` (unpruned, the pruning "
+        f"recipe's steps): {continued.test:.3f}. Every run of a sparsity keeps exactly "
+        f"its heads (of {total}).
+
+")
+  md += table(("sparsity", "variant", "distill", "heads kept (per layer)",
+               f"test {base.metric}", "Δ vs continued", "Δ vs plain",
+               "train tokens/s (median)", "step time vs plain"), rows)
+  return Report(md, [], [base, continued, *runs.values()])
+
+
+def _train_tokens_per_s(workdir) -> float:
+  """The median of a run's logged training rates (its first interval, which
+  compiles, left out)."""
+  values = scalars(workdir, ("tokens_per_s",))
+  return float(np.median(values["tokens_per_s"][1:] or values["tokens_per_s"]))
+
+
 def budget_label(extra: dict) -> str:
   """'params 60% (19 heads)': what a budget run asked for, in words."""
   key = extra["target_key"].removeprefix("target_")
@@ -274,4 +317,4 @@ def scalars(workdir, tags) -> dict[str, list]:
 
 
 SUITES = {"lambda_sweep": lambda_sweep, "ablation": ablation, "txl_widths": txl_widths,
-          "heuristics": heuristics, "budget": budget}
+          "heuristics": heuristics, "budget": budget, "distill": distill}
