@@ -278,9 +278,7 @@ def distill(exp: runs_lib.Experiment) -> Report:
         f"{speed[sparsity, ''] / speed[sparsity, variant] - 1:+.0%}"))
   md = (f"Baseline test {base.metric} {base.test:.3f}; `continued` (unpruned, the pruning "
         f"recipe's steps): {continued.test:.3f}. Every run of a sparsity keeps exactly "
-        f"its heads (of {total}).
-
-")
+        f"its heads (of {total}).\n\n")
   md += table(("sparsity", "variant", "distill", "heads kept (per layer)",
                f"test {base.metric}", "Δ vs continued", "Δ vs plain",
                "train tokens/s (median)", "step time vs plain"), rows)
