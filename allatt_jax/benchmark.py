@@ -4,7 +4,9 @@ r"""Throughput of a config's model: train steps, pruned models' inference, matmu
 
 Measures, on the first device and in one process:
   * training tokens/s of the real jitted train step (`steps.jit_train_step`), for the
-    baseline and for the pruning step with sampled gates, and its achieved model
+    baseline, for the pruning step with sampled gates, and for that step learning
+    from a teacher (distill.py: the config's distill section where it turns
+    distillation on, else `DISTILL`), and its achieved model
     GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
     forward MACs per token (`cost_model.macs_per_token`, attention stack and output layer);
   * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models of random
@@ -54,6 +56,11 @@ SETTINGS = ml_collections.ConfigDict(dict(
     heads_kept=(1.0, 0.75, 0.5, 0.25),
     matmul_size=2048,            # n of the n x n x n matmul taken as the peak
 ))
+
+
+# The distillation the benchmark times for configs that do not turn it on: both terms,
+# so the teacher's whole cost shows.
+DISTILL = dict(weight=0.5, temperature=1.0, hidden_weight=0.1)
 
 
 def settings(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -117,10 +124,15 @@ class Matmul:
 class TrainStep:
   """The real jitted train step on a fresh state, fed one fixed random batch."""
 
-  def __init__(self, config: ml_collections.ConfigDict, *, gated: bool):
+  def __init__(self, config: ml_collections.ConfigDict, *, gated: bool,
+               distill: bool = False):
     config = config.copy_and_resolve_references()
     config.gates.enabled = gated
-    config.init_from = ""
+    config.init_from = ""   # a teacher starts as a copy of the random params
+    if not distill:
+      config.distill.update(weight=0.0, hidden_weight=0.0)
+    elif not (config.distill.weight or config.distill.hidden_weight):
+      config.distill.update(DISTILL)
     # A setup refuses a gate freeze after the last step; the benchmark times a few
     # steps of a run whose freeze may lie beyond the config's step count.
     config.train.num_steps = max(config.train.num_steps, config.gates.freeze_step)
@@ -237,7 +249,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
   load_before = os.getloadavg()
   matmul = Matmul(bench.matmul_size, jnp.dtype(config.model.dtype))
   train_steps = {"baseline": TrainStep(config, gated=False),
-                 "gated": TrainStep(config, gated=True)}
+                 "gated": TrainStep(config, gated=True),
+                 "distill": TrainStep(config, gated=True, distill=True)}
   model = random_model(config)
   models = [Inference(config, model, f) for f in bench.heads_kept]
 
@@ -279,6 +292,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
         "xla_temp_bytes": step.temp_bytes()}
   train_report["gated_overhead"] = (train_report["gated"]["step_s"]
                                     / train_report["baseline"]["step_s"] - 1)
+  distilled, gated = train_report["distill"], train_report["gated"]
+  train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
+  train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
+  if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
+    train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
 
   full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
   inference, full_tokens_per_s = [], None
@@ -324,7 +342,7 @@ def summary(report: dict) -> str:
   lines = [f"matmul peak {report['matmul']['gflops_per_s']:.0f} GFLOP/s "
            f"({report['platform']}, load {env['load_average_before'][0]:.1f} before, "
            f"{env['load_average_after'][0]:.1f} after)"]
-  for name in ("baseline", "gated"):
+  for name in ("baseline", "gated", "distill"):
     r = t[name]
     lines.append(f"train {name:8s} {r['tokens_per_s']:9.0f} tokens/s  {r['step_s']:.3f} s/step"
                  f"  {r['model_gflops_per_s']:.0f} GFLOP/s = "
@@ -332,6 +350,8 @@ def summary(report: dict) -> str:
                  f"({r['fraction_of_matmul_peak_per_cpu_s']:.0%} per CPU second)  "
                  f"compile {r['compile_s']:.1f} s")
   lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
+  lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} time, "
+               f"XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
   for r in report["inference"]:
     lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
                  f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "

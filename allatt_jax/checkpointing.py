@@ -56,16 +56,17 @@ class RunCheckpoints:
 
   def save(self, step: int, state, data_state, *, force: bool = False) -> bool:
     return self.manager.save(step, force=force, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+        state=ocp.args.StandardSave(_saved_tree(state)),
         data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})))
 
   def restore(self, step: int, abstract_state):
     """State (placed per `abstract_state`'s shardings) and data-stream state; orbax's
     error if the checkpoint is unreadable."""
-    target = flax.serialization.to_state_dict(abstract_state)
     restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-    state = flax.serialization.from_state_dict(abstract_state, restored.state)
+        state=ocp.args.StandardRestore(_saved_tree(abstract_state)),
+        data=ocp.args.JsonRestore()))
+    state = flax.serialization.from_state_dict(abstract_state,
+                                               {"teacher": None, **restored.state})
     return state, {k: np.int64(v) for k, v in restored.data.items()}
 
   def restore_newest(self, abstract_state) -> tuple[int, Any, dict]:
@@ -161,6 +162,16 @@ class RunCheckpoints:
     # (a bad input) would exit under it, and it dies with a traceback at shutdown.
     self.manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self.manager.close()
+
+
+def _saved_tree(state) -> dict:
+  """A train state as its checkpoint holds it: without a teacher (a run that does not
+  distill), no 'teacher' entry, so checkpoints saved before distillation existed
+  restore as they are."""
+  tree = flax.serialization.to_state_dict(state)
+  if tree.get("teacher") is None:
+    tree.pop("teacher", None)
+  return tree
 
 
 def tree_shapes(tree) -> dict[str, tuple[int, ...]]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from allatt_jax import adaptive
+from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import distill
 from allatt_jax import pipeline
@@ -138,6 +139,21 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   helpers.assert_bit_identical(jax.device_get(states[0].replace(teacher=None)),
                                jax.device_get(states[1].replace(teacher=None)))
   helpers.assert_bit_identical(jax.device_get(metrics[0]), jax.device_get(metrics[1]))
+
+
+def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
+  """A run that does not distill saves no 'teacher' entry, so checkpoints made before
+  distillation existed (step, variables, opt_state, memory) restore unchanged."""
+  setup = run_setup.resolve(_tiny_pruning_config())
+  checkpoints = checkpointing.RunCheckpoints(tmp_path, async_save=False)
+  try:
+    checkpoints.save(1, setup.new_state(), {"position": 0})
+    assert set(checkpoints.manager.item_metadata(1)["state"]) == {
+        "step", "variables", "opt_state", "memory"}
+    _, state, _ = checkpoints.restore_newest(setup.abstract_state)
+  finally:
+    checkpoints.close()
+  assert state.teacher is None and int(state.step) == 0
 
 
 def test_distillation_config_errors():

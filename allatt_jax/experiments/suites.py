@@ -282,7 +282,16 @@ def distill(exp: runs_lib.Experiment) -> Report:
   md += table(("sparsity", "variant", "distill", "heads kept (per layer)",
                f"test {base.metric}", "Δ vs continued", "Δ vs plain",
                "train tokens/s (median)", "step time vs plain"), rows)
-  return Report(md, [], [base, continued, *runs.values()])
+  out = exp.workdir / "distill.png"
+  plots.xy_figure(
+      [plots.Series(variant or "plain", [100 * sparsity for sparsity in s.distill_sparsities],
+                    [runs[sparsity, variant].test for sparsity in s.distill_sparsities],
+                    f"{marker}-", hollow=True)
+       for variant, marker in zip(variants, plots.MARKERS)],
+      "head sparsity (%)", f"test {base.metric}",
+      "Budget runs with and without distillation from the baseline", out,
+      hline=("continued (unpruned)", continued.test))
+  return Report(md, [str(out)], [base, continued, *runs.values()])
 
 
 def _train_tokens_per_s(workdir) -> float:
