@@ -111,10 +111,11 @@ def _tiny_pruning_config(**distill_keys):
   return config
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   """α = β = 0 with a teacher in the state: parameters, gates, optimizer state, memory
-  and metrics after three steps equal the plain pruning step's, bit for bit."""
+  and metrics after three steps (gates sampled) equal the plain pruning step's, bit
+  for bit."""
   plain = run_setup.resolve(_tiny_pruning_config())
   with_teacher = run_setup.resolve(_tiny_pruning_config(weight=0.5))
   zero = dataclasses.replace(with_teacher.settings, grad_accum_steps=accum,
@@ -124,17 +125,17 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   for setup, settings in ((plain, dataclasses.replace(plain.settings,
                                                       grad_accum_steps=accum)),
                           (with_teacher, zero)):
-    step_fns.append([steps.jit_train_step(
+    step_fns.append(steps.jit_train_step(
         setup.lm, setup.optimizer, setup.penalty, settings, setup.state_sharding, batch,
-        sharding.replicated(setup.mesh), sample_gates=sample) for sample in (True, False)])
+        sharding.replicated(setup.mesh), sample_gates=True))
   states = [plain.new_state(), with_teacher.new_state()]
   assert states[0].teacher is None and states[1].teacher is not None
   tokens = np.random.default_rng(0).integers(0, 27, (3, 4, 17), dtype=np.int32)
   metrics = [[], []]
-  for i, step_tokens in enumerate(tokens):
+  for step_tokens in tokens:
     for k in range(2):
       with sharding.activate(plain.mesh):
-        states[k], m = step_fns[k][i < 2](states[k], step_tokens[:, :-1], step_tokens[:, 1:])
+        states[k], m = step_fns[k](states[k], step_tokens[:, :-1], step_tokens[:, 1:])
       metrics[k].append({key: v for key, v in m.items() if not key.startswith("distill")})
   helpers.assert_bit_identical(jax.device_get(states[0].replace(teacher=None)),
                                jax.device_get(states[1].replace(teacher=None)))
