@@ -13,13 +13,20 @@ pytestmark = pytest.mark.slow   # every test here trains runs or starts processe
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_gated_step_compiles_for_eight_devices(tmp_path):
+@pytest.mark.parametrize("distill", [
+    [],
+    # With a teacher: its params sharded like the student's, the exact KL over the
+    # 267,735-type adaptive softmax streamed in vocabulary blocks.
+    pytest.param(["--config.distill.weight=0.5", "--config.distill.hidden_weight=0.1"],
+                 id="distill")])
+def test_gated_step_compiles_for_eight_devices(tmp_path, distill):
   out = tmp_path / "report.json"
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   env.pop("XLA_FLAGS", None)       # the tool sets the device count itself
   done = subprocess.run(
       [sys.executable, "-m", "allatt_jax.compile_check",
-       "--config=configs/wt103_prune.py:tiny", "--devices=8", "--mesh=2,4", f"--json={out}"],
+       "--config=configs/wt103_prune.py:tiny", "--devices=8", "--mesh=2,4", f"--json={out}",
+       *distill],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-5000:]
   assert "train step for 8 devices, mesh data=2 x model=4 (gated)" in done.stdout
