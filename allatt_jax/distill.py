@@ -25,8 +25,6 @@ logits are ever held, and the backward pass recomputes each block. Per token, 'a
 costs the logits of every cluster for both models, Σ_i size_i·d_i multiply-adds each
 (the same as the NLL's log-sum-exp), forward, and the student's again backward.
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -35,33 +33,20 @@ from allatt_jax import run_config
 BLOCK = 8192   # vocabulary rows per step of a cluster's KL (as the NLL's log-sum-exp)
 
 
-@dataclasses.dataclass(frozen=True)
-class Distillation:
-  """The distillation loss's weights (run_config.DistillSection, as traced)."""
-  weight: float = 0.0            # α
-  temperature: float = 1.0       # τ
-  hidden_weight: float = 0.0     # β
-  all_clusters: bool = True      # the tail clusters' KL too (kl_clusters='all')
-
-  @classmethod
-  def from_config(cls, section: run_config.DistillSection) -> "Distillation":
-    return cls(weight=section.weight, temperature=section.temperature,
-               hidden_weight=section.hidden_weight,
-               all_clusters=section.kl_clusters == "all")
-
-  def loss(self, nll, student_clusters, teacher_clusters, student_layers,
-           teacher_layers) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(the loss, its distillation terms by name). A term of weight 0 is not computed,
-    so α = β = 0 leaves the loss the plain cross-entropy, bit for bit."""
-    loss, terms = nll, {}
-    if self.weight:
-      terms["distill_kl"] = kl_divergence(student_clusters, teacher_clusters,
-                                          self.temperature, self.all_clusters).mean()
-      loss = (1 - self.weight) * loss + self.weight * self.temperature**2 * terms["distill_kl"]
-    if self.hidden_weight:
-      terms["distill_hidden"] = hidden_mse(student_layers, teacher_layers)
-      loss = loss + self.hidden_weight * terms["distill_hidden"]
-    return loss, terms
+def loss(d: run_config.DistillSection, nll, student_clusters, teacher_clusters,
+         student_layers, teacher_layers) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(the loss under distillation settings `d`, its distillation terms by name). A
+  term of weight 0 is not computed, so α = β = 0 leaves the loss the plain
+  cross-entropy, bit for bit."""
+  total, terms = nll, {}
+  if d.weight:
+    terms["distill_kl"] = kl_divergence(student_clusters, teacher_clusters, d.temperature,
+                                        d.kl_clusters == "all").mean()
+    total = (1 - d.weight) * total + d.weight * d.temperature**2 * terms["distill_kl"]
+  if d.hidden_weight:
+    terms["distill_hidden"] = hidden_mse(student_layers, teacher_layers)
+    total = total + d.hidden_weight * terms["distill_hidden"]
+  return total, terms
 
 
 def _logits(h_NxK, table_VxK, bias_V, temperature):

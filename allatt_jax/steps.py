@@ -37,15 +37,13 @@ class StepConfig:
   skip_nonfinite_steps: bool
   learning_rate: optax.Schedule
   gate_learning_rate: optax.Schedule
-  distill: distill_lib.Distillation | None = None   # None: no teacher
+  distill: run_config.DistillSection | None = None   # None: no teacher
 
   @classmethod
   def from_config(cls, config: run_config.RunConfig,
                   rates: optim.Schedules) -> "StepConfig":
     t = config.train
-    d = config.distill
-    distill = (distill_lib.Distillation.from_config(d)
-               if d.weight or d.hidden_weight else None)
+    distill = config.distill if config.distill.enabled else None
     return cls(batch_size=t.batch_size, seq_len=t.seq_len, mem_len=t.mem_len, seed=t.seed,
                grad_accum_steps=t.grad_accum_steps,
                skip_nonfinite_steps=t.skip_nonfinite_steps,
@@ -162,11 +160,10 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                   # full batch.
                   rngs={"gates": gates_rng,
                         "dropout": jax.random.fold_in(dropout_rng, micro_index)})
-    distilled = {}
     if teacher is None:
       nll_BxT, new_memory, stats = lm.apply(variables, inputs, targets, memory, **kwargs)
       nll = nll_BxT.mean()
-      loss = nll
+      loss, distilled = nll, {}
     else:
       (nll_BxT, clusters, new_memory, stats), hidden = lm.apply(
           variables, inputs, targets, memory, method=lm.distill_outputs,
@@ -176,8 +173,9 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
           teacher_lm.apply({"params": teacher["params"]}, inputs, targets, teacher_memory,
                            method=teacher_lm.distill_outputs, mutable="intermediates"))
       nll = nll_BxT.mean()
-      loss, distilled = settings.distill.loss(
-          nll, clusters, teacher_clusters, hidden["intermediates"]["layer_outputs"],
+      loss, distilled = distill_lib.loss(
+          settings.distill, nll, clusters, teacher_clusters,
+          hidden["intermediates"]["layer_outputs"],
           teacher_hidden["intermediates"]["layer_outputs"])
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
     return loss + penalty(variables, l0, state.step), (nll, l0, new_memory, teacher_memory,

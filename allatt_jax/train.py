@@ -96,8 +96,9 @@ def _new_state(setup: run_setup.RunSetup):
   variables = {**state.variables, "params": source["params"]}
 
   def from_source(variables):
-    teacher = state.teacher and {**state.teacher, "params": jax.tree.map(
-        jnp.copy, variables["params"])}
+    teacher = None
+    if state.teacher is not None:   # a copy: the student's params will change
+      teacher = {**state.teacher, "params": jax.tree.map(jnp.copy, variables["params"])}
     return state.replace(variables=variables, opt_state=setup.optimizer.init(variables),
                          teacher=teacher)
 

@@ -10,6 +10,7 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import model as model_lib
 from allatt_jax import optim
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import steps
 from allatt_jax.errors import ConfigError
@@ -27,7 +28,7 @@ def make_config(accum, gated):
                            grad_accum_steps=accum, grad_clip=0.0))
   # π = 0.5 makes the sampled gates a mix of open and closed; λ > 0 from step 0.
   config.gates.update(dict(enabled=gated, init=0.5, lam=0.1, l0_warmup_steps=0))
-  return config
+  return run_config.RunConfig.of(config)
 
 
 def make_state(config):

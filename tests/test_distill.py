@@ -15,6 +15,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import distill
 from allatt_jax import pipeline
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import sharding
 from allatt_jax import steps
@@ -119,7 +120,7 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   plain = run_setup.resolve(_tiny_pruning_config())
   with_teacher = run_setup.resolve(_tiny_pruning_config(weight=0.5))
   zero = dataclasses.replace(with_teacher.settings, grad_accum_steps=accum,
-                             distill=distill.Distillation(weight=0.0, hidden_weight=0.0))
+                             distill=run_config.DistillSection())
   batch = sharding.batch_sharding(plain.mesh)
   step_fns = []
   for setup, settings in ((plain, dataclasses.replace(plain.settings,
