@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from allatt_jax import cost_model
@@ -27,6 +26,7 @@ from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import sample
 from allatt_jax import score
 from allatt_jax.data import tokenization
@@ -45,7 +45,7 @@ class Model:
     self._loaded = loaded
 
   @property
-  def config(self) -> ml_collections.ConfigDict:
+  def config(self) -> run_config.RunConfig:
     """The run config (data, eval lengths, the model section of this model)."""
     return self._loaded.config
 

@@ -14,19 +14,19 @@ from collections.abc import Sequence
 import json
 
 from absl import flags
-import ml_collections
 
 from allatt_jax import cli
 from allatt_jax import cost_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax.errors import ConfigError
 
 
 def trained_model_config(checkpoint, step: int | None = None
-                         ) -> tuple[ml_collections.ConfigDict, model_lib.ModelConfig]:
+                         ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:
   """(run config, the model as it runs): an export's heads, or a run's with its
   closed gates removed (the heads its export would keep)."""
   config, lm, variables = loader.load_lm(checkpoint, step)

@@ -19,11 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
+from allatt_jax import run_config
 from allatt_jax import sharding
 
 SPLITS = ("valid", "test")
@@ -82,7 +82,7 @@ class Evaluator:
 
   @classmethod
   def from_config(cls, lm: model_lib.TransformerLM, mesh,
-                  config: ml_collections.ConfigDict) -> "Evaluator":
+                  config: run_config.RunConfig) -> "Evaluator":
     """The evaluator of `lm` at the run config's eval batch and lengths."""
     e = config.eval
     return cls(lm, mesh, batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)

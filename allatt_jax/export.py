@@ -15,7 +15,6 @@ own is the one its results.json (and a demo's report.json) describes.
 """
 from absl import flags
 from etils import epath
-import ml_collections
 
 from allatt_jax import checkpointing
 from allatt_jax import cli
@@ -23,6 +22,7 @@ from allatt_jax import exported_model
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax import validation
 from allatt_jax.errors import FlagError
@@ -56,7 +56,7 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
   return out_dir
 
 
-def default_export_dir(workdir, config: ml_collections.ConfigDict,
+def default_export_dir(workdir, config: run_config.RunConfig,
                        step: int) -> epath.Path:
   """RUN/export for the run's final step, the folder its own export went to, and
   RUN/export-step-N for an earlier one."""

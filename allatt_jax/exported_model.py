@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 
 from allatt_jax import checkpointing
@@ -22,6 +21,7 @@ from allatt_jax import data as data_lib
 from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax.data import tokenization
 
@@ -29,22 +29,19 @@ from allatt_jax.data import tokenization
 EXPORT_DIR = "export"
 
 
-def exported_config(config: ml_collections.ConfigDict,
-                    model_cfg: model_lib.ModelConfig) -> ml_collections.ConfigDict:
+def exported_config(config: run_config.RunConfig,
+                    model_cfg: model_lib.ModelConfig) -> run_config.RunConfig:
   """The run's config describing the smaller model: per-layer head counts, no gates,
   no init_from (and so no teacher), so that every CLI that takes a checkpoint can load
   the export."""
-  exported = config.copy_and_resolve_references()
-  exported.model.heads_per_layer = model_cfg.heads_per_layer
-  exported.model.max_relative_len = model_cfg.max_relative_len
-  exported.gates.enabled = False
-  exported.init_from = ""
-  if "distill" in exported:
-    exported.distill.update(weight=0.0, hidden_weight=0.0)
-  return exported
+  return run_config.derived_run(
+      config, init_from="", gates=dict(enabled=False),
+      model=dict(heads_per_layer=tuple(model_cfg.heads_per_layer),
+                 max_relative_len=model_cfg.max_relative_len),
+      distill=dict(weight=0.0, hidden_weight=0.0))
 
 
-def save(directory, config: ml_collections.ConfigDict,
+def save(directory, config: run_config.RunConfig,
          model_cfg: model_lib.ModelConfig, params,
          tokenizer: tokenization.Tokenizer) -> None:
   """Writes the ungated model `model_cfg` with `params` as an exported model.
@@ -71,7 +68,7 @@ def save(directory, config: ml_collections.ConfigDict,
 
 
 def export_and_evaluate(
-    directory, config: ml_collections.ConfigDict, cfg: model_lib.ModelConfig,
+    directory, config: run_config.RunConfig, cfg: model_lib.ModelConfig,
     variables, corpus: data_lib.Corpus, mesh, *,
     heads: Mapping[int, Iterable[int]] | Sequence[np.ndarray] | None = None) -> dict:
   """Cuts `heads` (and a gated model's closed heads) out of a model, saves the smaller

@@ -9,12 +9,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import ml_collections
 
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import model as model_lib
+from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax.data import tokenization
 
@@ -25,7 +25,7 @@ OLD_MODEL_ADVICE = ("Its dataset is needed, as the model has no tokenizer.json: 
 
 
 def load_lm(checkpoint, step: int | None = None
-            ) -> tuple[ml_collections.ConfigDict, model_lib.TransformerLM, Any]:
+            ) -> tuple[run_config.RunConfig, model_lib.TransformerLM, Any]:
   """(run config, model, host variables) of a run workdir or an exported model."""
   config, variables = checkpointing.load_model(checkpoint, step)
   return config, model_lib.TransformerLM.from_config(config), variables
@@ -41,13 +41,13 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
     DataError: the dataset cannot be loaded, or its vocabulary is not the model's.
   """
   config = rundir.load_config(checkpoint)
-  for key, value in (("manual_dir", manual_dir), ("data_dir", data_dir)):
-    if value:
-      config.data[key] = value
+  moved = {key: value for key, value in (("manual_dir", manual_dir), ("data_dir", data_dir))
+           if value}
+  config = dataclasses.replace(config, data=dataclasses.replace(config.data, **moved))
   corpus = data_lib.load_run_corpus(config)
   saved = rundir.load_tokenizer(checkpoint)
   if saved is not None and tokenization.Tokenizer.from_dict(saved) != corpus.tokenizer:
-    where = config.data.get("manual_dir") or "its prepared folder"
+    where = config.data.manual_dir or "its prepared folder"
     raise errors.DataError(
         f"Dataset {config.data.name!r} read from {where} has another vocabulary "
         f"({corpus.vocab_size} types) than the model in {checkpoint} was trained with "
@@ -56,7 +56,7 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
   return corpus
 
 
-def load_tokenizer(checkpoint, config: ml_collections.ConfigDict) -> tokenization.Tokenizer:
+def load_tokenizer(checkpoint, config: run_config.RunConfig) -> tokenization.Tokenizer:
   """The tokenizer saved with a run or export; for older ones, its dataset's.
 
   Raises:
@@ -71,7 +71,7 @@ def load_tokenizer(checkpoint, config: ml_collections.ConfigDict) -> tokenizatio
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
   """A trained model ready for inference, with its tokenizer."""
-  config: ml_collections.ConfigDict      # the run config (eval lengths, dataset)
+  config: run_config.RunConfig      # the run config (eval lengths, dataset)
   lm: model_lib.TransformerLM
   variables: Any                         # on the default device
   tokenizer: tokenization.Tokenizer

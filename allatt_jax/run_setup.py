@@ -26,7 +26,6 @@ from allatt_jax import evaluation
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
-from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import steps
 from allatt_jax.errors import ConfigError
@@ -44,12 +43,6 @@ class RunSetup:
   settings: steps.StepConfig
   abstract_state: Any                   # steps.TrainState of ShapeDtypeStructs
   state_sharding: Any
-
-  @property
-  def config(self):
-    """The run config as a ConfigDict, for the readers that still take one (the
-    export of a pruned model)."""
-    return rundir.as_config_dict(self.run)
 
   @functools.cached_property
   def evaluator(self) -> evaluation.Evaluator:

@@ -14,7 +14,6 @@ import hashlib
 import json
 
 from etils import epath
-import ml_collections
 
 from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
@@ -53,15 +52,10 @@ def _read_json(path: epath.Path):
                           "in a new --workdir.") from e
 
 
-def save_config(directory, config) -> None:
-  """Writes a RunConfig (or a ConfigDict of one) as config.json."""
+def save_config(directory, config: run_config.RunConfig) -> None:
+  """Writes a RunConfig as config.json."""
   _write_atomically(run_path(directory) / CONFIG_FILE,
                     json.dumps(config.to_dict(), indent=2, sort_keys=True))
-
-
-def as_config_dict(run: run_config.RunConfig) -> ml_collections.ConfigDict:
-  """A RunConfig as the ConfigDict its config.json reads back as."""
-  return ml_collections.ConfigDict(run.to_dict())
 
 
 # Recipe keys added after runs were already saved, with the behaviour those runs had:
@@ -76,7 +70,7 @@ _BEFORE_RECIPE_KEYS = {
 }
 
 
-def load_config(directory) -> ml_collections.ConfigDict:
+def load_config(directory) -> run_config.RunConfig:
   """A run's or an export's saved config; keys it predates take their old meaning."""
   path = run_path(directory) / CONFIG_FILE
   if not path.is_file():
@@ -94,7 +88,7 @@ def load_config(directory) -> ml_collections.ConfigDict:
         saved[section].setdefault(key, value)
   if "gates" in saved:   # a budget's target once warmed up with λ's schedule
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
-  return ml_collections.ConfigDict(saved)
+  return run_config.RunConfig.from_dict(saved)
 
 
 def vocabulary_fingerprint(name: str, vocab) -> dict:

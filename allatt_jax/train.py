@@ -352,7 +352,7 @@ def _export_and_evaluate(workdir, setup: run_setup.RunSetup, corpus: data_lib.Co
   else:
     host_variables = jax.device_get(variables)
   results = exported_model.export_and_evaluate(
-      workdir / exported_model.EXPORT_DIR, setup.config, setup.lm.cfg, host_variables,
+      workdir / exported_model.EXPORT_DIR, setup.run, setup.lm.cfg, host_variables,
       corpus, setup.mesh)
   results["budget"] = budget_decision(workdir) if setup.penalty.allowed is not None else None
   results["warnings"] = _pruning_warnings(setup, sum(results["heads_per_layer"]),
