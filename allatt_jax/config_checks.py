@@ -45,12 +45,13 @@ _WHY_NOT_NEGATIVE = {
 }
 
 
-def check_config(config: run_config.RunConfig, *,
+def check_config(config: run_config.RunConfig, mesh_shape: tuple[int, int], *,
                  vocab_from_data: bool = False) -> None:
   """The checks of the config alone, before any of it is built.
 
-  `vocab_from_data`: the caller loads the dataset next and takes an unset
-  `model.vocab_size` from it (`run_setup.prepare`).
+  `mesh_shape`: the (data, model) sizes `config.mesh` gives on this machine
+  (`sharding.mesh_shape`). `vocab_from_data`: the caller loads the dataset next and
+  takes an unset `model.vocab_size` from it (`run_setup.prepare`).
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.
@@ -59,8 +60,7 @@ def check_config(config: run_config.RunConfig, *,
   _check_names(config)
   _check_model(config, vocab_from_data)
   _check_lengths(config)
-  _check_mesh(config)
-
+  _check_mesh(config, *mesh_shape)
 
 
 def check_starting_point(config: run_config.RunConfig) -> None:
@@ -180,8 +180,7 @@ def _check_lengths(config):
           "and eval), or use model.rel_pos='sinusoidal'.")
 
 
-def _check_mesh(config):
-  data, model = sharding.mesh_shape(config.mesh, jax.device_count())
+def _check_mesh(config, data: int, model: int):
   _check_batches(config, data)
   m = config.model
   heads = sorted({m.num_heads, *(h for h in (m.heads_per_layer or ()) if h)})

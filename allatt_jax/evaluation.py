@@ -73,12 +73,13 @@ class Evaluator:
                mem_len: int):
     self.lm, self.mesh = lm, mesh
     self.batch_size, self.seq_len, self.mem_len = batch_size, seq_len, mem_len
-    batch = sharding.batch_sharding(mesh)
-    self._step = jax.jit(
+    self._batch = sharding.batch_sharding(mesh)
+    self._memory = sharding.memory_sharding(mesh)
+    self._rows = sharding.process_rows(mesh)
+    self._step = sharding.on_mesh(mesh, jax.jit(
         functools.partial(eval_step, lm=lm),
-        in_shardings=(None, sharding.memory_sharding(mesh), batch, batch, batch),
-        out_shardings=(sharding.replicated(mesh), sharding.memory_sharding(mesh)),
-        donate_argnums=(1,))
+        in_shardings=(None, self._memory, self._batch, self._batch, self._batch),
+        out_shardings=(sharding.replicated(mesh), self._memory), donate_argnums=(1,)))
 
   @classmethod
   def from_config(cls, lm: model_lib.TransformerLM, mesh,
@@ -89,25 +90,22 @@ class Evaluator:
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
-    process, count = sharding.process_rows(self.mesh)
-    batch_sharding = sharding.batch_sharding(self.mesh)
     memory = jax.device_put(model_lib.init_memory(self.lm.cfg, self.batch_size, self.mem_len),
-                            sharding.memory_sharding(self.mesh))
+                            self._memory)
     shape = (self.batch_size, self.seq_len)
 
     # The sums ride along with the memory, so each batch's are added as soon as its
     # step is dispatched: the same order of device programs in every process.
     def step(memory_and_sums, arrays):
       memory, (nll_sum, num_tokens) = memory_and_sums
-      inputs, targets, weights = (data_lib.to_global_array(a, batch_sharding, shape)
+      inputs, targets, weights = (data_lib.to_global_array(a, self._batch, shape)
                                   for a in arrays)
-      with sharding.activate(self.mesh):
-        (batch_nll, batch_tokens), memory = self._step(variables, memory, inputs, targets,
-                                                       weights)
+      (batch_nll, batch_tokens), memory = self._step(variables, memory, inputs, targets,
+                                                     weights)
       return None, (memory, (nll_sum + batch_nll, num_tokens + batch_tokens))
 
     start = time.perf_counter()
-    batches = data_lib.eval_batches(tokens, self.batch_size, self.seq_len, process, count)
+    batches = data_lib.eval_batches(tokens, self.batch_size, self.seq_len, *self._rows)
     _, (_, (nll_sum, num_tokens)) = read_stream(
         step, itertools.islice(batches, max_batches or None),
         (memory, (jnp.zeros(()), jnp.zeros(()))))

@@ -7,7 +7,8 @@ training run or its dataset (`loader.load`), and a start for another run
 writer of such a folder, for a pruning run's export, `python -m allatt_jax.export`,
 `api.Model.save` and the heuristic pruners' masked models; `export_and_evaluate` cuts
 a model, writes it and scores the parameters it wrote, as a pruning run does with
-its final state and the experiments with a masked baseline.
+its final state (`export_pruning_run`, which also says what a user should know about
+the outcome) and the experiments with a masked baseline.
 """
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -15,11 +16,14 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import console
+from allatt_jax import cost_model
 from allatt_jax import data as data_lib
 from allatt_jax import evaluation
 from allatt_jax import model as model_lib
+from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import rundir
@@ -59,10 +63,9 @@ def save(directory, config: run_config.RunConfig,
   # In a multi-process run one process writes the files, and the others, which read
   # the model back next, wait for them.
   if jax.process_index() == 0:
-    rundir.save_config(directory, exported_config(config, model_cfg))
-    rundir.save_tokenizer(directory, tokenizer.to_dict())
-    rundir.save_vocabulary(directory, rundir.vocabulary_fingerprint(tokenizer.dataset,
-                                                                    tokenizer.vocab))
+    rundir.save_run(directory, exported_config(config, model_cfg),
+                    rundir.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
+                    tokenizer.to_dict())
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"exported_model.save {directory}")
 
@@ -99,3 +102,61 @@ def export_and_evaluate(
   results["heads_per_layer"] = list(pruned_cfg.layer_heads)
   results["directory"] = str(directory)
   return results
+
+
+def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.ModelConfig,
+                       variables, corpus: data_lib.Corpus, mesh, *,
+                       decision: dict | None, gate_flags: str) -> dict:
+  """A pruning run's final state exported to RUN/export and scored
+  (`export_and_evaluate`), with the budget's `decision` at the freeze (None: a fixed
+  λ) and the warnings of `pruning_warnings`, which are also printed.
+
+  `variables` may be sharded over processes: they are gathered onto every host first.
+  """
+  if jax.process_count() > 1:
+    host_variables = multihost_utils.process_allgather(variables, tiled=True)
+  else:
+    host_variables = jax.device_get(variables)
+  results = export_and_evaluate(rundir.run_path(workdir) / EXPORT_DIR, config, cfg,
+                                host_variables, corpus, mesh)
+  results["budget"] = decision
+  results["warnings"] = pruning_warnings(config, sum(cfg.layer_heads),
+                                         sum(results["heads_per_layer"]), decision,
+                                         gate_flags)
+  if jax.process_index() == 0:
+    print(progress.results_line("exported model", results, corpus.metric), flush=True)
+    for warning in results["warnings"]:
+      print(f"warning: {warning}", flush=True)
+  return results
+
+
+def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
+                     decision: dict | None, gate_flags: str) -> list[str]:
+  """What a user should know about a pruning run's outcome (`kept` of `total` heads;
+  the budget's `decision`, None for a fixed λ), with the flag to turn.
+
+  `gate_flags`: how the caller's command line names the gates section
+  (--config.gates, or a pipeline's --config.pipeline.prune_gates).
+  """
+  gates = config.gates
+  # Every caller's train section sits beside its gates section, with the same prefix.
+  train_flags = gate_flags.replace("gates", "train")
+  if decision is None:
+    if kept < total:
+      return []
+    return [f"pruning removed no head of {total} (λ={gates.lam}). Ask for a size with "
+            f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
+            f"raise {gate_flags}.lam."]
+  if decision["allowed"] == total:
+    key = cost_model.target_key(config)
+    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
+            "pruning removed none; ask for a smaller size."]
+  if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
+    return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
+            f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
+            "heads by logit rank. To let the gates decide, give them more steps to settle "
+            f"before they freeze: a later {gate_flags}.freeze_step (now "
+            f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
+            f"warm-up, {gate_flags}.budget_warmup_steps (now "
+            f"{budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)})."]
+  return []

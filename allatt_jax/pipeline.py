@@ -13,13 +13,9 @@ status 143, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
-import sys
-
 from etils import epath
 import jax
-import ml_collections
 
-from allatt_jax import config_base
 from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import evaluation
@@ -38,31 +34,6 @@ from allatt_jax.run_config import RunConfig
 
 
 GATE_FLAGS = "--config.pipeline.prune_gates"
-
-
-def stage_configs(config: ml_collections.ConfigDict, workdir: epath.Path
-                  ) -> tuple[RunConfig, RunConfig]:
-  """(baseline config, pruning config) of a pipeline config.
-
-  Raises:
-    ConfigError: the config sets its own gates section, which the baseline does not
-      use; the message names the pipeline's flag for it.
-  """
-  defaults = config_base.base_config()
-  for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
-    changed = {k: v for k, v in config[section].items() if v != defaults[section][k]}
-    if changed:
-      key, value = next(iter(changed.items()))
-      raise ConfigError(
-          f"config.{section}.{key}={value}: in a pipeline config the baseline has no "
-          f"{section}; the pruning stage's are config.pipeline.{stage_section}. Use "
-          f"--config.pipeline.{stage_section}.{key}={value} instead.")
-  baseline = RunConfig.of(config)
-  # The teacher of a distilling pruning stage is its own baseline (its init_from).
-  return baseline, run_config.pruning_stage(
-      baseline, str(workdir / "baseline"), train=config.pipeline.prune_train.to_dict(),
-      gates=config.pipeline.prune_gates.to_dict(),
-      distill=config.pipeline.get("prune_distill", defaults.distill).to_dict())
 
 
 def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
@@ -89,7 +60,12 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                 f"({'; '.join(differences)}), kept as it is")
 
 
-def run(config: ml_collections.ConfigDict, workdir) -> dict:
+def run(config: run_config.PipelineConfig, workdir) -> dict:
+  """Runs (or resumes) the pipeline in `workdir`; returns the report.
+
+  Raises:
+    ConfigError: `workdir` holds a single run or an export, not a pipeline.
+  """
   workdir = rundir.run_path(workdir)
   if (workdir / rundir.CONFIG_FILE).is_file():
     # Its stages would go into new runs inside that run's folder, and exit 0.
@@ -98,11 +74,12 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
         "but this config is a pipeline, whose runs go in WORKDIR/baseline and "
         "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
         "baseline/), or a new one.")
-  baseline_config, prune_config = stage_configs(config, workdir)
   # Completed here, as each stage will save it, so that the pruning stage's folder is
-  # chosen by the settings it will really train with.
-  baseline_config, corpus = run_setup.prepare(baseline_config)
-  prune_config = run_setup.complete(prune_config, corpus)
+  # chosen by the settings it will really train with. The teacher of a distilling
+  # pruning stage is its own baseline (its init_from).
+  baseline_config, corpus = run_setup.prepare(config.baseline)
+  prune_config = run_setup.complete(
+      run_config.derived_run(config.pruning, init_from=str(workdir / "baseline")), corpus)
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: SIGTERM between stages stops it there too.
@@ -128,10 +105,10 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
 
     if is_main:
       console.banner("Evaluation: inference speed of both models on valid "
-                     f"({config.pipeline.speed_batches} batches, best of 3)")
+                     f"({config.speed_batches} batches, best of 3)")
     baseline_model = loader.load_lm(workdir / "baseline")[1:]
     pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
-    speed = _measure_speed(baseline_config, config.pipeline.speed_batches,
+    speed = _measure_speed(baseline_config, corpus.splits["valid"], config.speed_batches,
                            baseline_model, pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",
                         "measure it again and write the report")
@@ -160,15 +137,15 @@ def _pruning_goal(prune_config: RunConfig) -> str:
           f"{sum(cfg.layer_heads)} heads")
 
 
-def _measure_speed(config, num_batches, baseline_model, pruned_model,
+def _measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned_model,
                    repeats: int = 3) -> dict:
-  """Inference tokens/s (evaluation with memory) of both models on the valid split.
+  """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
+  lengths, on its mesh) of both models on `tokens`, the valid split.
 
   The models are timed in turns, `repeats` times each, and each keeps its best: on a
   shared machine the best of alternating runs is the least disturbed comparison.
   """
-  tokens = run_setup.load_corpus(config).splits["valid"]
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
   evaluators = {}
   for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
     evaluators[name] = (evaluation.Evaluator.from_config(lm, mesh, config), variables)
@@ -239,10 +216,3 @@ def summary_table(report: dict) -> str:
   lines.insert(1, "-+-".join("-" * w for w in widths))
   return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
 
-
-if __name__ == "__main__":
-  # A library module: point whoever runs it to the command that does.
-  print("error: the pipeline runs through main: python -m allatt_jax.main "
-        "--config=configs/demo.py --workdir=DIR (python -m allatt_jax lists the "
-        "commands).", file=sys.stderr)
-  sys.exit(2)

@@ -207,16 +207,16 @@ def _draw_gates(records, kept, layer_heads, gates_config, out_file) -> None:
                        fontsize=7)
     for label, h in zip(verdict.get_yticklabels(), heads):
       label.set_color("tab:green" if h in kept[i] else "tab:red")
-    if gates_config.get("freeze_step"):
+    if gates_config.freeze_step:
       ax.axvline(gates_config.freeze_step, color="white", linestyle="--", linewidth=1)
   axes[-1, 0].set_xlabel("pruning step" + (" (dashed: gates frozen)"
-                                            if gates_config.get("freeze_step") else ""))
+                                            if gates_config.freeze_step else ""))
   if image is not None:
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
-  target = [f"{k}={gates_config[k]}" for k in cost_model.TARGET_KEYS
-            if gates_config.get(k) is not None]
+  target = [f"{k}={getattr(gates_config, k)}" for k in cost_model.TARGET_KEYS
+            if getattr(gates_config, k) is not None]
   strength = f"budget {target[0]}" if target else f"λ={gates_config.lam:g}"
   fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "
                f"{100 * sparsity:.1f}%\nheads kept per layer: "

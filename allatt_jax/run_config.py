@@ -212,6 +212,16 @@ class RunConfig:
     return "" if self.init_from in ("", FROM_SCRATCH) else self.init_from
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """A pipeline's stages (configs/demo.py): a baseline run, then a pruning run from it
+  (its `init_from`, the baseline's folder, set by the pipeline), then a speed
+  comparison of both models over `speed_batches` valid batches."""
+  baseline: RunConfig
+  pruning: RunConfig
+  speed_batches: int
+
+
 def txl_model(d_model: int) -> dict:
   """The model keys that make an All-att config its Transformer-XL: same depth and
   heads, a feed-forward of 4d, no persistent vectors."""

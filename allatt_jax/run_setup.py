@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from allatt_jax import budget
+from allatt_jax import config_base
 from allatt_jax import config_checks
 from allatt_jax import cost_model
 from allatt_jax import data as data_lib
@@ -40,28 +41,61 @@ class RunSetup:
   mesh: jax.sharding.Mesh
   optimizer: optax.GradientTransformationExtraArgs
   penalty: budget.Penalty
-  settings: steps.StepConfig
+  step_config: steps.StepConfig
   abstract_state: Any                   # steps.TrainState of ShapeDtypeStructs
   state_sharding: Any
+  rows: tuple[int, int]                 # this process's share of a batch (process_rows)
 
   @functools.cached_property
   def evaluator(self) -> evaluation.Evaluator:
     return evaluation.Evaluator.from_config(self.lm, self.mesh, self.run)
 
-  def new_state(self) -> steps.TrainState:
-    """A freshly initialised state, placed on the mesh."""
+  def new_state(self, source_params=None) -> steps.TrainState:
+    """A freshly initialised state, placed on the mesh; with `source_params` (a
+    pruning run's `init_from` model's), those params instead of the initial ones, the
+    optimizer state fresh for them, and a distilling run's teacher a copy of them."""
     init = functools.partial(steps.init_state, self.lm, self.optimizer, self.penalty,
-                             self.settings)
+                             self.step_config)
     with sharding.activate(self.mesh):
-      return jax.jit(init, out_shardings=self.state_sharding)(
-          jax.random.key(self.settings.seed))
+      state = jax.jit(init, out_shardings=self.state_sharding)(
+          jax.random.key(self.step_config.seed))
+    if source_params is None:
+      return state
+
+    def from_source(variables):
+      teacher = None
+      if state.teacher is not None:   # a copy: the student's params will change
+        teacher = {**state.teacher, "params": jax.tree.map(jnp.copy, variables["params"])}
+      return state.replace(variables=variables, opt_state=self.optimizer.init(variables),
+                           teacher=teacher)
+
+    with sharding.activate(self.mesh):
+      return jax.jit(from_source, out_shardings=self.state_sharding)(
+          {**state.variables, "params": source_params})
 
   def train_step(self, *, sample_gates: bool):
-    """The jitted train step over this setup's mesh."""
+    """The jitted train step over this setup's mesh (to be called under
+    `sharding.activate(mesh)`, on global batches)."""
     return steps.jit_train_step(
-        self.lm, self.optimizer, self.penalty, self.settings, self.state_sharding,
+        self.lm, self.optimizer, self.penalty, self.step_config, self.state_sharding,
         sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh),
         sample_gates=sample_gates)
+
+  def train_steps(self, gated: bool) -> dict:
+    """{sample_gates: step(state, inputs, targets) -> (state, metrics)}: the train
+    steps of the loop (a gated run samples its gates before the freeze, not after),
+    each taking this process's rows of a batch and running on the mesh."""
+    batch = sharding.batch_sharding(self.mesh)
+    shape = (self.step_config.batch_size, self.step_config.seq_len)
+
+    def on_rows(jitted):
+      def step(state, inputs, targets):
+        return jitted(state, data_lib.to_global_array(inputs, batch, shape),
+                      data_lib.to_global_array(targets, batch, shape))
+      return step
+
+    return {sample: on_rows(sharding.on_mesh(self.mesh, self.train_step(sample_gates=sample)))
+            for sample in ((True, False) if gated else (False,))}
 
 
 def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:
@@ -73,29 +107,75 @@ def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:
   Raises:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
+  return _checked(config, vocab_from_data)[0]
+
+
+def _checked(config, vocab_from_data: bool = False, starts_run: bool = False
+             ) -> tuple[RunConfig, tuple[int, int]]:
+  """(the checked RunConfig, its mesh's (data, model) sizes on this machine);
+  `starts_run`: also what a run that trains it starts from (its `init_from`)."""
   run = RunConfig.of(config)
-  config_checks.check_config(run, vocab_from_data=vocab_from_data)
-  return run
+  mesh_shape = sharding.mesh_shape(run.mesh, jax.device_count())
+  config_checks.check_config(run, mesh_shape, vocab_from_data=vocab_from_data)
+  if starts_run:
+    config_checks.check_starting_point(run)
+  return run, mesh_shape
 
 
-def resolve(config) -> RunSetup:
-  """The run's objects, after checking the config (a ConfigDict or a RunConfig).
+def resolve_pipeline(config) -> run_config.PipelineConfig:
+  """The checked stages of a pipeline config (configs/demo.py): its run sections are
+  the baseline; its `pipeline` section says how the pruning stage differs
+  (`prune_train`, `prune_gates`, `prune_distill`) and how long the speed comparison
+  reads (`speed_batches`).
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config (see config_checks.py).
+    ConfigError: the config sets its own gates or distill section, which the baseline
+      does not use (the message names the pipeline's flag for it); or a stage's
+      config fails its checks.
   """
-  run = resolve_config(config)
+  defaults = config_base.base_config()
+  for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
+    changed = {k: v for k, v in config[section].items() if v != defaults[section][k]}
+    if changed:
+      key, value = next(iter(changed.items()))
+      raise ConfigError(
+          f"config.{section}.{key}={value}: in a pipeline config the baseline has no "
+          f"{section}; the pruning stage's are config.pipeline.{stage_section}. Use "
+          f"--config.pipeline.{stage_section}.{key}={value} instead.")
+  stages = config.pipeline
+  baseline = resolve_config(config, vocab_from_data=True)
+  # Its init_from, the baseline's folder, is the pipeline's to set (pipeline.run).
+  pruning = run_config.pruning_stage(
+      baseline, "", train=stages.prune_train.to_dict(),
+      gates=stages.prune_gates.to_dict(),
+      distill=stages.get("prune_distill", defaults.distill).to_dict())
+  return run_config.PipelineConfig(
+      baseline=baseline, pruning=resolve_config(pruning, vocab_from_data=True),
+      speed_batches=stages.speed_batches)
+
+
+def resolve(config, *, starts_run: bool = False) -> RunSetup:
+  """The run's objects, after checking the config (a ConfigDict or a RunConfig);
+  `starts_run`: the setup of a run about to train, whose starting point (`init_from`)
+  is checked too.
+
+  Raises:
+    ConfigError: an inconsistent or out-of-range config (see config_checks.py), or a
+      pruning or distilling run that does not say what it starts from.
+  """
+  run, mesh_shape = _checked(config, starts_run=starts_run)
   cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
-  mesh = sharding.make_mesh(run.mesh)
+  mesh = sharding.make_mesh(mesh_shape)
   penalty = penalty_from_config(run, cfg)
   rates = optim.schedules(run)
   optimizer = optim.make_optimizer(run.train, rates,
                                    budget.COLLECTION if penalty.controlled else None)
-  settings = steps.StepConfig.from_config(run, rates)
-  abstract, shardings = steps.abstract_state(lm, optimizer, penalty, settings, mesh)
+  step_config = steps.StepConfig.from_config(run, rates)
+  abstract, shardings = steps.abstract_state(lm, optimizer, penalty, step_config, mesh)
   return RunSetup(run=run, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
-                  settings=settings, abstract_state=abstract, state_sharding=shardings)
+                  step_config=step_config, abstract_state=abstract,
+                  state_sharding=shardings, rows=sharding.process_rows(mesh))
 
 
 def penalty_from_config(config: RunConfig, cfg: model_lib.ModelConfig) -> budget.Penalty:
@@ -128,11 +208,11 @@ def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
   read or prepared.
 
   Raises:
-    ConfigError: as `config_checks.check_config`, or a `model.vocab_size` that is not
-      the dataset's.
+    ConfigError: as `config_checks.check_config` and `check_starting_point`, or a
+      `model.vocab_size` that is not the dataset's.
     DataError: the dataset cannot be loaded.
   """
-  run = resolve_config(config, vocab_from_data=True)
+  run, _ = _checked(config, vocab_from_data=True, starts_run=True)
   corpus = load_corpus(run)
   return complete(run, corpus), corpus
 

@@ -58,6 +58,15 @@ def save_config(directory, config: run_config.RunConfig) -> None:
                     json.dumps(config.to_dict(), indent=2, sort_keys=True))
 
 
+def save_run(directory, config: run_config.RunConfig, vocabulary: dict,
+             tokenizer: dict) -> None:
+  """Writes what describes a run or an export besides its parameters: its config,
+  its vocabulary's fingerprint and its tokenizer (`Tokenizer.to_dict()`)."""
+  save_config(directory, config)
+  save_vocabulary(directory, vocabulary)
+  save_tokenizer(directory, tokenizer)
+
+
 # Recipe keys added after runs were already saved, with the behaviour those runs had:
 # a config.json without them describes a model (and optimizer) of that older form,
 # whatever the defaults are now.

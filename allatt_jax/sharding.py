@@ -7,6 +7,7 @@ Everything else is replicated. A batch splits evenly over the 'data' axis, and i
 the micro-batches of gradient accumulation (`check_accumulation`).
 """
 import contextlib
+import functools
 
 import flax.linen as nn
 import jax
@@ -45,8 +46,8 @@ def mesh_shape(mesh_config: run_config.MeshSection, num_devices: int) -> tuple[i
   return data, model
 
 
-def make_mesh(mesh_config: run_config.MeshSection) -> jax.sharding.Mesh:
-  shape = mesh_shape(mesh_config, jax.device_count())
+def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
+  """The ('data', 'model') mesh of these sizes (`mesh_shape`)."""
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
@@ -55,6 +56,15 @@ def activate(mesh):
   """The mesh and logical rules under which models are traced and steps run."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
     yield
+
+
+def on_mesh(mesh, fn):
+  """`fn`, run under `activate(mesh)` at every call (a jitted step traces there)."""
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    with activate(mesh):
+      return fn(*args, **kwargs)
+  return run
 
 
 def logical_shardings(mesh, abstract_tree):

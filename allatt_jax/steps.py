@@ -67,33 +67,33 @@ def teacher_model(lm: model_lib.TransformerLM) -> model_lib.TransformerLM:
 
 
 def init_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
-               settings: StepConfig, rng, *, boxed=False):
+               step_config: StepConfig, rng, *, boxed=False):
   """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only).
 
   A teacher starts as a copy of the fresh params; a run replaces both with its
   `init_from` model's (train.py).
   """
-  batch = settings.batch_size
-  tokens_BxT = jnp.zeros((batch, settings.seq_len), jnp.int32)
-  memory = model_lib.init_memory(lm.cfg, batch, settings.mem_len)
+  batch = step_config.batch_size
+  tokens_BxT = jnp.zeros((batch, step_config.seq_len), jnp.int32)
+  memory = model_lib.init_memory(lm.cfg, batch, step_config.mem_len)
   variables = lm.init({"params": rng}, tokens_BxT, tokens_BxT, memory)
   if not boxed:
     variables = nn.unbox(variables)
   variables = penalty.add_multipliers(flax.core.unfreeze(variables))
   teacher = None
-  if settings.distill is not None:
+  if step_config.distill is not None:
     teacher = {"params": jax.tree.map(jnp.copy, variables["params"]), "memory": memory}
   return TrainState(step=jnp.zeros((), jnp.int32), variables=variables,
                     opt_state=optimizer.init(variables), memory=memory, teacher=teacher)
 
 
 def abstract_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
-                   settings: StepConfig, mesh):
+                   step_config: StepConfig, mesh):
   """Shapes, dtypes and shardings of the train state, without allocating it.
 
   Returns (state of jax.ShapeDtypeStructs carrying their shardings, state shardings).
   """
-  init = functools.partial(init_state, lm, optimizer, penalty, settings, boxed=True)
+  init = functools.partial(init_state, lm, optimizer, penalty, step_config, boxed=True)
   with sharding.activate(mesh):
     boxed = jax.eval_shape(init, jax.random.key(0))
   shardings = sharding.logical_shardings(mesh, boxed)
@@ -136,10 +136,10 @@ def _merged_memory(hidden_kxLxbxSxD, length):
 
 def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                lm: model_lib.TransformerLM, optimizer: optax.GradientTransformation,
-               penalty: budget.Penalty, settings: StepConfig, sample_gates: bool):
+               penalty: budget.Penalty, step_config: StepConfig, sample_gates: bool):
   """One optimizer update on a global batch (optionally accumulated over micro-batches).
 
-  With `settings.grad_accum_steps` = k > 1 the batch is scored as k micro-batches
+  With `step_config.grad_accum_steps` = k > 1 the batch is scored as k micro-batches
   in sequence, each with its own rows' memory, and the mean of their gradients makes
   the same update as the full batch (up to float rounding, and to dropout masks, which
   differ per micro-batch).
@@ -147,9 +147,9 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   Raises:
     ConfigError: k does not divide the global batch (checked at trace time).
   """
-  accum = settings.grad_accum_steps
+  accum = step_config.grad_accum_steps
   sharding.check_accumulation(inputs_BxT.shape[0], accum)
-  rng = jax.random.fold_in(jax.random.key(settings.seed), state.step)
+  rng = jax.random.fold_in(jax.random.key(step_config.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
   teacher = state.teacher
   teacher_lm = teacher_model(lm) if teacher is not None else None
@@ -174,7 +174,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
                            method=teacher_lm.distill_outputs, mutable="intermediates"))
       nll = nll_BxT.mean()
       loss, distilled = distill_lib.loss(
-          settings.distill, nll, clusters, teacher_clusters,
+          step_config.distill, nll, clusters, teacher_clusters,
           hidden["intermediates"]["layer_outputs"],
           teacher_hidden["intermediates"]["layer_outputs"])
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
@@ -220,15 +220,15 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   metrics = {
       "loss": loss, "nll": nll, "l0": l0, "lambda": penalty.lam(state.step),
       "grad_norm": optax.tree.norm(grads),
-      "learning_rate": settings.learning_rate(state.step),
-      **({"gate_learning_rate": settings.gate_learning_rate(state.step)}
+      "learning_rate": step_config.learning_rate(state.step),
+      **({"gate_learning_rate": step_config.gate_learning_rate(state.step)}
          if "gates" in state.variables else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
       **penalty.metrics(state.variables, state.step),
       **distilled,
   }
-  if settings.skip_nonfinite_steps:
+  if step_config.skip_nonfinite_steps:
     # Decided on device, so skipping costs no host sync. The memories restart empty:
     # the hidden states of a step that overflowed may hold the overflow themselves.
     variables, opt_state, memory, teacher_memory = _where_finite(
@@ -248,9 +248,9 @@ def _where_finite(metrics, new, fallback):
   return jax.tree.map(lambda n, f: jnp.where(finite, n, f), new, fallback)
 
 
-def jit_train_step(lm, optimizer, penalty, settings, state_sharding, batch_sharding,
+def jit_train_step(lm, optimizer, penalty, step_config, state_sharding, batch_sharding,
                    replicated, *, sample_gates: bool):
   step = functools.partial(train_step, lm=lm, optimizer=optimizer, penalty=penalty,
-                           settings=settings, sample_gates=sample_gates)
+                           step_config=step_config, sample_gates=sample_gates)
   return jax.jit(step, in_shardings=(state_sharding, batch_sharding, batch_sharding),
                  out_shardings=(state_sharding, replicated), donate_argnums=(0,))

@@ -1,9 +1,10 @@
 """Checks of a run against its files, made before any data is loaded or code compiled.
 
 The config alone was checked when it was resolved (config_checks.py); here
-`check_workdir`, `check_init_from` and `check_resume` (against the abstract state
-the setup built) come in `train.start`, `check_vocabulary` once the dataset is
-loaded, and `check_export` guards an export. A failed check raises one error (see
+`open_checkpoints` checks `init_from`, the workdir and its checkpoints (against the
+abstract state the setup built) as a run starts (`train.start`),
+`check_vocabulary` the dataset once it is loaded, and `check_export` guards an
+export. A failed check raises one error (see
 errors.py) that says what is wrong, where (the config key, flag or file) and how to
 fix it, instead of a trace-time or orbax traceback minutes later.
 """
@@ -33,29 +34,32 @@ RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
 
-def check_init_from(config: run_config.RunConfig, abstract_state) -> None:
-  """The check of `init_from` against the state's shapes; it needs no workdir, so it
-  runs before the run creates one.
+def open_checkpoints(config: run_config.RunConfig, abstract_state,
+                     workdir: epath.Path) -> checkpointing.RunCheckpoints:
+  """The run's one CheckpointManager, opened after the checks of its `init_from`
+  (first, so that a wrong one leaves no workdir behind), its workdir and the
+  checkpoints it holds, against the state's shapes and the run's settings.
 
   Raises:
-    CheckpointError: `init_from` is missing, unreadable or does not fit the config.
+    CheckpointError: `init_from` is missing, unreadable or does not fit the config;
+      or the workdir holds a checkpoint of a run with other shapes than this config
+      gives.
+    ConfigError: the workdir is not writable, or holds a run trained with other
+      settings.
   """
+  shapes = _state_shapes(abstract_state)
   if config.init_source:
-    _check_init_from(config, _state_shapes(abstract_state))
-
-
-def check_resume(config: run_config.RunConfig,
-                 checkpoints: checkpointing.RunCheckpoints, abstract_state) -> None:
-  """The checks of the run's own checkpoints against the state's shapes and settings.
-
-  Raises:
-    CheckpointError: the workdir holds a checkpoint of a run with other shapes than
-      this config gives.
-    ConfigError: it holds a run trained with other settings.
-  """
-  _check_resume(config, checkpoints, _state_shapes(abstract_state))
-  if checkpoints.steps():
-    check_same_settings(config, checkpoints.directory.parent)
+    _check_init_from(config, shapes)
+  check_workdir(workdir)
+  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
+  try:
+    _check_resume(config, checkpoints, shapes)
+    if checkpoints.steps():
+      check_same_settings(config, workdir)
+  except BaseException:
+    checkpoints.close()
+    raise
+  return checkpoints
 
 
 def _state_shapes(abstract_state):

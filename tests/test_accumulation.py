@@ -59,7 +59,7 @@ def run_step(accum, gated, memory=None):
   step = jax.jit(functools.partial(
       steps.train_step, lm=lm, optimizer=optimizer,
       penalty=run_setup.penalty_from_config(config, lm.cfg),
-      settings=steps.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
+      step_config=steps.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
   new_state, metrics = step(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)
   return updates, new_state.memory, metrics

@@ -24,6 +24,7 @@ from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import plots
 from allatt_jax import run_config
+from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
@@ -42,7 +43,10 @@ def stages(tmp_path_factory):
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
-  return pipeline.stage_configs(config, tmp_path_factory.mktemp("runs"))
+  stages = run_setup.resolve_pipeline(config)
+  runs = tmp_path_factory.mktemp("runs")
+  return stages.baseline, run_config.derived_run(stages.pruning,
+                                                 init_from=str(runs / "baseline"))
 
 
 @pytest.fixture(scope="module")

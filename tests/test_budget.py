@@ -17,6 +17,7 @@ from allatt_jax import api
 from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import config_base
+from allatt_jax import exported_model
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
@@ -193,7 +194,7 @@ def demo_baseline(tmp_path_factory, data_dir):
   """The tiny demo's baseline stage, trained once: the pipelines below start from a
   copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
   workdir = tmp_path_factory.mktemp("demo_baseline")
-  baseline, _ = pipeline.stage_configs(demo_config(data_dir), workdir)
+  baseline = run_setup.resolve_pipeline(demo_config(data_dir)).baseline
   train.train_and_evaluate(baseline, workdir / "baseline")
   return workdir / "baseline"
 
@@ -207,7 +208,8 @@ def with_baseline(workdir, demo_baseline):
 def sized_demo(tmp_path_factory, demo_baseline, data_dir):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
   workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
-  report = pipeline.run(demo_config(data_dir, target_sparsity=0.5), workdir)
+  report = pipeline.run(
+      run_setup.resolve_pipeline(demo_config(data_dir, target_sparsity=0.5)), workdir)
   return workdir, report
 
 
@@ -247,7 +249,8 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
                     if "checkpoints" in p.parts}
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
   capsys.readouterr()
-  report = pipeline.run(demo_config(data_dir, target_sparsity=0.75), workdir)
+  report = pipeline.run(
+      run_setup.resolve_pipeline(demo_config(data_dir, target_sparsity=0.75)), workdir)
   out = capsys.readouterr().out
   assert not PROGRESS.search(out.split("== Pruning")[0]), "the baseline trained again"
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
@@ -259,7 +262,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   capsys.readouterr()
   config = demo_config(data_dir, target_sparsity=0.5)
   config.eval.max_batches = 4
-  report = pipeline.run(config, workdir)
+  report = pipeline.run(run_setup.resolve_pipeline(config), workdir)
   assert report["pruned"]["directory"] == "pruned"
   assert not PROGRESS.search(capsys.readouterr().out)     # nothing trained
   assert (workdir / "pruned" / "config.json").read_bytes() != saved_config   # eval key
@@ -271,7 +274,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
   config.gates.target_sparsity = 0.5
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
-    pipeline.run(config, tmp_path)
+    pipeline.run(run_setup.resolve_pipeline(config), tmp_path)
   assert not any(tmp_path.iterdir())
 
 
@@ -279,7 +282,8 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
                                                    capsys):
   config = demo_config(data_dir, lam=0.0)
-  report = pipeline.run(config, with_baseline(tmp_path, demo_baseline))
+  report = pipeline.run(run_setup.resolve_pipeline(config),
+                        with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
   assert "pruning removed no head of 8" in warning
@@ -290,7 +294,7 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 @pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
-  baseline, _ = pipeline.stage_configs(config, tmp_path)
+  baseline = run_setup.resolve_pipeline(config).baseline
   baseline = dataclasses.replace(
       run_config.derived_run(baseline, train=dict(num_steps=10)),
       checkpoint=dataclasses.replace(baseline.checkpoint, every_steps=5))
@@ -325,7 +329,7 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
 
 def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
                                                                            data_dir):
-  config, _ = pipeline.stage_configs(demo_config(data_dir), tmp_path)
+  config = run_setup.resolve_pipeline(demo_config(data_dir)).baseline
   assert config.model.vocab_size == 0
   completed, corpus = run_setup.prepare(config)
   assert completed.model.vocab_size == corpus.vocab_size == 27
@@ -377,9 +381,11 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   setup = run_setup.resolve(config)
   total = sum(setup.lm.cfg.layer_heads)
   everything = dict(allowed=total, by_gates=total, changed=0)
-  [warning] = train._pruning_warnings(setup, total, everything, "--config.gates")
+  [warning] = exported_model.pruning_warnings(setup.run, total, total, everything,
+                                              "--config.gates")
   assert f"--config.gates.target_sparsity=0.0 allows all {total} heads" in warning
   far = dict(allowed=total // 2, by_gates=total, changed=total // 2)
-  [warning] = train._pruning_warnings(setup, total // 2, far, "--config.gates")
+  [warning] = exported_model.pruning_warnings(setup.run, total, total // 2, far,
+                                              "--config.gates")
   assert "--config.gates.freeze_step (now 100" in warning
   assert "--config.gates.budget_warmup_steps (now 60)" in warning

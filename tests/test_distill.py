@@ -119,11 +119,11 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   for bit."""
   plain = run_setup.resolve(_tiny_pruning_config())
   with_teacher = run_setup.resolve(_tiny_pruning_config(weight=0.5))
-  zero = dataclasses.replace(with_teacher.settings, grad_accum_steps=accum,
+  zero = dataclasses.replace(with_teacher.step_config, grad_accum_steps=accum,
                              distill=run_config.DistillSection())
   batch = sharding.batch_sharding(plain.mesh)
   step_fns = []
-  for setup, settings in ((plain, dataclasses.replace(plain.settings,
+  for setup, settings in ((plain, dataclasses.replace(plain.step_config,
                                                       grad_accum_steps=accum)),
                           (with_teacher, zero)):
     step_fns.append(steps.jit_train_step(
@@ -172,7 +172,7 @@ def test_distillation_config_errors():
   demo = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   demo.distill.weight = 0.5
   with pytest.raises(ConfigError, match="--config.pipeline.prune_distill.weight=0.5"):
-    pipeline.stage_configs(demo, pathlib.Path("/tmp/w"))
+    run_setup.resolve_pipeline(demo)
 
 
 @pytest.mark.slow

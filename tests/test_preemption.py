@@ -24,6 +24,7 @@ from allatt_jax import errors
 from allatt_jax import evaluation
 from allatt_jax import exported_model
 from allatt_jax import pipeline
+from allatt_jax import run_setup
 from allatt_jax import train
 from allatt_jax.errors import Preempted
 
@@ -64,7 +65,7 @@ def demo(tmp_path_factory):
   for key, value in cache.items():
     jax.config.update(key, value)
   config = config_base.load(path)
-  pipeline.run(config, root / "uninterrupted")
+  pipeline.run(run_setup.resolve_pipeline(config), root / "uninterrupted")
   yield path, config, root / "uninterrupted"
   for key, value in before.items():
     jax.config.update(key, value)
@@ -123,10 +124,10 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
       calls = Calls(monkeypatch)
       arrange(monkeypatch)
       if match is None:
-        pipeline.run(config, workdir)
+        pipeline.run(run_setup.resolve_pipeline(config), workdir)
       else:
         with pytest.raises(Preempted, match=match):
-          pipeline.run(config, workdir)
+          pipeline.run(run_setup.resolve_pipeline(config), workdir)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     return calls
 

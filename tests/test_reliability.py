@@ -24,6 +24,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import errors
 from allatt_jax import preemption
+from allatt_jax import progress
 from allatt_jax import steps
 from allatt_jax import train
 
@@ -275,9 +276,9 @@ def test_nonfinite_gradient_is_named():
   metrics = [{"loss": np.float32(2.0), "grad_norm": np.float32(1.0)},
              {"loss": np.float32(2.0), "grad_norm": np.float32(np.inf)},
              {"loss": np.float32(np.nan), "grad_norm": np.float32(np.nan)}]
-  assert train._nonfinite_steps(metrics, 12) == [(11, "grad_norm", np.inf),
-                                                 (12, "loss", pytest.approx(np.nan,
-                                                                            nan_ok=True))]
+  assert progress.nonfinite_steps(metrics, 12) == [(11, "grad_norm", np.inf),
+                                                   (12, "loss", pytest.approx(np.nan,
+                                                                              nan_ok=True))]
 
 
 # Several hosts: orbax's preemption sync point, not a Python signal handler.

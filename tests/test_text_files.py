@@ -12,6 +12,7 @@ from allatt_jax import config_checks
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
+from allatt_jax import run_setup
 from allatt_jax import rundir
 from allatt_jax import score
 from allatt_jax import validation
@@ -298,7 +299,7 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))
   config.pipeline.prune_gates.target_sparsity = 0.5     # no vocab_size: the data's
-  report = pipeline.run(config, tmp_path / 'run')
+  report = pipeline.run(run_setup.resolve_pipeline(config), tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
   assert report['pruned']['sparsity'] == 0.5

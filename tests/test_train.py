@@ -46,7 +46,7 @@ def demo_run(tmp_path_factory, data_dir):
   # Strong, early pressure so that even 30 tiny steps close some heads.
   config.pipeline.prune_gates.update(dict(lam=0.5, init=0.5, learning_rate=0.2))
   workdir = tmp_path_factory.mktemp("demo")
-  report = pipeline.run(config, workdir)
+  report = pipeline.run(run_setup.resolve_pipeline(config), workdir)
   return workdir, config, report
 
 

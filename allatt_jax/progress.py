@@ -1,0 +1,203 @@
+"""What a training run reports as it goes: metric summaries, progress lines, the gate
+history, and the check of its metrics for NaN/inf.
+
+The train loop hands every step's metrics to `TrainProgress.add` (they stay on the
+device) and calls `TrainProgress.report` at its log, eval and save steps: only then
+are the metrics fetched, so the NaN/inf check adds no host sync of its own.
+"""
+import json
+import sys
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from allatt_jax import console
+from allatt_jax import evaluation
+from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
+from allatt_jax import rundir
+from allatt_jax.errors import TrainingError
+
+# Train metrics that only mean something with gates; a baseline run does not log them.
+GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
+
+
+class TrainProgress:
+  """The metrics of the steps since the last log, and where the logs go.
+
+  Args:
+    workdir: the run's folder (its metric logs' and the gate history's).
+    cfg: the model, whose gated heads a pruning run reports.
+    num_steps, first_step: the run's last step, and the step it starts (or resumes) at.
+    tokens_per_step: global batch tokens, for tokens/s.
+    metric: 'bpc' or 'ppl'.
+    skip_nonfinite: drop the non-finite steps from the summaries (their updates were
+      skipped) instead of stopping the run.
+    gated: a pruning run: gate metrics, open heads and the gate history are reported.
+  """
+
+  def __init__(self, workdir, cfg: model_lib.ModelConfig, *, num_steps: int,
+               first_step: int, tokens_per_step: int, metric: str, skip_nonfinite: bool,
+               gated: bool):
+    self.workdir, self.cfg = workdir, cfg
+    self.num_steps, self.tokens_per_step, self.metric = num_steps, tokens_per_step, metric
+    self.skip_nonfinite, self.gated = skip_nonfinite, gated
+    self.num_heads = sum(cfg.layer_heads) if gated else 0
+    self.is_main = jax.process_index() == 0
+    metric_writers, periodic_actions = _clu()
+    self.writer = metric_writers.create_default_writer(str(workdir),
+                                                       just_logging=not self.is_main)
+    self._report_progress = periodic_actions.ReportProgress(num_train_steps=num_steps,
+                                                            writer=self.writer)
+    self.bar = tqdm.tqdm(total=num_steps, initial=first_step,
+                         disable=not (self.is_main and sys.stdout.isatty()),
+                         dynamic_ncols=True)
+    self.pending, self.interval_start = [], time.perf_counter()
+
+  def add(self, done: int, metrics) -> None:
+    """The metrics of step `done` (counted from 1), still on the device."""
+    self.pending.append(metrics)
+    self._report_progress(done)
+    self.bar.update(1)
+
+  def fetch(self, done: int) -> list[tuple[int, str, float]]:
+    """The pending metrics on the host; (step, metric, value) of each non-finite step.
+
+    Raises:
+      NonFiniteStep: a step's loss or gradient norm is NaN or inf, and such steps are
+        not skipped.
+    """
+    self.pending = jax.device_get(self.pending)
+    nonfinite = nonfinite_steps(self.pending, done)
+    if nonfinite and not self.skip_nonfinite:
+      raise NonFiniteStep(*nonfinite[0])
+    return nonfinite
+
+  def log(self, done: int, nonfinite, gates) -> None:
+    """Writes the summary of the steps since the last log, its console line and (with
+    gates) a line of the gate history; `gates`: the state's gate variables."""
+    kept = _without_steps(self.pending, done, nonfinite) or self.pending
+    summary = summarise(kept, self.metric, self.gated)
+    if self.skip_nonfinite:
+      summary["nonfinite_steps"] = len(nonfinite)
+      if nonfinite:
+        logging.warning("Skipped the updates of steps %s: non-finite loss or gradient.",
+                        [s for s, _, _ in nonfinite])
+    steps_per_s = len(self.pending) / (time.perf_counter() - self.interval_start)
+    summary["tokens_per_s"] = steps_per_s * self.tokens_per_step
+    self.writer.write_scalars(done, summary)
+    self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
+    if self.is_main:
+      self.bar.write(progress_line(done, self.num_steps, steps_per_s, summary,
+                                   self.metric, self.num_heads))
+      sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
+      if self.gated:
+        _append_gate_history(self.workdir, done, gates, self.cfg)
+    self.pending, self.interval_start = [], time.perf_counter()
+
+  def write_eval(self, done: int, results: dict) -> None:
+    """A periodic evaluation's results; its time does not count against steps/s."""
+    self.writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
+    self.interval_start = time.perf_counter()
+
+  def close(self) -> None:
+    self.bar.close()
+    self.writer.flush()
+
+
+def _clu():
+  """clu's metric_writers and periodic_actions, imported when a run starts: they
+  import TensorFlow, which takes seconds (a command's flag errors and --help should
+  not wait for it) and prints C++ start-up notices (oneDNN) to stderr before any log
+  level applies."""
+  with console.native_stderr_hidden(not console.verbose_requested()):
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  return metric_writers, periodic_actions
+
+
+class NonFiniteStep(Exception):
+  """A step's loss or gradient norm is NaN or inf (`TrainProgress.fetch`)."""
+
+  def __init__(self, step: int, metric: str, value: float):
+    super().__init__(step, metric, value)
+    self.step, self.metric, self.value = step, metric, value
+
+  def error(self, last_checkpoint: int | None) -> TrainingError:
+    """What the user is told, given the newest checkpoint the run keeps."""
+    kept = (f"The last checkpoint, step {last_checkpoint}, predates it and is kept; a "
+            "rerun resumes from it" if last_checkpoint is not None
+            else "No checkpoint was saved before it")
+    return TrainingError(
+        f"Non-finite {self.metric} ({self.value}) at step {self.step}: training "
+        f"stopped. {kept}, and would diverge the same way. Lower "
+        "train.learning_rate, raise train.warmup_steps or set train.grad_clip; or set "
+        "train.skip_nonfinite_steps=True to drop such steps' updates and go on.")
+
+
+def nonfinite_steps(fetched, last_step: int) -> list[tuple[int, str, float]]:
+  """(step, metric, value) of each step whose loss or gradient norm is NaN or inf.
+
+  `fetched` holds the host metrics of the steps up to `last_step`, in order.
+  """
+  found = []
+  for step, metrics in enumerate(fetched, last_step - len(fetched) + 1):
+    bad = [key for key in ("loss", "grad_norm") if not np.isfinite(metrics[key])]
+    if bad:
+      found.append((step, bad[0], float(metrics[bad[0]])))
+  return found
+
+
+def _without_steps(fetched, last_step: int, nonfinite) -> list:
+  skip = {step for step, _, _ in nonfinite}
+  return [m for step, m in enumerate(fetched, last_step - len(fetched) + 1)
+          if step not in skip]
+
+
+def progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
+                  metric: str, num_heads: int) -> str:
+  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus the open
+  heads and λ of a pruning run (`num_heads` > 0)."""
+  line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
+          f"loss {summary['loss']:.4f}  {steps_per_s:.1f} steps/s  "
+          f"ETA {console.duration((num_steps - step) / steps_per_s)}")
+  if num_heads:
+    line += (f"  open heads {summary['open_actual/total']:.1f}/{num_heads}  "
+             f"λ {summary['lambda']:.4g}")
+  return line
+
+
+def results_line(name: str, results: dict, metric: str) -> str:
+  return f"{name}: valid {metric} {results['valid']:.4f}  test {metric} {results['test']:.4f}"
+
+
+def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
+  """Means over the logging interval; per-layer vectors become one scalar per layer."""
+  summary = {}
+  for key in fetched[0]:
+    if not gated and key in GATE_METRICS:
+      continue
+    mean = np.mean([m[key] for m in fetched], axis=0)
+    if np.ndim(mean):
+      summary.update({f"{key}/layer_{i}": float(v) for i, v in enumerate(mean)})
+      summary[f"{key}/total"] = float(np.sum(mean))
+    else:
+      summary[key] = float(mean)
+  summary[metric] = evaluation.metric_value(summary["nll"], metric)
+  return summary
+
+
+def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> None:
+  """Per-layer, per-head probabilities that the gate is open in the forward pass (the
+  deterministic rule keeps a hard gate iff it is >= 1/2), for the gates heat map."""
+  open_probability = lambda logits_H: gates_lib.forward_open_probability(
+      jnp.asarray(logits_H), cfg.gate)
+  host_gates = jax.device_get(gates)
+  probs = [np.asarray(open_probability(g["attention"]["logits"])).tolist() if g else []
+           for g in (host_gates.get(f"layer_{i}") for i in range(cfg.num_layers))]
+  with (rundir.run_path(workdir) / rundir.GATE_HISTORY_FILE).open("a") as f:
+    f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")
