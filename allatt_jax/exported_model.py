@@ -40,7 +40,7 @@ def exported_config(config: run_config.RunConfig,
   the export."""
   return run_config.derived_run(
       config, init_from="", gates=dict(enabled=False),
-      model=dict(heads_per_layer=tuple(model_cfg.heads_per_layer),
+      model=dict(heads_per_layer=model_cfg.heads_per_layer,
                  max_relative_len=model_cfg.max_relative_len),
       distill=dict(weight=0.0, hidden_weight=0.0))
 

@@ -163,7 +163,24 @@ def resolve(config, *, starts_run: bool = False) -> RunSetup:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py), or a
       pruning or distilling run that does not say what it starts from.
   """
-  run, mesh_shape = _checked(config, starts_run=starts_run)
+  return _build(*_checked(config, starts_run=starts_run))
+
+
+def prepare_run(config) -> tuple[RunSetup, data_lib.Corpus]:
+  """(the objects of a run about to train, its dataset): its config checked (and what
+  it starts from) before the dataset is read, then completed from the dataset
+  (`complete`), as the run saves it.
+
+  Raises:
+    ConfigError: as `prepare`.
+    DataError: the dataset cannot be loaded.
+  """
+  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=True)
+  corpus = load_corpus(run)
+  return _build(complete(run, corpus), mesh_shape), corpus
+
+
+def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
   mesh = sharding.make_mesh(mesh_shape)

@@ -15,6 +15,7 @@ import json
 
 from etils import epath
 
+from allatt_jax import config_base
 from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
 
@@ -97,6 +98,11 @@ def load_config(directory) -> run_config.RunConfig:
         saved[section].setdefault(key, value)
   if "gates" in saved:   # a budget's target once warmed up with λ's schedule
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
+  # Any other key it lacks (a setting that changes no trained model, such as where
+  # the data lies) takes today's default.
+  for section, defaults in config_base.base_config().to_dict().items():
+    if isinstance(defaults, dict):
+      saved[section] = {**defaults, **saved.get(section, {})}
   return run_config.RunConfig.from_dict(saved)
 
 

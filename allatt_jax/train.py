@@ -31,22 +31,6 @@ PHASES_FILE = "finished_phases.json"
 BUDGET_FILE = "budget_decision.json"    # budget runs: the heads decided at the freeze
 
 
-def start(config: RunConfig, workdir
-          ) -> tuple[run_setup.RunSetup, checkpointing.RunCheckpoints]:
-  """The run's setup and its one CheckpointManager, after every check that needs
-  neither the dataset nor a compiled step (config, workdir, resume, `init_from`).
-
-  Raises:
-    ConfigError: an inconsistent or out-of-range config, an unwritable workdir, or a
-      pruning run without `init_from`.
-    CheckpointError: `init_from` is missing, unreadable or does not fit the config, or
-      `workdir` holds a checkpoint of a run with other shapes than this config gives.
-  """
-  setup = run_setup.resolve(config, starts_run=True)
-  return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
-                                            rundir.run_path(workdir))
-
-
 def train_and_evaluate(config: RunConfig, workdir: str,
                        deadline: float | None = None,
                        watch: preemption.PreemptionWatch | None = None,
@@ -65,10 +49,10 @@ def train_and_evaluate(config: RunConfig, workdir: str,
     raise ConfigError("A training deadline needs a single process.")
   workdir = rundir.run_path(workdir)
   with preemption.watching(watch) as watch:
-    # The config, then its dataset, are checked before `start` creates the workdir and
-    # opens orbax, so a wrong config or data folder leaves nothing behind.
-    config, corpus = run_setup.prepare(config)
-    setup, checkpoints = start(config, workdir)
+    # The config, then its dataset, are checked before the checkpoints are opened
+    # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
+    setup, corpus = run_setup.prepare_run(config)
+    checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir)
     try:
       return _train_and_evaluate(setup, workdir, checkpoints, corpus, deadline, watch,
                                  gate_flags)

@@ -20,9 +20,9 @@ from allatt_jax import config_base
 from allatt_jax import console
 from allatt_jax import data as data_lib
 from allatt_jax import rundir
-from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
+from helpers import start_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -260,14 +260,14 @@ def test_a_bug_prints_its_traceback_and_asks_for_a_report():
 def test_pruning_without_init_from_is_refused_before_work(tmp_path, prune_config):
   with pytest.raises(ConfigError, match=r"config.init_from is not set.*"
                      r"--config.init_from=BASELINE_WORKDIR.*--config.init_from=none"):
-    train.start(prune_config, tmp_path)
+    start_run(prune_config, tmp_path)
   assert not (tmp_path / "checkpoints").exists()
 
 
 def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   config = prune_config.copy_and_resolve_references()
   config.init_from = "none"
-  _, checkpoints = train.start(config, tmp_path)
+  _, checkpoints = start_run(config, tmp_path)
   checkpoints.close()
 
 
@@ -279,7 +279,7 @@ def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, cap
   config.data.data_dir = str(tmp_path / "tfds")
   config.model.vocab_size = 27   # what run_setup.prepare takes from the data before start
   workdir = tmp_path / "run"
-  setup, checkpoints = train.start(config, workdir)
+  setup, checkpoints = start_run(config, workdir)
   checkpoints.save(1, setup.new_state(), {"position": 0}, force=True)
   checkpoints.wait()
   checkpoints.close()
@@ -290,7 +290,7 @@ def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, cap
   other.model.vocab_size = data_lib.load_run_corpus(other).vocab_size
   with caplog.at_level(logging.DEBUG, logger="absl"):
     with pytest.raises(CheckpointError) as error:
-      train.start(other, workdir)
+      start_run(other, workdir)
   message = str(error.value)
   assert (f"another vocabulary (27 tokens, dataset 'wikitext_chars'; this config: "
           f"{other.model.vocab_size}, dataset 'text_files')") in message, message

@@ -23,6 +23,7 @@ from allatt_jax.data import tokenization
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
+from helpers import start_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT8_VOCABULARY = rundir.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
@@ -44,8 +45,8 @@ def tiny_config(**sections):
 
 
 def check_run(config, workdir):
-  """What a run checks before it loads data or compiles (`train.start`)."""
-  _, checkpoints = train.start(config, workdir)
+  """What a run checks before it loads data or compiles (`helpers.start_run`)."""
+  _, checkpoints = start_run(config, workdir)
   checkpoints.close()
 
 
