@@ -15,10 +15,10 @@ import pytest
 import allatt_jax
 from allatt_jax import config_base
 from allatt_jax import costs
-from allatt_jax import evaluate
 from allatt_jax import gates as gates_lib
 from allatt_jax import export
 from allatt_jax import exported_model
+from allatt_jax import likelihood
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
@@ -189,7 +189,7 @@ def test_export_is_standalone(model, tmp_path):
   assert sampled.startswith("the town") and len(sampled.rstrip("\n")) == 28
   # In this process, the library behind evaluate --text_file and costs --checkpoint.
   loaded = loader.load(export)
-  evaluated = evaluate.evaluate_model(loaded, text=TEXT)
+  evaluated = likelihood.evaluate_model(loaded, text=TEXT)
   assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
   assert evaluated["tokens"] == scored["tokens"]
   assert costs.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
