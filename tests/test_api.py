@@ -16,11 +16,11 @@ import allatt_jax
 from allatt_jax import config_base
 from allatt_jax import gates as gates_lib
 from allatt_jax import exported_model
+from allatt_jax import figures
 from allatt_jax import likelihood
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
-from allatt_jax import plots
 from allatt_jax import run_config
 from allatt_jax import rundir
 from allatt_jax import train
@@ -289,7 +289,7 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
 
 @pytest.mark.slow
 def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):
-  out = plots.gate_figure(pruned_run, tmp_path / "gates.png")
+  out = figures.gate_figure(pruned_run, tmp_path / "gates.png")
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(CheckpointError, match="not a pruning run"):
-    plots.gate_figure(pruned_run.parent / "baseline")
+    figures.gate_figure(pruned_run.parent / "baseline")
