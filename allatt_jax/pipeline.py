@@ -13,8 +13,6 @@ status 143, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
-import sys
-
 from etils import epath
 import jax
 import ml_collections
@@ -239,10 +237,3 @@ def summary_table(report: dict) -> str:
   lines.insert(1, "-+-".join("-" * w for w in widths))
   return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
 
-
-if __name__ == "__main__":
-  # A library module: point whoever runs it to the command that does.
-  print("error: the pipeline runs through main: python -m allatt_jax.main "
-        "--config=configs/demo.py --workdir=DIR (python -m allatt_jax lists the "
-        "commands).", file=sys.stderr)
-  sys.exit(2)
