@@ -7,27 +7,33 @@ and `allatt-train`, `allatt-evaluate`, `allatt-score`, `allatt-sample`,
 """
 import ast
 import functools
-import importlib.util
+import importlib
 import pathlib
-import runpy
 import sys
 
-# In the order a user meets them.
-COMMANDS = ("main", "evaluate", "score", "sample", "export", "costs", "plots", "data",
-            "benchmark", "compile_check", "experiments")
-
-
-def _source(command: str) -> pathlib.Path:
-  spec = importlib.util.find_spec(f"allatt_jax.{command}")
-  if spec.submodule_search_locations:   # a package: its __main__ is the command
-    return pathlib.Path(spec.submodule_search_locations[0]) / "__main__.py"
-  return pathlib.Path(spec.origin)
+# Name -> module, in the order a user meets them. A command module defines its flags
+# and `run(argv)`; the first sentence of its docstring is its summary in `usage`.
+COMMANDS = {
+    "main": "allatt_jax.main",
+    "evaluate": "allatt_jax.evaluate",
+    "score": "allatt_jax.score",
+    "sample": "allatt_jax.sample",
+    "export": "allatt_jax.export",
+    "costs": "allatt_jax.costs",
+    "plots": "allatt_jax.plots",
+    "data": "allatt_jax.data.__main__",
+    "benchmark": "allatt_jax.benchmark",
+    "compile_check": "allatt_jax.compile_check",
+    "experiments": "allatt_jax.experiments.__main__",
+}
 
 
 def summary(command: str) -> str:
   """The first sentence of the command's docstring (its first line, or its first
   paragraph where that line does not end it), read without importing the command."""
-  doc = ast.get_docstring(ast.parse(_source(command).read_text(encoding="utf-8"))) or ""
+  source = pathlib.Path(__file__).parent.joinpath(
+      *COMMANDS[command].split(".")[1:]).with_suffix(".py")
+  doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8"))) or ""
   first_line = doc.strip().split("\n", 1)[0]
   if first_line.endswith("."):
     return first_line
@@ -45,11 +51,10 @@ def usage() -> str:
 
 
 def run_command(command: str, argv=None) -> None:
-  """Runs `python -m allatt_jax.COMMAND` with `argv` (default: sys.argv[1:])."""
+  """Runs COMMAND on `argv` (its flags; default: sys.argv[1:]) as `python -m
+  allatt_jax.COMMAND` runs it."""
   argv = sys.argv[1:] if argv is None else argv
-  module = f"allatt_jax.{command}"
-  sys.argv = [module, *argv]
-  runpy.run_module(module, run_name="__main__", alter_sys=True)
+  importlib.import_module(COMMANDS[command]).run([sys.argv[0], *argv])
 
 
 def main() -> None:

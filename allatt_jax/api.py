@@ -8,8 +8,8 @@
   smaller = model.prune_heads({0: [1, 3]})            # export's head surgery
   smaller.save("DIR")                                 # a standalone exported model
 
-Everything the CLIs do goes through the same functions (`score.score_text`,
-`sample.sample_text`, `evaluation.read_stream`, `prune.remove_heads`,
+Everything the CLIs do goes through the same functions (`likelihood.score_text`,
+`sampler.sample_text`, `evaluation.read_stream`, `prune.remove_heads`,
 `exported_model.save`), so a result here is the CLI's result.
 """
 from collections.abc import Iterable, Mapping
@@ -23,12 +23,12 @@ from allatt_jax import cost_model
 from allatt_jax import errors
 from allatt_jax import evaluation
 from allatt_jax import exported_model
+from allatt_jax import likelihood
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
-from allatt_jax import sample
-from allatt_jax import score
+from allatt_jax import sampler
 from allatt_jax.data import tokenization
 
 
@@ -69,7 +69,7 @@ class Model:
   def score(self, text: str) -> dict:
     """{'tokens', 'bpc' or 'ppl', 'nll' (nats per token), and 'unk' for words} of
     `text`, read as `python -m allatt_jax.score` reads a file."""
-    return score.score_text(self._loaded, text)[0]
+    return likelihood.score_text(self._loaded, text)[0]
 
   def log_probs(self, token_ids, memory=None):
     """(log-probabilities (..., T, V) of the next token at every position, new memory).
@@ -104,8 +104,8 @@ class Model:
     """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it."""
     if num_tokens < 0:
       raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
-    result = sample.sample_text(self._loaded, prompt, num_tokens,
-                                temperature=temperature, top_k=top_k, seed=seed)
+    result = sampler.sample_text(self._loaded, prompt, num_tokens,
+                                 temperature=temperature, top_k=top_k, seed=seed)
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:

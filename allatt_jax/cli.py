@@ -166,21 +166,34 @@ def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pyli
                               "(default: the latest finished one).", lower_bound=0)
   return checkpoint, step
 
-# absl's flags that print help, then exit with status 1.
+# absl's flags that print help (then exiting with status 1, here with 0: help that was
+# asked for is a success, and scripts and `&&` chains go on).
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 
 
-def _parse_flags(argv):
+def _print_help(command, asked) -> None:
+  """absl's help (`app.usage`) of `command`, whether it runs as `python -m
+  allatt_jax.COMMAND` (as __main__) or as `python -m allatt_jax COMMAND`."""
+  if "helpxml" in asked:
+    flags.FLAGS.write_help_in_xml_format(sys.stdout)
+    return
+  # absl files a flag under the name of the module defining it, sys.argv[0] for __main__.
+  flag_module = sys.argv[0] if command.__name__ == "__main__" else command.__name__
+  if "helpfull" in asked:
+    print(f"{command.__doc__}\nflags:\n{flags.FLAGS.get_help()}")
+  else:
+    print(f"{command.__doc__}\nflags:\n{flags.FLAGS.module_help(flag_module)}\n\n"
+          "Try --helpfull to get a list of all flags.")
+
+
+def _parse_flags(command, argv):
+  asked = {arg.lstrip("-").split("=")[0] for arg in argv[1:] if arg.startswith("-")}
+  if asked & set(_HELP_FLAGS):
+    _print_help(command, asked)
+    sys.exit(0)
   with errors.reported_to_user():
     try:
       return flags.FLAGS(argv)
-    except SystemExit as e:
-      # Help that was asked for is a success: scripts and `&&` chains go on.
-      asked = any(arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS
-                  for arg in argv[1:])
-      if asked and e.code == 1:
-        sys.exit(0)
-      raise
     except flags.Error as e:
       message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
       # absl's words for a missing required flag: "flag --x=None: Flag --x must have a
@@ -240,12 +253,15 @@ def _reported_main(main, argv, flag_names, fallback_advice):
       sys.exit(1)
 
 
-def run(main, flag_names: dict[str, str] | None = None, fallback_advice: str = "") -> None:
-  """absl's `app.run(main)` with the error path of every command (module docstring).
+def run(main, argv=None, flag_names: dict[str, str] | None = None,
+        fallback_advice: str = "") -> None:
+  """absl's `app.run(main, argv)` with the error path of every command (module
+  docstring). `argv`: the command line, program name first (default: sys.argv);
+  `--help` describes the flags of the module defining `main`.
 
   A command without a config flag gives `flag_names` (its flags for the config keys
   it can set, maybe none) and `fallback_advice`: see `advice_for_command`.
   """
   app.run(functools.partial(_reported_main, main, flag_names=flag_names,
-                            fallback_advice=fallback_advice),
-          flags_parser=_parse_flags)
+                            fallback_advice=fallback_advice), argv=argv,
+          flags_parser=functools.partial(_parse_flags, sys.modules[main.__module__]))

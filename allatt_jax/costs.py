@@ -17,20 +17,23 @@ from absl import flags
 
 from allatt_jax import cli
 from allatt_jax import cost_model
-from allatt_jax import loader
+from allatt_jax import exported_model
 from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax.errors import ConfigError
 
-
-def trained_model_config(checkpoint, step: int | None = None
-                         ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:
-  """(run config, the model as it runs): an export's heads, or a run's with its
-  closed gates removed (the heads its export would keep)."""
-  config, lm, variables = loader.load_lm(checkpoint, step)
-  return config, prune.running_model_config(lm.cfg, variables)
+_CONFIG = cli.DEFINE_config(
+    "config", "Run config whose model is costed (at its train batch, segment and "
+    "memory lengths); exclusive with --checkpoint.", required=False)
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A run's workdir or an exported model: the trained model's "
+    "real heads per layer, at its eval lengths; exclusive with --config.")
+_STEP = flags.DEFINE_integer("step", None, "With --checkpoint on a run's workdir: the "
+                             "checkpoint step (default: the latest).", lower_bound=0)
+_HEADS_KEPT = flags.DEFINE_float(
+    "heads_kept", None, "Keep this fraction of every layer's heads (rounded per "
+    "layer) and report the pruned model relative to the unpruned one.",
+    lower_bound=0.0, upper_bound=1.0)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -42,27 +45,21 @@ def main(argv: Sequence[str]) -> None:
     raise ConfigError("--step picks a checkpoint of --checkpoint's run; give "
                       "--checkpoint too.")
   if _CHECKPOINT.value is not None:
-    config, cfg = trained_model_config(_CHECKPOINT.value, _STEP.value)
+    config, cfg = exported_model.trained_model_config(_CHECKPOINT.value, _STEP.value)
     result = cost_model.model_report(config, cfg, _HEADS_KEPT.value)
   else:
-    config = run_setup.with_vocab_size(_CONFIG.value)
+    config = run_setup.with_vocab_size(
+        run_setup.resolve_config(_CONFIG.value, vocab_from_data=True))
     train = config.train
     result = cost_model.report(model_lib.ModelConfig.from_config(config), train.seq_len,
                                train.mem_len, train.batch_size, _HEADS_KEPT.value)
   print(json.dumps(result, indent=2))
 
 
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
 if __name__ == "__main__":
-  _CONFIG = cli.DEFINE_config(
-      "config", "Run config whose model is costed (at its train batch, segment and "
-      "memory lengths); exclusive with --checkpoint.", required=False)
-  _CHECKPOINT = flags.DEFINE_string(
-      "checkpoint", None, "A run's workdir or an exported model: the trained model's "
-      "real heads per layer, at its eval lengths; exclusive with --config.")
-  _STEP = flags.DEFINE_integer("step", None, "With --checkpoint on a run's workdir: the "
-                               "checkpoint step (default: the latest).", lower_bound=0)
-  _HEADS_KEPT = flags.DEFINE_float(
-      "heads_kept", None, "Keep this fraction of every layer's heads (rounded per "
-      "layer) and report the pruned model relative to the unpruned one.",
-      lower_bound=0.0, upper_bound=1.0)
-  cli.run(main)
+  run()

@@ -8,7 +8,9 @@ writer of such a folder, for a pruning run's export, `python -m allatt_jax.expor
 `api.Model.save` and the heuristic pruners' masked models; `export_and_evaluate` cuts
 a model, writes it and scores the parameters it wrote, as a pruning run does with
 its final state (`export_pruning_run`, which also says what a user should know about
-the outcome) and the experiments with a masked baseline.
+the outcome) and the experiments with a masked baseline. `export_run` exports a
+pruning run's checkpoint (`python -m allatt_jax.export`); `trained_model_config` is the
+model a run's export would be (`python -m allatt_jax.costs --checkpoint`).
 """
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -16,17 +18,22 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from etils import epath
+
 from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import data as data_lib
+from allatt_jax import errors
 from allatt_jax import evaluation
+from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import rundir
+from allatt_jax import validation
 from allatt_jax.data import tokenization
 
 # A pruning run's own export: RUN/export.
@@ -160,3 +167,60 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"warm-up, {gate_flags}.budget_warmup_steps (now "
             f"{budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)})."]
   return []
+
+def trained_model_config(checkpoint, step: int | None = None
+                         ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:
+  """(run config, the model as it runs) of a run's workdir or an export: an export's
+  heads, or a run's with its closed gates removed (the heads its export would keep)."""
+  config, lm, variables = loader.load_lm(checkpoint, step)
+  return config, prune.running_model_config(lm.cfg, variables)
+
+
+def export_run(workdir, out_dir=None, step: int | None = None, *,
+               overwrite: bool = False) -> epath.Path:
+  """Exports a pruning run's checkpoint `step` (default: the newest that restores) as
+  a standalone smaller model; a run saved without its tokenizer gets its dataset's.
+
+  Returns the export's folder: `out_dir`, else `default_export_dir`.
+
+  Raises:
+    CheckpointError: not a pruning run, or no such (readable) checkpoint.
+    FlagError: the folder holds something already, and `overwrite` is not set; or it
+      holds something other than an exported model.
+  """
+  workdir = rundir.run_path(workdir)
+  validation.check_export(workdir)
+  config = rundir.load_config(workdir)
+  tokenizer = loader.load_tokenizer(workdir, config)
+  step, variables = checkpointing.restore_step(workdir, step)
+  pruned_cfg, params = prune.remove_heads(model_lib.ModelConfig.from_config(config),
+                                          variables)
+  # The default folder is named after the step that restored, so the check of the
+  # folder waits for it (it still comes before anything is written).
+  out_dir = (rundir.run_path(out_dir) if out_dir
+             else default_export_dir(workdir, config, step))
+  _check_target(out_dir, overwrite)
+  save(out_dir, config, pruned_cfg, params, tokenizer)
+  return out_dir
+
+
+def default_export_dir(workdir, config: run_config.RunConfig,
+                       step: int) -> epath.Path:
+  """RUN/export for the run's final step, the folder its own export went to, and
+  RUN/export-step-N for an earlier one."""
+  return workdir / (EXPORT_DIR if step == config.train.num_steps
+                    else f"{EXPORT_DIR}-step-{step}")
+
+
+def _check_target(out_dir: epath.Path, overwrite: bool) -> None:
+  if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+    return
+  # Even --overwrite replaces only a model: the folder could be the run itself.
+  if not (out_dir / "params").is_dir():
+    raise errors.FlagError(f"{out_dir} exists and is not an exported model; give a new "
+                           "or empty folder with --out=DIR.")
+  if not overwrite:
+    raise errors.FlagError(
+        f"{out_dir} already holds an exported model (a run's results.json and a demo's "
+        "report.json describe the run's own). Write this one elsewhere with --out=DIR, "
+        "or replace it with --overwrite.")

@@ -46,6 +46,11 @@ def main(argv):
                              _WORKDIR.value)
 
 
-if __name__ == "__main__":
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
   jax.config.config_with_absl()
-  cli.run(main)
+  cli.run(main, argv)
+
+
+if __name__ == "__main__":
+  run()

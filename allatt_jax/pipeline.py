@@ -19,9 +19,9 @@ import jax
 from allatt_jax import console
 from allatt_jax import cost_model
 from allatt_jax import evaluation
+from allatt_jax import figures
 from allatt_jax import loader
 from allatt_jax import model as model_lib
-from allatt_jax import plots
 from allatt_jax import preemption
 from allatt_jax import run_setup
 from allatt_jax import run_config
@@ -119,7 +119,7 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
     if is_main:
       console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
       rundir.write_json(workdir / "report.json", report)
-      plots.gate_figure(pruned_dir, workdir / "gates.png")
+      figures.gate_figure(pruned_dir, workdir / "gates.png")
       print(summary_table(report))
       for warning in report["warnings"]:
         print(f"warning: {warning}", flush=True)

@@ -1,242 +1,31 @@
-"""Every figure: the pruning run's gate heat map (the demo's gates.png), the cost
-model (the paper's Fig. 1) and the experiment suites' measured results.
+"""Draws a pruning run's gates: each head's open probability at every logged step, and
+the heads its export keeps.
 
-  python -m allatt_jax.plots --workdir=RUN [--out=FILE.png]   # any pruning run's gates
+  python -m allatt_jax.plots --workdir=RUN [--out=FILE.png]
+
+The figure is `figures.gate_figure`'s, the demo's gates.png.
 """
-import dataclasses
-import json
-import pathlib
-
 from absl import flags
-from etils import epath
-import jax
-import matplotlib
-import numpy as np
 
 from allatt_jax import cli
-from allatt_jax import checkpointing
-from allatt_jax import cost_model
-from allatt_jax import errors
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import run_config
-from allatt_jax import rundir
+from allatt_jax import figures
 
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-
-# The paper's WikiText-103 All-att (configs/wt103_base.py: 16 layers, d=512, H=8,
-# N=2048) and its segment/memory lengths.
-PAPER_MODEL = dict(kind="allatt", num_layers=16, d_model=512, num_heads=8,
-                   num_persistent=2048, vocab_size=2)
-PAPER_LENGTHS = (192, 192, 1)
-COLORS = tuple(matplotlib.colormaps["tab10"].colors)
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-
-
-def as_txl(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
-  """The Transformer-XL of the same width and heads (d_ff = 4d, no persistent)."""
-  return dataclasses.replace(cfg, **run_config.txl_model(cfg.d_model))
-
-
-def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]:
-  """Non-embedding params and MACs per token, relative to the unpruned model, when
-  every layer keeps k of its H heads, for k = H .. 0 (sparsity 0 .. 1)."""
-  heads = cfg.num_heads
-  kept = np.arange(heads, -1, -1)
-  params = np.array([cfg.num_layers * cost_model.layer_param_count(cfg, k) for k in kept], float)
-  macs = np.array([cfg.num_layers * cost_model.layer_macs_per_token(cfg, k, *lengths)
-                   for k in kept])
-  return {"sparsity": 1.0 - kept / heads, "params": params / params[0],
-          "macs": macs / macs[0]}
-
-
-def cost_model_figure(cfg: model_lib.ModelConfig, lengths, out_file) -> dict:
-  """Fig. 1: relative params and MACs vs head sparsity, All-att vs TXL.
-
-  Drawn for the experiment's model (solid) and the paper's WikiText-103 size
-  (dashed). Returns the curves, for the suite's table.
-  """
-  paper = model_lib.ModelConfig(**PAPER_MODEL, max_relative_len=sum(PAPER_LENGTHS[:2]))
-  curves = {("this model", "All-att"): relative_costs(cfg, lengths),
-            ("this model", "TXL"): relative_costs(as_txl(cfg), lengths),
-            ("paper WT103", "All-att"): relative_costs(paper, PAPER_LENGTHS),
-            ("paper WT103", "TXL"): relative_costs(as_txl(paper), PAPER_LENGTHS)}
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4.3), sharey=True)
-  colors = {"All-att": "tab:blue", "TXL": "tab:orange"}
-  for ax, key in zip(axes, ("macs", "params")):
-    for (size, kind), c in curves.items():
-      # The two sizes often coincide: small filled dots inside large hollow squares
-      # keep both visible.
-      ours = size == "this model"
-      ax.plot(100 * c["sparsity"], 100 * c[key], color=colors[kind],
-              linestyle="-" if ours else "--", marker="o" if ours else "s",
-              markersize=4 if ours else 9, markerfacecolor=None if ours else "none",
-              label=f"{kind} ({size})")
-    ax.set_xlabel("head sparsity (%)")
-    ax.set_title("MACs per token" if key == "macs" else "parameters (w/o embedding)")
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel("relative to the unpruned model (%)")
-  axes[0].legend(fontsize=8, loc="lower left")
-  fig.suptitle("Cost of head pruning, uniform over layers (cost model)")
-  _save(fig, out_file)
-  return curves
-
-
-@dataclasses.dataclass
-class Series:
-  label: str
-  x: list[float]
-  y: list[float]
-  style: str = "o-"
-  yerr: list[float] | None = None
-  color: str | None = None
-  hollow: bool = False   # open markers: points of several series at one place all show
-
-
-def xy_figure(series: list[Series], xlabel: str, ylabel: str, title: str, out_file,
-              hline: tuple[str, float] | None = None, xlog: bool = False) -> None:
-  fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for s in series:
-    ax.errorbar(s.x, s.y, yerr=s.yerr, fmt=s.style, label=s.label, capsize=3,
-                color=s.color, markersize=9 if s.hollow else 6,
-                markerfacecolor="none" if s.hollow else None,
-                markeredgewidth=1.5 if s.hollow else 1.0)
-  if hline:
-    ax.axhline(hline[1], color="gray", linestyle=":", label=hline[0])
-  if xlog:
-    ax.set_xscale("log")
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  _save(fig, out_file)
-
-
-def bar_figure(labels, values, errors, ylabel: str, title: str, out_file) -> None:
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  ax.bar(labels, values, yerr=errors, capsize=4, color="tab:blue")
-  ax.axhline(0.0, color="black", linewidth=0.8)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  ax.grid(alpha=0.3, axis="y")
-  _save(fig, out_file)
-
-
-def trajectories_figure(runs: dict[str, dict[str, list]], out_file) -> None:
-  """Budget runs: controlled open heads and their target over the gate phase."""
-  fig, ax = plt.subplots(figsize=(7, 4.8))
-  for (label, values), color, marker in zip(runs.items(), COLORS, MARKERS):
-    steps, open_heads, target = values["step"], values["open"], values["target"]
-    # Runs that reach the same head count draw the same line: each run's own hollow
-    # markers keep it visible.
-    ax.plot(steps, open_heads, color=color, marker=marker, markerfacecolor="none",
-            markersize=8, label=label)
-    ax.plot(steps, target, color=color, linestyle="--", linewidth=1)
-  ax.set_xlabel("pruning step")
-  ax.set_ylabel("heads")
-  ax.set_title("Budget controller: its count of open heads, σ(k·π) summed (markers), "
-               "and target (dashed)\nuntil the freeze; from there the run keeps exactly "
-               "the target's heads", fontsize=9)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  _save(fig, out_file)
-
-
-def _save(fig, out_file) -> None:
-  if jax.process_index() == 0:    # every process of a multi-host run draws; one writes
-    pathlib.Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out_file, dpi=100)
-  plt.close(fig)
-
-
-def gate_figure(workdir, out_file=None) -> epath.Path:
-  """The gates of a pruning run: each head's open probability at every logged step
-  (one row per head, one panel per layer), the heads its export keeps marked ✓ and
-  the removed ones ✗ at the end, by the rule export uses (`prune.surviving_heads` on
-  the final checkpoint's gate logits; a head's open probability need not cross 0.5
-  where its logit crosses 0). Writes WORKDIR/gates.png unless `out_file` is given.
-
-  Raises:
-    CheckpointError: `workdir` is not a pruning run with a gate history and a
-      finished checkpoint.
-  """
-  workdir = rundir.run_path(workdir)
-  config = rundir.load_config(workdir)
-  history_file = workdir / rundir.GATE_HISTORY_FILE
-  if not config.gates.enabled or not history_file.is_file():
-    raise errors.CheckpointError(
-        f"{workdir} is not a pruning run with a {rundir.GATE_HISTORY_FILE}: only "
-        "pruning runs (gates.enabled=True) have gates to plot.")
-  records = [json.loads(line) for line in history_file.read_text().splitlines()]
-  cfg = model_lib.ModelConfig.from_config(config)
-  kept = prune.surviving_heads(cfg, checkpointing.restore_variables(workdir)["gates"])
-  out_file = epath.Path(out_file) if out_file else workdir / "gates.png"
-  _draw_gates(records, kept, cfg.layer_heads, config.gates, out_file)
-  return out_file
-
-
-def _draw_gates(records, kept, layer_heads, gates_config, out_file) -> None:
-  steps = np.array([r["step"] for r in records], float)
-  # Cell edges halfway between logged steps, so each cell is centred on its step.
-  gaps = np.diff(steps) if len(steps) > 1 else np.array([1.0])
-  edges = np.concatenate([[steps[0] - gaps[0] / 2], steps[:-1] + gaps / 2,
-                          [steps[-1] + gaps[-1] / 2]])
-  fig, axes = plt.subplots(len(layer_heads), 1, sharex=True, squeeze=False,
-                           layout="constrained",
-                           figsize=(9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
-                           gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads]))
-  image = None
-  for i, ax in enumerate(axes[:, 0]):
-    probs_HxS = np.array([r["open_prob"][i] for r in records], float).reshape(
-        len(records), -1).T
-    ax.set_ylabel(f"layer {i}\n{len(kept[i])}/{layer_heads[i]} kept", fontsize=8)
-    if not probs_HxS.size:
-      ax.set_yticks([])
-      continue
-    image = ax.pcolormesh(edges, np.arange(probs_HxS.shape[0] + 1) - 0.5, probs_HxS,
-                          vmin=0.0, vmax=1.0, cmap="viridis")
-    ax.set_ylim(probs_HxS.shape[0] - 0.5, -0.5)
-    heads = range(probs_HxS.shape[0])
-    ax.set_yticks(heads, [f"h{h}" for h in heads], fontsize=7)
-    # The export's verdict at the end of each head's row.
-    verdict = ax.secondary_yaxis("right")
-    verdict.set_yticks(heads, ["✓ kept" if h in kept[i] else "✗ removed" for h in heads],
-                       fontsize=7)
-    for label, h in zip(verdict.get_yticklabels(), heads):
-      label.set_color("tab:green" if h in kept[i] else "tab:red")
-    if gates_config.freeze_step:
-      ax.axvline(gates_config.freeze_step, color="white", linestyle="--", linewidth=1)
-  axes[-1, 0].set_xlabel("pruning step" + (" (dashed: gates frozen)"
-                                            if gates_config.freeze_step else ""))
-  if image is not None:
-    fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
-  total = sum(layer_heads)
-  sparsity = 1.0 - sum(len(k) for k in kept) / total
-  target = [f"{k}={getattr(gates_config, k)}" for k in cost_model.TARGET_KEYS
-            if getattr(gates_config, k) is not None]
-  strength = f"budget {target[0]}" if target else f"λ={gates_config.lam:g}"
-  fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "
-               f"{100 * sparsity:.1f}%\nheads kept per layer: "
-               f"{' '.join(str(len(k)) for k in kept)} of "
-               f"{' '.join(map(str, layer_heads))}  (kept: deterministic gate open at the "
-               "end, as export decides)", fontsize=9)
-  with out_file.open("wb") as f:   # matplotlib cannot write to a bucket
-    fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
-  plt.close(fig)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the figure "
+                           "(default: WORKDIR/gates.png).")
+flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
   del argv   # cli.run refuses extra arguments
-  out_file = gate_figure(_WORKDIR.value, _OUT.value)
+  out_file = figures.gate_figure(_WORKDIR.value, _OUT.value)
   print(f"Wrote {out_file}")
 
 
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
 if __name__ == "__main__":
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a pruning run.")
-  _OUT = flags.DEFINE_string("out", None, "Where to write the figure "
-                             "(default: WORKDIR/gates.png).")
-  flags.mark_flags_as_required(["workdir"])
-  cli.run(main)
+  run()

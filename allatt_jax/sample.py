@@ -8,120 +8,25 @@ deterministic gates) or an exported model. The prompt is read once, in segments 
 at most the eval seq_len, to fill the memory; each new token is then produced by one
 jitted single-token step that attends to the memory (the run's eval mem_len) and
 itself, so the prompt is never recomputed. The same seed gives the same text.
+The generation is `sampler.py`'s.
 """
-import functools
-
 from absl import flags
 from absl import logging
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from allatt_jax import cli
 from allatt_jax import errors
-from allatt_jax import evaluation
 from allatt_jax import loader
-from allatt_jax import model as model_lib
+from allatt_jax import sampler
 
-
-@functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
-def _consume(variables, memory, inputs_1xT, *, lm):
-  _, memory, _ = lm.apply(variables, inputs_1xT, memory, method=lm.hidden)
-  return None, memory
-
-
-@functools.partial(jax.jit, static_argnames=("lm", "temperature", "top_k"),
-                   donate_argnums=(2,))
-def _step(variables, token_1x1, memory, key, *, lm, temperature, top_k):
-  logp_1x1xV, memory = lm.apply(variables, token_1x1, memory, method=lm.log_probs)
-  logp_V = logp_1x1xV[0, 0]
-  return _choose(logp_V, key, temperature, top_k).reshape(1, 1), logp_V, memory
-
-
-def _choose(logp_V, key, temperature, top_k):
-  """A token from the distribution sharpened by `temperature` and cut to its top k."""
-  if temperature == 0.0:
-    return jnp.argmax(logp_V).astype(jnp.int32)
-  logits_V = logp_V / temperature
-  if top_k:
-    kth_largest = jax.lax.top_k(logits_V, top_k)[0][-1]
-    logits_V = jnp.where(logits_V >= kth_largest, logits_V, -jnp.inf)
-  return jax.random.categorical(key, logits_V).astype(jnp.int32)
-
-
-class Sampler:
-  """Token generation for one model: a prompt, then one jitted step per new token.
-
-  temperature: divides the log-probabilities before sampling; 0 is greedy decoding.
-  top_k: sample among the k most likely tokens only; 0 keeps the whole vocabulary.
-  """
-
-  def __init__(self, lm: model_lib.TransformerLM, *, seq_len: int, mem_len: int,
-               temperature: float = 1.0, top_k: int = 0):
-    if mem_len < 1:
-      raise errors.ConfigError(
-          "Sampling feeds one token at a time, so it needs memory: config.eval.mem_len "
-          f"is {mem_len}. Use a model whose run config has eval.mem_len >= 1.")
-    if temperature < 0:
-      raise errors.ConfigError(f"--temperature={temperature}: use 0 (greedy) or more.")
-    if not 0 <= top_k <= lm.cfg.vocab_size:
-      raise errors.ConfigError(
-          f"--top_k={top_k}: use 0 (no cut) up to the vocabulary size "
-          f"{lm.cfg.vocab_size}.")
-    self.lm, self.seq_len, self.mem_len = lm, seq_len, mem_len
-    self._options = dict(lm=lm, temperature=float(temperature), top_k=int(top_k))
-
-  def initial_memory(self):
-    return model_lib.init_memory(self.lm.cfg, 1, self.mem_len)
-
-  def consume(self, variables, tokens: np.ndarray, memory):
-    """The memory after reading `tokens` (1-D) in segments of at most seq_len."""
-    _, memory = evaluation.read_stream(
-        functools.partial(_consume, variables, lm=self.lm),
-        evaluation.row_segments(np.asarray(tokens, np.int32)[None], self.seq_len), memory)
-    return memory
-
-  def step(self, variables, token_1x1, memory, key):
-    """(chosen next token (1, 1), log-probabilities over the vocabulary, memory)."""
-    return _step(variables, jnp.asarray(token_1x1, jnp.int32).reshape(1, 1), memory, key,
-                 **self._options)
-
-  def generate(self, variables, prompt: np.ndarray, num_tokens: int,
-               seed: int = 0) -> np.ndarray:
-    """`num_tokens` ids following the (non-empty, 1-D) `prompt`."""
-    memory = self.consume(variables, prompt[:-1], self.initial_memory())
-    # The prompt's last token goes through the single-token step: its output is the
-    # first new token's distribution.
-    token_1x1, key = prompt[-1:].reshape(1, 1), jax.random.key(seed)
-    generated = []
-    for i in range(num_tokens):
-      token_1x1, _, memory = self.step(variables, token_1x1, memory,
-                                       jax.random.fold_in(key, i))
-      generated.append(token_1x1)
-    if not generated:
-      return np.zeros((0,), np.int32)
-    return np.asarray(jnp.concatenate(generated, axis=1)).ravel()
-
-
-def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
-                temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
-  """The prompt as the model reads it, its continuation, and skipped prompt tokens.
-
-  Raises:
-    DataError: no token of the prompt is in the vocabulary.
-  """
-  ids, skipped = model.tokenizer.encode(prompt)
-  if not len(ids):
-    hint = " (lower-case letters and spaces)" if model.tokenizer.level == "char" else ""
-    raise errors.DataError(f"The prompt {prompt!r} has no token in the vocabulary of "
-                           f"dataset {model.tokenizer.dataset!r}{hint}.")
-  e = model.config.eval
-  sampler = Sampler(model.lm, seq_len=e.seq_len, mem_len=e.mem_len,
-                    temperature=temperature, top_k=top_k)
-  generated = sampler.generate(model.variables, ids, num_tokens, seed)
-  return {"prompt": model.tokenizer.decode(ids),
-          "text": model.tokenizer.decode(np.concatenate([ids, generated])),
-          "generated_ids": generated, "skipped": skipped}
+_CHECKPOINT, _STEP = cli.DEFINE_trained_model()
+_PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "
+                              "(tokenised with the run's vocabulary).", required=True)
+_NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 1.0, "Divides the log-probabilities before sampling; 0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
+                              "0 = all.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
 
 
 def main(argv):
@@ -129,9 +34,9 @@ def main(argv):
   if _NUM_TOKENS.value < 0:
     raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
   model = loader.load(_CHECKPOINT.value, _STEP.value)
-  result = sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
-                       temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                       seed=_SEED.value)
+  result = sampler.sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
+                               temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                               seed=_SEED.value)
   if result["skipped"]:
     what = ("words read as <unk>" if model.tokenizer.level == "word"
             else "characters dropped")
@@ -140,14 +45,10 @@ def main(argv):
   print(result["text"])
 
 
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)
+
+
 if __name__ == "__main__":
-  _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
-  _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "
-                                "(tokenised with the run's vocabulary).", required=True)
-  _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 200, "How many tokens to generate.")
-  _TEMPERATURE = flags.DEFINE_float(
-      "temperature", 1.0, "Divides the log-probabilities before sampling; 0 = greedy.")
-  _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
-                                "0 = all.")
-  _SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
-  cli.run(main, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)
+  run()

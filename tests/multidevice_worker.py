@@ -19,7 +19,7 @@ import numpy as np
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import rundir
 from allatt_jax import sharding
 from allatt_jax import run_setup
@@ -119,7 +119,7 @@ def main(out_dir: str, data_dir: str) -> None:
                                       "placements": placements(state, inputs)}
     if mesh == (4, 2):
       save_run(out_dir / "pruning_run", config, state, stream)
-      export.export_run(out_dir / "pruning_run")
+      exported_model.export_run(out_dir / "pruning_run")
   (out_dir / "result.json").write_text(json.dumps(result, indent=1))
 
 

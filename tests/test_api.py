@@ -14,15 +14,13 @@ import pytest
 
 import allatt_jax
 from allatt_jax import config_base
-from allatt_jax import costs
-from allatt_jax import evaluate
 from allatt_jax import gates as gates_lib
-from allatt_jax import export
 from allatt_jax import exported_model
+from allatt_jax import figures
+from allatt_jax import likelihood
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
-from allatt_jax import plots
 from allatt_jax import run_config
 from allatt_jax import run_setup
 from allatt_jax import rundir
@@ -193,10 +191,10 @@ def test_export_is_standalone(model, tmp_path):
   assert sampled.startswith("the town") and len(sampled.rstrip("\n")) == 28
   # In this process, the library behind evaluate --text_file and costs --checkpoint.
   loaded = loader.load(export)
-  evaluated = evaluate.evaluate_model(loaded, text=TEXT)
+  evaluated = likelihood.evaluate_model(loaded, text=TEXT)
   assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
   assert evaluated["tokens"] == scored["tokens"]
-  assert costs.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
+  assert exported_model.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
   assert allatt_jax.load(export).score(TEXT)["bpc"] == pytest.approx(scored["bpc"],
                                                                       rel=1e-5)
   assert not any(empty.iterdir())
@@ -264,10 +262,10 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
 
 @pytest.mark.slow
 def test_export_of_an_earlier_step(pruned_run, tmp_path):
-  out = export.export_run(pruned_run, tmp_path / "step20", step=20)
+  out = exported_model.export_run(pruned_run, tmp_path / "step20", step=20)
   assert allatt_jax.load(out).tokenizer.vocab_size == 27
   with pytest.raises(CheckpointError, match="No checkpoint of step 25"):
-    export.export_run(pruned_run, tmp_path / "step25", step=25)
+    exported_model.export_run(pruned_run, tmp_path / "step25", step=25)
 
 
 @pytest.mark.slow
@@ -279,23 +277,23 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
   before = allatt_jax.load(run / exported_model.EXPORT_DIR).costs()
 
   # Another step goes next to the run's own export, which stays what results.json says.
-  assert export.export_run(run, step=20) == run / "export-step-20"
+  assert exported_model.export_run(run, step=20) == run / "export-step-20"
   assert allatt_jax.load(run / exported_model.EXPORT_DIR).costs() == before
   refused = run_cli("export", f"--workdir={run}", "--step=20", check=False)
   assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
   assert re.search(r"^error: .*export-step-20 already holds an exported model.* "
                    r"--out=DIR.* --overwrite\.$", refused.stderr, re.M), refused.stderr
   with pytest.raises(FlagError, match=r"/export already holds an exported model"):
-    export.export_run(run)
-  assert export.export_run(run, overwrite=True) == run / exported_model.EXPORT_DIR
+    exported_model.export_run(run)
+  assert exported_model.export_run(run, overwrite=True) == run / exported_model.EXPORT_DIR
   # Not even --overwrite writes a model over a folder that is not one.
   with pytest.raises(FlagError, match=r"exists and is not an exported model"):
-    export.export_run(run, out_dir=run, overwrite=True)
+    exported_model.export_run(run, out_dir=run, overwrite=True)
 
 
 @pytest.mark.slow
 def test_gate_figure_of_a_pruning_run(pruned_run, tmp_path):
-  out = plots.gate_figure(pruned_run, tmp_path / "gates.png")
+  out = figures.gate_figure(pruned_run, tmp_path / "gates.png")
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(CheckpointError, match="not a pruning run"):
-    plots.gate_figure(pruned_run.parent / "baseline")
+    figures.gate_figure(pruned_run.parent / "baseline")

@@ -1,4 +1,5 @@
-"""The benchmark CLI runs end to end at a tiny size (a smoke test: no timing asserted)."""
+"""The benchmark CLI runs end to end at a tiny size (a smoke test: no timing asserted);
+a config's benchmark section becomes its plan."""
 import json
 import pathlib
 import subprocess
@@ -6,11 +7,25 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
+from allatt_jax import config_base
+from allatt_jax import throughput
+from allatt_jax.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
+  tiny = config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")
+  assert throughput.BenchmarkPlan.from_dict(tiny.benchmark) == throughput.BenchmarkPlan(
+      train_steps=1, eval_segments=1, rounds=1, heads_kept=(1.0, 0.5), matmul_size=256)
+  assert throughput.BenchmarkPlan.from_dict({"rounds": 2}) == throughput.BenchmarkPlan(
+      rounds=2)
+  with pytest.raises(ConfigError, match="config.benchmark has no key 'round'; it takes "
+                     "train_steps, "):
+    throughput.BenchmarkPlan.from_dict({"round": 2})
+
+
+@pytest.mark.slow   # trains a few steps in a process
 def test_benchmark_cli_writes_a_complete_report(tmp_path):
   out = tmp_path / "bench.json"
   subprocess.run([sys.executable, "-m", "allatt_jax.benchmark",

@@ -20,7 +20,7 @@ from helpers import assert_bit_identical
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 
@@ -122,7 +122,7 @@ def test_readers_and_export_fall_back_but_an_explicit_step_does_not(finished_run
   with caplog.at_level(logging.WARNING):
     assert_bit_identical(checkpointing.restore_variables(workdir), expected)
     assert_bit_identical(checkpointing.load_model(workdir)[1], expected)
-    export.export_run(workdir, tmp_path / "export")
+    exported_model.export_run(workdir, tmp_path / "export")
   assert f"Checkpoint {workdir / 'checkpoints' / str(NUM_STEPS)} is unreadable (" in (
       caplog.text)
   assert (f"Using the checkpoint of step 4 in {workdir / 'checkpoints'}, the newest that "
@@ -153,7 +153,7 @@ def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):
              r".*; step 4: .*; step 2: .*"
              r".*\)\. Restore those folders from a copy, or move checkpoints/ aside")
   with pytest.raises(CheckpointError, match=pattern):
-    export.export_run(workdir)
+    exported_model.export_run(workdir)
   with pytest.raises(CheckpointError, match=pattern):
     train.train_and_evaluate(config, workdir)
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]

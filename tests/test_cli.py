@@ -5,6 +5,7 @@ console.
 Each command runs as a subprocess (every one imports JAX: a few seconds each), with
 inputs that fail before anything is compiled.
 """
+import ast
 import logging
 import os
 import pathlib
@@ -344,6 +345,41 @@ def test_the_command_list_names_every_command():
 def cli_commands():
   from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
   return commands.COMMANDS
+
+
+def test_a_command_runs_the_same_through_the_command_list():
+  direct = command("allatt_jax.costs", "--config=configs/demo.py", "--heads_kept=1.5")
+  listed = command("allatt_jax", "costs", "--config=configs/demo.py", "--heads_kept=1.5")
+  assert_one_error_line(listed, "--heads_kept=1.5", "[0.0, 1.0]")
+  assert listed.stderr == direct.stderr
+
+
+@pytest.mark.slow
+def test_help_through_the_command_list_is_the_commands_help():
+  direct = command("allatt_jax.score", "--help")
+  listed = command("allatt_jax", "score", "--help")
+  assert listed.returncode == 0, listed.stderr
+  # The same text, but for the heading absl gives the flags: the file or the module.
+  heading = re.compile(r"^\S*score(\.py)?:$", re.M)
+  assert heading.sub("", listed.stdout) == heading.sub("", direct.stdout)
+  assert "--text_file" in listed.stdout
+
+
+def test_no_library_module_imports_a_command():
+  commands = set(cli_commands().values())
+  package = ROOT / "allatt_jax"
+  for path in package.rglob("*.py"):
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if name in commands:
+      continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        imported = {f"{node.module}.{alias.name}" for alias in node.names}
+      elif isinstance(node, ast.Import):
+        imported = {alias.name for alias in node.names}
+      else:
+        continue
+      assert not imported & commands, f"{name} imports {imported & commands}"
 
 
 @pytest.mark.slow

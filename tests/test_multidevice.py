@@ -15,7 +15,7 @@ import pytest
 
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
-from allatt_jax import export
+from allatt_jax import exported_model
 from allatt_jax import model as model_lib
 from allatt_jax import rundir
 
@@ -90,7 +90,7 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
   out_dir, _, _ = runs
   workdir = out_dir / "pruning_run"
   there_config, there = checkpointing.load_model(workdir / "export")
-  here_config, here = checkpointing.load_model(export.export_run(workdir, tmp_path / "export"))
+  here_config, here = checkpointing.load_model(exported_model.export_run(workdir, tmp_path / "export"))
   assert here_config.to_dict() == there_config.to_dict()
   assert 0 < sum(here_config.model.heads_per_layer) < 8, "some heads should be removed"
   for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):

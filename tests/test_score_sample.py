@@ -13,10 +13,10 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import evaluation
+from allatt_jax import likelihood
 from allatt_jax import model as model_lib
-from allatt_jax import sample
 from allatt_jax import loader
-from allatt_jax import score
+from allatt_jax import sampler as sampler_lib
 from allatt_jax import sharding
 from allatt_jax import train
 from allatt_jax.errors import ConfigError
@@ -93,21 +93,21 @@ def test_score_matches_evaluate(model, corpus):
   # Five full segments and a partial one, so memory and padding both matter.
   tokens = np.asarray(corpus.splits["test"][:5 * 16 + 8])
   e = model.config.eval
-  log_probs = score.token_log_probs(model.lm, model.variables, tokens, seq_len=e.seq_len,
-                                    mem_len=e.mem_len)
+  log_probs = likelihood.token_log_probs(model.lm, model.variables, tokens,
+                                         seq_len=e.seq_len, mem_len=e.mem_len)
   evaluator = evaluation.Evaluator(model.lm, sharding.make_mesh((1, 1)),
                                  batch_size=1, seq_len=e.seq_len, mem_len=e.mem_len)
   expected = evaluator.score(model.variables, tokens)
   assert len(log_probs) == expected["tokens"] == len(tokens) - 1
   assert -log_probs.mean() == pytest.approx(expected["nll"], rel=1e-5)
 
-  summary, _, _ = score.score_text(model, model.tokenizer.decode(tokens))
+  summary, _, _ = likelihood.score_text(model, model.tokenizer.decode(tokens))
   assert summary["bpc"] == pytest.approx(
       evaluation.metric_value(expected["nll"], "bpc"), rel=1e-5)
 
 
 def test_sampling_is_deterministic_per_seed(model, corpus):
-  sampler = sample.Sampler(model.lm, seq_len=16, mem_len=16)
+  sampler = sampler_lib.Sampler(model.lm, seq_len=16, mem_len=16)
   prompt = np.asarray(corpus.splits["valid"][:40])
   runs = [sampler.generate(model.variables, prompt, 30, seed) for seed in (0, 0, 1)]
   assert runs[0].shape == (30,) and runs[0].dtype == np.int32
@@ -123,7 +123,7 @@ def test_generation_with_memory_equals_full_prefix(model, corpus):
   """
   prefix = np.asarray(corpus.splits["valid"][:24])
   expected = full_prefix_log_probs(model, prefix)
-  sampler = sample.Sampler(model.lm, seq_len=8, mem_len=24)
+  sampler = sampler_lib.Sampler(model.lm, seq_len=8, mem_len=24)
   memory = sampler.consume(model.variables, prefix[:11], sampler.initial_memory())
   for position in range(11, len(prefix)):
     _, logp, memory = sampler.step(model.variables, prefix[position], memory,
@@ -133,7 +133,7 @@ def test_generation_with_memory_equals_full_prefix(model, corpus):
 
 def test_top_k_one_is_greedy(model, corpus):
   prompt = np.asarray(corpus.splits["valid"][:10])
-  sampler = sample.Sampler(model.lm, seq_len=8, mem_len=24, top_k=1)
+  sampler = sampler_lib.Sampler(model.lm, seq_len=8, mem_len=24, top_k=1)
   generated = sampler.generate(model.variables, prompt, 12, seed=3)
   np.testing.assert_array_equal(generated, sampler.generate(model.variables, prompt, 12, 4))
   # Greedy decoding by recomputing the whole prefix for every new token. The prefix
@@ -155,6 +155,6 @@ def test_sample_cli(workdir):
 
 def test_sampler_rejects_bad_options(model):
   with pytest.raises(ConfigError, match="top_k"):
-    sample.Sampler(model.lm, seq_len=16, mem_len=16, top_k=model.lm.cfg.vocab_size + 1)
+    sampler_lib.Sampler(model.lm, seq_len=16, mem_len=16, top_k=model.lm.cfg.vocab_size + 1)
   with pytest.raises(ConfigError, match="mem_len"):
-    sample.Sampler(model.lm, seq_len=16, mem_len=0)
+    sampler_lib.Sampler(model.lm, seq_len=16, mem_len=0)

@@ -9,12 +9,12 @@ import pytest
 from allatt_jax import adaptive
 from allatt_jax import config_base
 from allatt_jax import config_checks
+from allatt_jax import likelihood
 from allatt_jax import loader
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import run_setup
 from allatt_jax import rundir
-from allatt_jax import score
 from allatt_jax import validation
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import specs
@@ -306,6 +306,6 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
   assert rundir.load_config(tmp_path / 'run' / 'baseline').model.vocab_size == stats.vocab_size
   model = loader.load(tmp_path / 'run' / 'pruned' / 'export')
-  summary, ids, log_probs = score.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
+  summary, ids, log_probs = likelihood.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
   assert summary['unk'] == 1 and len(log_probs) == len(ids) - 1 == 9
   assert np.all(log_probs < 0)

@@ -11,13 +11,11 @@ from there by every run with the same data_dir.
 import json
 
 from absl import flags
-import numpy as np
 
 from allatt_jax import cli
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import embedded
 from allatt_jax.data import specs
-from allatt_jax.data import tokenization
 
 _DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
                              'Dataset to prepare.')
@@ -45,22 +43,6 @@ _MAKE_EMBEDDED = flags.DEFINE_string(
     'WikiText-2 raw files.')
 
 
-def stats(corpus: corpus_lib.Corpus) -> dict:
-  result = {
-      'dataset': corpus.name, 'level': corpus.level, 'metric': corpus.metric,
-      'vocab_size': corpus.vocab_size,
-      'num_tokens': {split: int(ids.size) for split, ids in corpus.splits.items()},
-      'split_rule': corpus.split_rule,
-  }
-  if corpus.name == specs.TEXT_FILES_NAME and corpus.level == 'word':
-    result['most_frequent'] = list(corpus.vocab[:10])
-  if tokenization.UNK in corpus.vocab:
-    unk = corpus.vocab.index(tokenization.UNK)
-    result['num_unk'] = {split: int(np.count_nonzero(ids == unk))
-                         for split, ids in corpus.splits.items()}
-  return result
-
-
 def main(argv):
   del argv
   if _MAKE_EMBEDDED.value:
@@ -71,9 +53,14 @@ def main(argv):
       _DATASET.value, _DATA_DIR.value, _MANUAL_DIR.value, level=_LEVEL.value,
       files=_FILES.value, min_count=_MIN_COUNT.value, max_vocab=_MAX_VOCAB.value,
       clean=_CLEAN.value)
-  print(json.dumps(stats(corpus), ensure_ascii=False))
+  print(json.dumps(corpus.statistics(), ensure_ascii=False))
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv, flag_names={f'data.{key}': f'--{key}' for key in (
+      'manual_dir', 'data_dir', 'level', 'files', 'min_count', 'max_vocab', 'clean')})
 
 
 if __name__ == '__main__':
-  cli.run(main, flag_names={f'data.{key}': f'--{key}' for key in (
-      'manual_dir', 'data_dir', 'level', 'files', 'min_count', 'max_vocab', 'clean')})
+  run()

@@ -55,6 +55,23 @@ class Corpus:
   def decode(self, ids) -> str:
     return self.tokenizer.decode(ids)
 
+  def statistics(self) -> dict:
+    """Vocabulary, split sizes and <unk> counts: what `python -m allatt_jax.data`
+    prints."""
+    result = {
+        'dataset': self.name, 'level': self.level, 'metric': self.metric,
+        'vocab_size': self.vocab_size,
+        'num_tokens': {split: int(ids.size) for split, ids in self.splits.items()},
+        'split_rule': self.split_rule,
+    }
+    if self.name == specs.TEXT_FILES_NAME and self.level == 'word':
+      result['most_frequent'] = list(self.vocab[:10])
+    if tokenization.UNK in self.vocab:
+      unk = self.vocab.index(tokenization.UNK)
+      result['num_unk'] = {split: int(np.count_nonzero(ids == unk))
+                           for split, ids in self.splits.items()}
+    return result
+
 
 def default_data_dir() -> str:
   """TFDS's default: $TFDS_DATA_DIR, else ~/tensorflow_datasets."""

@@ -74,5 +74,10 @@ def main(argv):
         print((experiment.workdir / f"{name}.md").read_text())
 
 
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
 if __name__ == "__main__":
-  cli.run(main)
+  run()

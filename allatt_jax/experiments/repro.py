@@ -12,7 +12,7 @@ import datetime
 import jax
 import numpy as np
 
-from allatt_jax import plots
+from allatt_jax import figures
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
 
@@ -44,12 +44,12 @@ def repro(exp: runs_lib.Experiment) -> suites.Report:
          "match.")
 
   out = exp.workdir / "repro_fig3.png"
-  plots.xy_figure(
-      [plots.Series("TXL, reduced width", [r.params_non_embedding for r in txl],
-                    [r.test for r in txl], "s-"),
-       plots.Series("All-att baseline", [base.params_non_embedding], [base.test], "D"),
-       plots.Series("All-att L0 pruned", [r.params_non_embedding for r in pruned],
-                    [r.test for r in pruned], "o")],
+  figures.xy_figure(
+      [figures.Series("TXL, reduced width", [r.params_non_embedding for r in txl],
+                      [r.test for r in txl], "s-"),
+       figures.Series("All-att baseline", [base.params_non_embedding], [base.test], "D"),
+       figures.Series("All-att L0 pruned", [r.params_non_embedding for r in pruned],
+                      [r.test for r in pruned], "o")],
       "parameters w/o embedding", f"test {metric}", "Pruned All-att vs narrower TXL",
       out)
   return suites.Report(md, [str(out)], [base, *pruned, *txl])

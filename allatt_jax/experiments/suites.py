@@ -19,7 +19,7 @@ import glob
 
 import numpy as np
 
-from allatt_jax import plots
+from allatt_jax import figures
 from allatt_jax.experiments import runs as runs_lib
 
 # The paper's Table 3 (WikiText-103, λ = 0.02): test perplexity change per variant.
@@ -88,14 +88,14 @@ def lambda_sweep(exp: runs_lib.Experiment) -> Report:
 
   cost_file = exp.workdir / "fig1_costs.png"
   e = exp.base.eval
-  curves = plots.cost_model_figure(exp.base_model,
-                                   (e.seq_len, e.mem_len, e.batch_size), cost_file)
+  curves = figures.cost_model_figure(exp.base_model,
+                                     (e.seq_len, e.mem_len, e.batch_size), cost_file)
   md += "\n\n" + _cost_table(curves)
   sweep_file = exp.workdir / "lambda_sweep.png"
-  plots.xy_figure(
-      [plots.Series(f"λ={lam:g}", [100 * _sparsity(r, total) for r in records],
-                    [r.test for r in records], marker, hollow=True)
-       for (lam, records), marker in zip(sweep.items(), plots.MARKERS)],
+  figures.xy_figure(
+      [figures.Series(f"λ={lam:g}", [100 * _sparsity(r, total) for r in records],
+                      [r.test for r in records], marker, hollow=True)
+       for (lam, records), marker in zip(sweep.items(), figures.MARKERS)],
       "head sparsity (%)", f"test {metric}", "L0 pruning: sparsity and metric per λ",
       sweep_file, hline=("continued (unpruned)", reference))
   all_records = [base, *continued, *(r for rs in sweep.values() for r in rs)]
@@ -133,8 +133,8 @@ def ablation(exp: runs_lib.Experiment) -> Report:
   md = table(("variant", "techniques on", "sparsity", f"test {metric}",
               f"Δ test {metric} vs full", "paper Δ ppl (WT103, λ=0.02)"), rows)
   out = exp.workdir / "ablation.png"
-  plots.bar_figure(names, deltas, errors, f"Δ test {metric} vs full",
-                   f"Ablation at λ={lam:g} (mean ± sd over seeds)", out)
+  figures.bar_figure(names, deltas, errors, f"Δ test {metric} vs full",
+                     f"Ablation at λ={lam:g} (mean ± sd over seeds)", out)
   return Report(md, [str(out)], [r for rs in variants.values() for r in rs])
 
 
@@ -157,14 +157,14 @@ def txl_widths(exp: runs_lib.Experiment) -> Report:
            for r in sorted(pruned, key=lambda r: -r.params_non_embedding)]
   md = table(("model", "params w/o emb", "MACs/token w/o emb", f"test {metric}"), rows)
   out = exp.workdir / "fig3_params.png"
-  plots.xy_figure(
-      [plots.Series("TXL, reduced width (baseline recipe)",
-                    [r.params_non_embedding for r in txl], [r.test for r in txl], "s-"),
-       plots.Series("All-att baseline", [base.params_non_embedding], [base.test], "D"),
-       plots.Series("All-att continued", [r.params_non_embedding for r in continued],
-                    [r.test for r in continued], "^"),
-       plots.Series("All-att L0 pruned", [r.params_non_embedding for r in pruned],
-                    [r.test for r in pruned], "o")],
+  figures.xy_figure(
+      [figures.Series("TXL, reduced width (baseline recipe)",
+                      [r.params_non_embedding for r in txl], [r.test for r in txl], "s-"),
+       figures.Series("All-att baseline", [base.params_non_embedding], [base.test], "D"),
+       figures.Series("All-att continued", [r.params_non_embedding for r in continued],
+                      [r.test for r in continued], "^"),
+       figures.Series("All-att L0 pruned", [r.params_non_embedding for r in pruned],
+                      [r.test for r in pruned], "o")],
       "parameters w/o embedding", f"test {metric}", "Pruned All-att vs narrower TXL",
       out)
   return Report(md, [str(out)], [*txl, base, *continued, *pruned])
@@ -196,20 +196,20 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 
   # Fine-tuned models only: unpruned-then-masked ones are several bpc worse and would
   # flatten the comparison that matters (they are in the table).
-  series = [plots.Series(
+  series = [figures.Series(
       "L0 (each seed)", [100 * _sparsity(r, total) for rs in l0_runs.values() for r in rs],
       [r.test for rs in l0_runs.values() for r in rs], "k*")]
-  for method, color in zip(s.heuristics, plots.COLORS):
+  for method, color in zip(s.heuristics, figures.COLORS):
     points = [(100 * removed / total, np.mean([tuned.test for _, tuned in pairs]))
               for (m, removed), pairs in results.items() if m == method]
     if points:
       xs, ys = zip(*points)
-      series.append(plots.Series(method, list(xs), list(ys), "o-", color=color))
+      series.append(figures.Series(method, list(xs), list(ys), "o-", color=color))
   out = exp.workdir / "heuristics.png"
   continued = np.mean([exp.continued(seed).test for seed in s.seeds])
-  plots.xy_figure(series, "head sparsity (%)", f"test {metric}",
-                  "L0 gates vs heuristic masks, after the same fine-tuning", out,
-                  hline=("continued (unpruned)", continued))
+  figures.xy_figure(series, "head sparsity (%)", f"test {metric}",
+                    "L0 gates vs heuristic masks, after the same fine-tuning", out,
+                    hline=("continued (unpruned)", continued))
   records = [r for rs in l0_runs.values() for r in rs]
   records += [r for pairs in results.values() for pair in pairs for r in pair]
   return Report(md, [str(out)], records)
@@ -249,7 +249,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
           "step": values["step"], "open": values["open_controlled"],
           "target": values["open_target"]}
   out = exp.workdir / "budget.png"
-  plots.trajectories_figure(trajectories, out)
+  figures.trajectories_figure(trajectories, out)
   return Report(md, [str(out)], records + fixed)
 
 
@@ -283,11 +283,11 @@ def distill(exp: runs_lib.Experiment) -> Report:
                f"test {base.metric}", "Δ vs continued", "Δ vs plain",
                "train tokens/s (median)", "step time vs plain"), rows)
   out = exp.workdir / "distill.png"
-  plots.xy_figure(
-      [plots.Series(variant or "plain", [100 * sparsity for sparsity in s.distill_sparsities],
-                    [runs[sparsity, variant].test for sparsity in s.distill_sparsities],
-                    f"{marker}-", hollow=True)
-       for variant, marker in zip(variants, plots.MARKERS)],
+  figures.xy_figure(
+      [figures.Series(variant or "plain", [100 * sparsity for sparsity in s.distill_sparsities],
+                      [runs[sparsity, variant].test for sparsity in s.distill_sparsities],
+                      f"{marker}-", hollow=True)
+       for variant, marker in zip(variants, figures.MARKERS)],
       "head sparsity (%)", f"test {base.metric}",
       "Budget runs with and without distillation from the baseline", out,
       hline=("continued (unpruned)", continued.test))

@@ -1,0 +1,88 @@
+"""What compiling a config's sharded train step takes and plans per device, from
+abstract shapes only (`jax.eval_shape`: no parameter is materialised).
+
+`python -m allatt_jax.compile_check` prints a `Report` for a mesh of fake CPU devices;
+its figures are XLA:CPU's, a sanity check of the sharding rather than an HBM budget.
+"""
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from allatt_jax import run_config
+from allatt_jax import run_setup
+from allatt_jax import sharding
+
+_GIB = 2**30
+
+
+@dataclasses.dataclass
+class Report:
+  """What compiling one train step took and what it plans per device."""
+  config: str
+  devices: int
+  mesh: tuple[int, int]
+  gated: bool
+  params: int                       # global parameter count
+  state_bytes_per_device: int       # from the shardings: what each device stores
+  lower_s: float
+  compile_s: float
+  memory: dict[str, int]            # XLA's per-device plan (memory_analysis)
+  flops_per_device: float
+
+  def summary(self) -> str:
+    m = self.memory
+    lines = [
+        f"{self.config}: train step for {self.devices} devices, mesh data={self.mesh[0]} x "
+        f"model={self.mesh[1]} ({'gated' if self.gated else 'baseline'})",
+        f"  parameters            {self.params:,}",
+        f"  lower / compile       {self.lower_s:.1f} s / {self.compile_s:.1f} s",
+        f"  state per device      {self.state_bytes_per_device / _GIB:.3f} GiB (from shardings)",
+        "  XLA plan per device:  arguments {:.3f} GiB, outputs {:.3f} GiB, temporaries "
+        "{:.3f} GiB, aliased {:.3f} GiB".format(
+            *(m[k] / _GIB for k in ("argument", "output", "temp", "alias"))),
+        "  total per device      {:.3f} GiB (arguments + outputs + temporaries - "
+        "aliased)".format((m["argument"] + m["output"] + m["temp"] - m["alias"]) / _GIB),
+        f"  FLOPs per device      {self.flops_per_device:.3e} per step",
+    ]
+    return "\n".join(lines)
+
+
+def _shard_bytes(abstract) -> int:
+  return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+             for a in jax.tree.leaves(abstract))
+
+
+def check(config: run_config.RunConfig, mesh_shape: tuple[int, int],
+          name: str = "") -> Report:
+  """Lowers and compiles the train step of `config` on a mesh of the current devices."""
+  config = dataclasses.replace(run_setup.with_vocab_size(config),
+                               mesh=run_config.MeshSection(*mesh_shape))
+  setup = run_setup.resolve(config)
+  mesh, abstract = setup.mesh, setup.abstract_state
+  batch = sharding.batch_sharding(mesh)
+  gated = "gates" in abstract.variables
+  # A pruning run starts with sampled gates: that step is the one that runs first.
+  step = setup.train_step(sample_gates=gated)
+  t = config.train
+  tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=batch)
+  with sharding.activate(mesh):
+    start = time.perf_counter()
+    lowered = step.lower(abstract, tokens, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+  stats = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return Report(
+      config=name, devices=mesh.size, mesh=tuple(mesh_shape), gated=gated,
+      params=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.variables["params"])),
+      state_bytes_per_device=_shard_bytes(abstract),
+      lower_s=lowered_at - start, compile_s=compiled_at - lowered_at,
+      memory={key: int(getattr(stats, f"{key}_size_in_bytes"))
+              for key in ("argument", "output", "temp", "alias")}
+      | {"peak": int(getattr(stats, "peak_memory_in_bytes", 0))},
+      flops_per_device=float((cost or {}).get("flops", 0.0)))

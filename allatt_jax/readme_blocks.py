@@ -1,0 +1,102 @@
+"""The demo's outputs that README.md quotes, made from a finished demo workdir.
+
+Each quoted output sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`
+markers (NAME: demo, score, sample); `generated_blocks` makes them from the workdir
+(its report.json, and scoring and sampling its models as the README's commands do)
+and `rewrite_blocks` puts them in, so that the README's numbers and texts are always
+those of one demo run (`python -m allatt_jax.readme_examples`).
+"""
+import json
+import re
+import textwrap
+
+from allatt_jax import errors
+from allatt_jax import likelihood
+from allatt_jax import loader
+from allatt_jax import pipeline
+from allatt_jax import rundir
+from allatt_jax import sampler
+
+# The demo folder the README's commands use; outputs name it whatever the workdir.
+README_WORKDIR = "/tmp/allatt_demo"
+SCORED_TEXT = ("The town lies on the east bank of the river, where the old bridge "
+               "crosses to the market and the church.")
+SAMPLE_OPTIONS = dict(prompt="the city was founded in", num_tokens=120, temperature=0.7,
+                      top_k=10, seed=0)
+_BLOCK = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- end:\2 -->)", re.S)
+
+
+def rewrite_blocks(readme: str, blocks: dict[str, str]) -> str:
+  """`readme` with the text between each pair of markers replaced by blocks[NAME].
+
+  Raises:
+    ConfigError: a block without markers in `readme`, or markers without a block.
+  """
+  found = {m.group(2) for m in _BLOCK.finditer(readme)}
+  if found != blocks.keys():
+    raise errors.ConfigError(
+        f"README.md has generated blocks {sorted(found)}, this command writes "
+        f"{sorted(blocks)}; add or remove the <!-- generated:NAME --> ... "
+        "<!-- end:NAME --> markers to match.")
+  return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)].rstrip("\n") + "\n"
+                    + m.group(4), readme)
+
+
+def _demo_block(report: dict) -> str:
+  return f"```\n{pipeline.summary_table(report)}\n```\n"
+
+
+def _score_block(baseline: loader.LoadedModel, pruned: loader.LoadedModel) -> str:
+  summary, ids, log_probs = likelihood.score_text(baseline, SCORED_TEXT)
+  pruned_summary = likelihood.score_text(pruned, SCORED_TEXT)[0]
+  metric = baseline.tokenizer.metric
+  shown = {"file": "my.txt", "checkpoint": f"{README_WORKDIR}/baseline",
+           **{k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}}
+  tokens = "\n".join(json.dumps({"position": i, "token": baseline.tokenizer.vocab[t],
+                                 "log_prob": round(float(lp), 4)})
+                     for i, (t, lp) in enumerate(zip(ids[1:3], log_probs[:2]), start=1))
+  return (_wrap(f"With `my.txt` holding the line \"{SCORED_TEXT}\", the demo's "
+                "baseline gives:")
+          + f"\n\n```json\n{json.dumps(shown, indent=2)}\n```\n\n"
+          + _wrap("(ppl instead of bpc for word-level data; `nll` is the mean in nats "
+                  "per token). The pruned model "
+                  f"(`--checkpoint={README_WORKDIR}/pruned/export`) gives "
+                  f"{pruned_summary[metric]:.4f} {metric} on the same text. `--out` "
+                  "writes one JSON line per scored token, its natural-log probability "
+                  "given everything before it:")
+          + f"\n\n```\n{tokens}\n```\n")
+
+
+def _wrap(paragraph: str) -> str:
+  return textwrap.fill(paragraph, width=84, break_long_words=False,
+                       break_on_hyphens=False)
+
+
+def _sample_block(pruned: loader.LoadedModel) -> str:
+  o = SAMPLE_OPTIONS
+  text = sampler.sample_text(pruned, o["prompt"], o["num_tokens"],
+                             temperature=o["temperature"], top_k=o["top_k"],
+                             seed=o["seed"])["text"]
+  return (f"```bash\npython -m allatt_jax.sample --checkpoint={README_WORKDIR}/pruned/"
+          f"export \\\n    --prompt=\"{o['prompt']}\" --num_tokens={o['num_tokens']} "
+          f"--temperature={o['temperature']} --top_k={o['top_k']} --seed={o['seed']}\n"
+          "```\n\nprints the prompt (as the model reads it) and its continuation:\n\n"
+          f"```\n{text}\n```\n")
+
+
+def generated_blocks(workdir) -> dict[str, str]:
+  """{NAME: markdown} of the demo in `workdir`.
+
+  Raises:
+    CheckpointError: `workdir` is not a finished demo workdir.
+  """
+  workdir = rundir.run_path(workdir)
+  report_file = workdir / "report.json"
+  if not report_file.is_file():
+    raise errors.CheckpointError(
+        f"{workdir} has no report.json: it is not a finished demo workdir. Run "
+        f"python -m allatt_jax.main --config=configs/demo.py --workdir={workdir} first.")
+  baseline = loader.load(workdir / "baseline")
+  pruned = loader.load(workdir / "pruned" / "export")
+  return {"demo": _demo_block(json.loads(report_file.read_text())),
+          "score": _score_block(baseline, pruned), "sample": _sample_block(pruned)}

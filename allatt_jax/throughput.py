@@ -1,0 +1,375 @@
+"""Measured throughput of a config's model: train steps, pruned models' inference,
+matmul peak.
+
+`measure` times, on the first device and in one process:
+  * training tokens/s of the real jitted train step (`steps.jit_train_step`), for the
+    baseline, for the pruning step with sampled gates, and for that step learning
+    from a teacher (distill.py: the config's distill section where it turns
+    distillation on, else `DISTILL`), and its achieved model
+    GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
+    forward MACs per token (`cost_model.macs_per_token`, attention stack and output layer);
+  * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models of random
+    parameters cut to each fraction of every layer's heads (random heads, removed by
+    the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
+    model and their speed-up against the ideal 1 / MAC ratio;
+  * GFLOP/s of one large float32 matmul, the device's practical peak;
+  * compile times, XLA's temporary buffer sizes and the process's peak memory.
+Variants are timed in interleaved rounds (the matmul in every round too) and the
+medians reported, so that a busy machine slows all of them alike; the train steps'
+fraction of the peak is also given per process CPU second, which other processes on
+the same cores stretch less than wall time. Parameters are
+random: the figures are throughputs, not model quality. A `BenchmarkPlan` (a config's
+`benchmark` section, see configs/bench_cpu.py) sets steps, segments, rounds and
+fractions; any run config works, with the plan's defaults (e.g. configs/wt103_base.py
+on an accelerator). `python -m allatt_jax.benchmark` prints the report.
+The matmul runs in the model's compute dtype (float32 on CPU, bfloat16 for the
+accelerator configs), so its rate is the peak that dtype reaches on the device.
+"""
+import dataclasses
+import os
+import resource
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from allatt_jax import cost_model
+from allatt_jax import errors
+from allatt_jax import evaluation
+from allatt_jax import model as model_lib
+from allatt_jax import prune
+from allatt_jax import run_config
+from allatt_jax import run_setup
+from allatt_jax import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkPlan:
+  """How much the benchmark times: a config's `benchmark` section (configs/bench_cpu.py),
+  over these defaults for what it leaves out (or for a config without one)."""
+  train_steps: int = 5             # timed steps per train-step variant and round
+  eval_segments: int = 5           # timed segments per exported model and round
+  rounds: int = 5                  # variants alternate within a round; medians reported
+  heads_kept: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+  matmul_size: int = 2048          # n of the n x n x n matmul taken as the peak
+
+  @classmethod
+  def from_dict(cls, section) -> "BenchmarkPlan":
+    """The plan of a config's `benchmark` section (a mapping).
+
+    Raises:
+      ConfigError: a key the plan does not have.
+    """
+    values = dict(section.items())
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+      raise errors.ConfigError(f"config.benchmark has no key {unknown[0]!r}; it takes "
+                               f"{', '.join(known)}.")
+    if "heads_kept" in values:
+      values["heads_kept"] = tuple(values["heads_kept"])
+    return cls(**values)
+
+
+# The distillation the benchmark times for configs that do not turn it on: both terms,
+# so the teacher's whole cost shows.
+DISTILL = dict(weight=0.5, temperature=1.0, hidden_weight=0.1)
+
+
+def _median(values):
+  return float(statistics.median(values))
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  return result, time.perf_counter() - start
+
+
+class _Usage:
+  """Wall seconds, process CPU seconds (all threads) and minor page faults of a block.
+
+  CPU seconds stay meaningful when other processes share the cores and stretch the
+  wall time; page faults count fresh memory the step touched.
+  """
+
+  def __enter__(self):
+    self._wall, self._usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    return self
+
+  def __exit__(self, *exc):
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    self.wall = time.perf_counter() - self._wall
+    self.cpu = (usage.ru_utime + usage.ru_stime
+                - self._usage.ru_utime - self._usage.ru_stime)
+    self.faults = usage.ru_minflt - self._usage.ru_minflt
+
+
+class Matmul:
+  """One n x n x n matmul: the device's practical peak GFLOP/s in that dtype."""
+
+  def __init__(self, n: int, dtype=jnp.float32):
+    self.n = n
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    self._args = (a, jax.random.normal(jax.random.key(1), (n, n), dtype))
+    self._fn = jax.jit(jnp.matmul)
+    jax.block_until_ready(self._fn(*self._args))
+
+  def gflops(self, repeats: int = 3) -> tuple[float, float]:
+    """(GFLOP per wall second, GFLOP per CPU second) of the fastest of `repeats`."""
+    runs = []
+    for _ in range(repeats):
+      with _Usage() as usage:
+        jax.block_until_ready(self._fn(*self._args))
+      runs.append(usage)
+    best = min(runs, key=lambda u: u.wall)
+    flops = 2 * self.n ** 3 / 1e9
+    return flops / best.wall, flops / max(best.cpu, 1e-9)
+
+
+class TrainStep:
+  """The real jitted train step on a fresh state, fed one fixed random batch."""
+
+  def __init__(self, config: run_config.RunConfig, *, gated: bool,
+               distill: bool = False):
+    if not distill:
+      distill_keys = dict(weight=0.0, hidden_weight=0.0)
+    else:
+      distill_keys = None if config.distill.enabled else DISTILL
+    config = run_config.derived_run(
+        config, gates=dict(enabled=gated), distill=distill_keys,
+        init_from="",   # a teacher starts as a copy of the random params
+        # A setup refuses a gate freeze after the last step; the benchmark times a few
+        # steps of a run whose freeze may lie beyond the config's step count.
+        train=dict(num_steps=max(config.train.num_steps, config.gates.freeze_step)))
+    self.config = config
+    setup = run_setup.resolve(config)
+    mesh = setup.mesh
+    self.lm = setup.lm
+    self._state = setup.new_state()
+    batch = sharding.batch_sharding(mesh)
+    train = config.train
+    tokens = np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (train.batch_size, train.seq_len + 1), dtype=np.int32)
+    self._batch = tuple(jax.device_put(a, batch) for a in (tokens[:, :-1], tokens[:, 1:]))
+    step = setup.train_step(sample_gates=gated)
+    self._mesh = mesh
+    start = time.perf_counter()
+    with sharding.activate(mesh):
+      self._compiled = step.lower(self._state, *self._batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self.run(1)   # the first call also allocates and warms up
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.config.train.batch_size * self.config.train.seq_len
+
+  def run(self, num_steps: int) -> _Usage:
+    """Usage of `num_steps` consecutive steps."""
+    with sharding.activate(self._mesh), _Usage() as usage:
+      for _ in range(num_steps):
+        self._state, metrics = self._compiled(self._state, *self._batch)
+      jax.block_until_ready((self._state, metrics))
+    return usage
+
+  def temp_bytes(self) -> int | None:
+    analysis = self._compiled.memory_analysis()
+    return getattr(analysis, "temp_size_in_bytes", None)
+
+
+def random_model(config: run_config.RunConfig, seed: int = 0):
+  """(config, variables) of the config's model, all its heads, random parameters.
+
+  N(0, 0.02) entries of the right shapes: throughput does not depend on the values,
+  and this skips compiling the initialisers.
+  """
+  cfg = model_lib.ModelConfig.from_config(config, gated=False, heads_per_layer=None)
+  abstract = model_lib.abstract_variables(cfg)
+  rng = np.random.default_rng(seed)
+  return cfg, jax.tree.map(lambda a: rng.normal(0.0, 0.02, a.shape).astype(a.dtype),
+                           nn.unbox(abstract))
+
+
+def removed_heads(cfg: model_lib.ModelConfig, heads_kept: float,
+                  seed: int = 0) -> dict[int, list[int]]:
+  """{layer: heads} that leave round(heads_kept · H) random heads in every layer."""
+  rng = np.random.default_rng(seed)
+  return {i: rng.permutation(heads)[round(heads_kept * heads):].tolist()
+          for i, heads in enumerate(cfg.layer_heads)}
+
+
+class Inference:
+  """Evaluation-with-memory throughput of one exported model on random tokens."""
+
+  def __init__(self, config: run_config.RunConfig, model, heads_kept: float,
+               segments: int):
+    full_cfg, variables = model
+    cfg, params = prune.remove_heads(full_cfg, variables,
+                                     removed_heads(full_cfg, heads_kept))
+    self.cfg = cfg
+    self.heads_kept = heads_kept
+    e = config.eval
+    self.segments = segments
+    mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
+    self._evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
+                                                       config)
+    self._variables = jax.device_put({"params": params})
+    length = e.batch_size * e.seq_len * self.segments + 1
+    self._tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, length,
+                                                     dtype=np.int32)
+    self.tokens_per_segment = e.batch_size * e.seq_len
+    # The first segment compiles the step; its time less a steady segment's is the
+    # compile time.
+    _, self._first_s = _timed(self.warm)
+    self.seconds = [self.run()]
+
+  def warm(self) -> None:
+    """One segment: the first call compiles the step; later ones, untimed, let a round
+    time the steady state (see `run`)."""
+    self._evaluator.score(self._variables, self._tokens, 1)
+
+  def run(self) -> float:
+    """Seconds per segment over the config's number of segments."""
+    scored = self._evaluator.score(self._variables, self._tokens, self.segments)
+    return self.tokens_per_segment / scored["tokens_per_s"]
+
+  @property
+  def compile_s(self) -> float:
+    return self._first_s - min(self.seconds)
+
+
+def _rss_peak_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def _device_memory() -> dict | None:
+  stats = jax.devices()[0].memory_stats()
+  if not stats:
+    return None
+  return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
+  """The benchmark report of `config`'s model, timed as `plan` says (see the module
+  docstring)."""
+  config = run_setup.with_vocab_size(config)
+  train, e = config.train, config.eval
+  load_before = os.getloadavg()
+  matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
+  train_steps = {"baseline": TrainStep(config, gated=False),
+                 "gated": TrainStep(config, gated=True),
+                 "distill": TrainStep(config, gated=True, distill=True)}
+  model = random_model(config)
+  models = [Inference(config, model, f, plan.eval_segments) for f in plan.heads_kept]
+
+  # Each variant's first step in a round runs untimed: after another executable has
+  # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
+  # `first_step_in_round_s`), which back-to-back training steps never do.
+  peaks, usages = [], {name: [] for name in train_steps}
+  first_steps = {name: [] for name in train_steps}
+  for i in range(plan.rounds):
+    order = lambda variants: variants[::-1] if i % 2 else variants   # no variant goes first
+    peaks.append(matmul.gflops())
+    for name, step in order(list(train_steps.items())):
+      first_steps[name].append(step.run(1).wall)
+      usages[name].append(step.run(plan.train_steps))
+    for model in order(models):
+      model.warm()
+      model.seconds.append(model.run())
+
+  cfg = train_steps["baseline"].lm.cfg
+  peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
+  flops_per_token = 6 * cost_model.macs_per_token(
+      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
+  train_report = {"flops_per_token": flops_per_token}
+  for name, step in train_steps.items():
+    per_step = lambda attr: _median(getattr(u, attr) / plan.train_steps
+                                    for u in usages[name])
+    seconds, cpu_seconds = per_step("wall"), per_step("cpu")
+    tokens_per_s = step.tokens_per_step / seconds
+    gflops = flops_per_token * tokens_per_s / 1e9
+    gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
+    train_report[name] = {
+        "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": step.compile_s,
+        "first_step_in_round_s": _median(first_steps[name]),
+        "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peak,
+        "cpu_s_per_step": cpu_seconds,
+        "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peak_cpu,
+        "minor_page_faults_per_step": per_step("faults"),
+        "step_s_rounds": [u.wall / plan.train_steps for u in usages[name]],
+        "xla_temp_bytes": step.temp_bytes()}
+  train_report["gated_overhead"] = (train_report["gated"]["step_s"]
+                                    / train_report["baseline"]["step_s"] - 1)
+  distilled, gated = train_report["distill"], train_report["gated"]
+  train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
+  train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
+  if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
+    train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
+
+  full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
+  inference, full_tokens_per_s = [], None
+  for model in models:
+    macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+    tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
+    full_tokens_per_s = full_tokens_per_s or tokens_per_s
+    mac_ratio = macs["macs_per_token"] / full_macs
+    speedup = tokens_per_s / full_tokens_per_s
+    inference.append({
+        "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
+        "tokens_per_s": tokens_per_s, "compile_s": model.compile_s,
+        "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
+        "speedup_fraction_of_ideal": speedup * mac_ratio})
+
+  return {
+      "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+      "num_devices": jax.device_count(), "jax_version": jax.__version__,
+      "model": {"kind": cfg.kind, "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+                "num_heads": cfg.num_heads, "num_persistent": cfg.num_persistent,
+                "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
+                "head_block": cfg.head_block, "remat": cfg.remat,
+                "batch_size": train.batch_size, "seq_len": train.seq_len,
+                "mem_len": train.mem_len},
+      "matmul": {"n": plan.matmul_size, "dtype": config.model.dtype, "gflops_per_s": peak,
+                 "gflop_per_cpu_s": peak_cpu,
+                 "gflops_per_s_rounds": [p[0] for p in peaks]},
+      "train": train_report,
+      "inference": inference,
+      "memory": {"peak_rss_bytes": _rss_peak_bytes(), "device": _device_memory()},
+      "environment": {"load_average_before": load_before,
+                      "load_average_after": os.getloadavg(),
+                      "cpu_count": os.cpu_count(),
+                      **{k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "XLA_FLAGS")}},
+  }
+
+
+def summary(report: dict) -> str:
+  """A few human-readable lines of the report."""
+  t = report["train"]
+  env = report["environment"]
+  lines = [f"matmul peak {report['matmul']['gflops_per_s']:.0f} GFLOP/s "
+           f"({report['platform']}, load {env['load_average_before'][0]:.1f} before, "
+           f"{env['load_average_after'][0]:.1f} after)"]
+  for name in ("baseline", "gated", "distill"):
+    r = t[name]
+    lines.append(f"train {name:8s} {r['tokens_per_s']:9.0f} tokens/s  {r['step_s']:.3f} s/step"
+                 f"  {r['model_gflops_per_s']:.0f} GFLOP/s = "
+                 f"{r['fraction_of_matmul_peak']:.0%} of peak "
+                 f"({r['fraction_of_matmul_peak_per_cpu_s']:.0%} per CPU second)  "
+                 f"compile {r['compile_s']:.1f} s")
+  lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
+  lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} time, "
+               f"XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
+  for r in report["inference"]:
+    lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
+                 f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "
+                 f"{r['ideal_speedup']:.2f} ({r['speedup_fraction_of_ideal']:.0%})")
+  lines.append(f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB")
+  if report["platform"] == "cpu" and "hugetlb" not in (env["GLIBC_TUNABLES"] or ""):
+    lines.append(f"({t['baseline']['minor_page_faults_per_step']:,.0f} page faults per train "
+                 "step: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 backs XLA's buffers with huge "
+                 "pages, see docs/performance.md)")
+  return "\n".join(lines)
