@@ -63,7 +63,7 @@ def _total_heads(exp) -> int:
 
 
 def lambda_sweep(exp: runs_lib.Experiment) -> Report:
-  s, total = exp.settings, _total_heads(exp)
+  s, total = exp.plan, _total_heads(exp)
   base = exp.baseline()
   continued = [exp.continued(seed) for seed in s.seeds]
   sweep = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.lambdas}
@@ -112,7 +112,7 @@ def _cost_table(curves) -> str:
 
 
 def ablation(exp: runs_lib.Experiment) -> Report:
-  s, total = exp.settings, _total_heads(exp)
+  s, total = exp.plan, _total_heads(exp)
   lam = s.ablation_lambda
   variants = {v: [exp.l0(lam, seed, v) for seed in s.seeds] for v in runs_lib.ABLATIONS}
   full = {r.extra["seed"]: r for r in variants["full"]}
@@ -139,7 +139,7 @@ def ablation(exp: runs_lib.Experiment) -> Report:
 
 
 def txl_widths(exp: runs_lib.Experiment) -> Report:
-  s = exp.settings
+  s = exp.plan
   txl = [exp.txl(width) for width in s.txl_widths]
   base = exp.baseline()
   continued = [exp.continued(seed) for seed in s.seeds]
@@ -171,7 +171,7 @@ def txl_widths(exp: runs_lib.Experiment) -> Report:
 
 
 def heuristics(exp: runs_lib.Experiment) -> Report:
-  s, total = exp.settings, _total_heads(exp)
+  s, total = exp.plan, _total_heads(exp)
   l0_runs = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.heuristic_lambdas}
   # Each heuristic removes as many heads as the seed-0 L0 run of that λ did.
   removals = sorted({total - rs[0].heads for rs in l0_runs.values()} - {0})
@@ -190,7 +190,7 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
                  _ms([t.test for _, t in pairs])))
   md = table(("method", "heads removed", f"test {metric}, no fine-tuning",
               f"test {metric}, fine-tuned"), rows)
-  md += (f"\n\nFine-tuning: {exp.settings.prune_train.num_steps} steps from the masked "
+  md += (f"\n\nFine-tuning: {exp.plan.prune_train['num_steps']} steps from the masked "
          "baseline, the same steps and learning-rate schedule as an L0 pruning run "
          "(which spends them on gate training, then fine-tuning).")
 
@@ -217,7 +217,7 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 
 def budget(exp: runs_lib.Experiment) -> Report:
   """Each budget's run against the fixed-λ run (seed 0) of the nearest sparsity."""
-  s, total = exp.settings, _total_heads(exp)
+  s, total = exp.plan, _total_heads(exp)
   base = exp.baseline()
   records = [exp.budget(key, value, seed) for key, value in s.budgets
              for seed in s.budget_seeds]
@@ -256,7 +256,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
 def distill(exp: runs_lib.Experiment) -> Report:
   """At each head sparsity: the plain budget run and each distillation variant, all
   with exactly the same heads allowed, against the unpruned `continued` (seed 0)."""
-  s, total = exp.settings, _total_heads(exp)
+  s, total = exp.plan, _total_heads(exp)
   base = exp.baseline()
   continued = exp.continued(0)
   variants = ("", *s.distill_variants)
