@@ -3,6 +3,7 @@ end (tiny)."""
 import dataclasses
 import json
 import pathlib
+import types
 
 import flax.linen as nn
 import jax
@@ -221,10 +222,23 @@ def test_a_plan_without_a_key_names_it():
   values = exp_chars_plan()
   del values["budget_seeds"]
   with pytest.raises(ConfigError, match=r"no --config\.experiments\.budget_seeds;"):
-    plan_lib.ExperimentPlan.from_dict(values)
+    plan_lib.from_section(values)
   # The CPU suites' keys are not the repro suite's.
   with pytest.raises(ConfigError, match=r"Unknown key --config\.experiments\.ablation_lambda"):
     plan_lib.Plan.from_dict(exp_chars_plan())
+
+
+def test_a_section_of_the_common_keys_is_a_plan_for_the_suites_that_need_no_more():
+  repro = config_base.load(ROOT / "configs" / "repro_wt2.py").experiments.to_dict()
+  plan = plan_lib.from_section(repro)
+  assert type(plan) is plan_lib.Plan and plan.lambdas == (0.01, 0.02, 0.04)
+  assert type(plan_lib.from_section(exp_chars_plan())) is plan_lib.ExperimentPlan
+  with pytest.raises(ConfigError, match=r"Unknown key --config\.experiments\.lambda;"):
+    plan_lib.from_section({**repro, "lambda": 0.1})
+  # A suite that needs more says so before its first run.
+  for suite in ("ablation", "heuristics", "budget", "distill"):
+    with pytest.raises(ConfigError, match=rf"--suite={suite} needs .*: ablation_lambda, "):
+      suites.SUITES[suite](types.SimpleNamespace(plan=plan))
 
 
 @pytest.fixture(scope="module")

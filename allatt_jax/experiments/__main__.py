@@ -67,10 +67,9 @@ def main(argv):
   with preemption.PreemptionWatch() as watch:
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
     config = _CONFIG.value
-    plan_type = plan.Plan if _SUITE.value == "repro" else plan.ExperimentPlan
     experiment = runs.Experiment(
         run_setup.resolve_config(config, vocab_from_data=True),
-        plan_type.from_dict(config.experiments.to_dict()), _WORKDIR.value, deadline, watch)
+        plan.from_section(config.experiments.to_dict()), _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]

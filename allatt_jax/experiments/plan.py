@@ -1,10 +1,11 @@
 """The experiment plan: an experiment config's `experiments` section, typed and checked.
 
-The command reads it once from its ConfigDict (`from_dict` of its `to_dict()`), beside
-the baseline's `RunConfig`; every error names the flag that sets the key, and comes
-before any run starts. `Plan` holds the keys every experiment config has (the repro
-suite's whole section, configs/repro_wt2.py); `ExperimentPlan` adds those of the CPU
-suites (configs/exp_chars.py).
+The command reads it once from its ConfigDict (`from_section` of its `to_dict()`),
+beside the baseline's `RunConfig`; every error names the flag that sets the key, and
+comes before any run starts. `Plan` holds the keys every experiment config has (the
+whole section of configs/repro_wt2.py, enough for the repro, lambda_sweep and
+txl_widths suites); `ExperimentPlan` adds those the other suites need
+(configs/exp_chars.py).
 """
 import dataclasses
 import types
@@ -133,3 +134,14 @@ class ExperimentPlan(Plan):
                           f"{', '.join(run_config.BUDGET_TARGETS)}.")
     for name, keys in self.distill_variants.items():
       _check_keys(f"distill_variants.{name}", keys, run_config.DistillSection)
+
+
+def from_section(values: Mapping[str, Any]) -> Plan:
+  """The plan of an `experiments` section: an ExperimentPlan where it has a key beyond
+  Plan's (and then all of them), else a Plan.
+
+  Raises:
+    ConfigError: as `Plan.from_dict`.
+  """
+  beyond = set(values) - {f.name for f in dataclasses.fields(Plan)}
+  return (ExperimentPlan if beyond else Plan).from_dict(values)
