@@ -3,7 +3,7 @@
 An experiment is a baseline run config (a `RunConfig`) and a plan (plan.py, the
 config's `experiments` section) that says how every other run differs from it:
 
-  baseline            the config itself
+  baseline            the baseline run config itself
   continued           the baseline trained on for the pruning run's steps and learning
                       rate, without gates: the unpruned reference a pruned model is
                       compared with (pruning runs train longer than the baseline)
