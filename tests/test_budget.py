@@ -29,6 +29,7 @@ from allatt_jax import rundir
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -319,10 +320,13 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.data.data_dir = data_dir
   config.train.num_steps = 5
-  runs_lib.Experiment(config, tmp_path).baseline()
+  experiment = lambda: runs_lib.Experiment(
+      run_setup.resolve_config(config), plan_lib.from_section(config.experiments.to_dict()),
+      tmp_path)
+  experiment().baseline()
   config.train.learning_rate = 0.01
   with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
-    runs_lib.Experiment(config, tmp_path).baseline()
+    experiment().baseline()
 
 
 # --- The vocabulary from the data.

@@ -1,7 +1,9 @@
-"""Experiments: heuristic pruners, the budget controller, the suites end to end (tiny)."""
+"""Experiments: heuristic pruners, the budget controller, the plan, the suites end to
+end (tiny)."""
 import dataclasses
 import json
 import pathlib
+import types
 
 import flax.linen as nn
 import jax
@@ -18,6 +20,7 @@ from allatt_jax import rundir
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
+from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
 
@@ -171,15 +174,84 @@ def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
   assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
 
+def exp_chars_plan(**changes) -> dict:
+  """configs/exp_chars.py:tiny's `experiments` section, as the command hands it in."""
+  values = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny").experiments.to_dict()
+  return {**values, **changes}
+
+
+def test_the_plan_is_typed_and_read_only():
+  plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1], lambdas=(1, 0.5)))
+  assert plan.seeds == (0, 1) and plan.lambdas == (1.0, 0.5)
+  assert all(isinstance(lam, float) for lam in plan.lambdas)
+  assert plan.budgets == (("target_sparsity", 0.5),)
+  assert plan.prune_train["num_steps"] == 100
+  assert plan.distill_variants["logit"]["weight"] == 0.5
+  with pytest.raises(TypeError):
+    plan.prune_gates["lam"] = 1.0
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.seeds = (2,)
+  repro = config_base.load(ROOT / "configs" / "repro_wt2.py", "tiny").experiments
+  assert plan_lib.Plan.from_dict(repro.to_dict()).txl_widths == (32,)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(lambda_=0.1), r"Unknown key --config\.experiments\.lambda_;"),
+    (dict(seeds=(0.5,)), r"--config\.experiments\.seeds is \(0\.5,\); it takes a tuple "
+                         r"of int"),
+    (dict(ablation_lambda="high"), r"--config\.experiments\.ablation_lambda is 'high'; "
+                                   r"it takes float"),
+    (dict(budgets=(("target_sparsity",),)), r"--config\.experiments\.budgets .* a tuple "
+                                            r"of \(str, float\)"),
+    (dict(budgets=(("target_heads", 4.0),)), r"--config\.experiments\.budgets asks for "
+                                             r"'target_heads'"),
+    (dict(heuristics=("michel", "oracle")), r"--config\.experiments\.heuristics names "
+                                            r"'oracle'"),
+    (dict(prune_train=dict(num_step=5)),
+     r"Unknown key --config\.experiments\.prune_train\.num_step;"),
+    (dict(distill_variants=dict(logit=dict(alpha=0.5))),
+     r"Unknown key --config\.experiments\.distill_variants\.logit\.alpha;"),
+    (dict(importance_batches=True), r"importance_batches is True; it takes int"),
+])
+def test_plan_errors_name_the_flag(changes, match):
+  with pytest.raises(ConfigError, match=match):
+    plan_lib.ExperimentPlan.from_dict(exp_chars_plan(**changes))
+
+
+def test_a_plan_without_a_key_names_it():
+  values = exp_chars_plan()
+  del values["budget_seeds"]
+  with pytest.raises(ConfigError, match=r"no --config\.experiments\.budget_seeds;"):
+    plan_lib.from_section(values)
+  # The CPU suites' keys are not the repro suite's.
+  with pytest.raises(ConfigError, match=r"Unknown key --config\.experiments\.ablation_lambda"):
+    plan_lib.Plan.from_dict(exp_chars_plan())
+
+
+def test_a_section_of_the_common_keys_is_a_plan_for_the_suites_that_need_no_more():
+  repro = config_base.load(ROOT / "configs" / "repro_wt2.py").experiments.to_dict()
+  plan = plan_lib.from_section(repro)
+  assert type(plan) is plan_lib.Plan and plan.lambdas == (0.01, 0.02, 0.04)
+  assert type(plan_lib.from_section(exp_chars_plan())) is plan_lib.ExperimentPlan
+  with pytest.raises(ConfigError, match=r"Unknown key --config\.experiments\.lambda;"):
+    plan_lib.from_section({**repro, "lambda": 0.1})
+  # A suite that needs more says so before its first run.
+  for suite in ("ablation", "heuristics", "budget", "distill"):
+    with pytest.raises(ConfigError, match=rf"--suite={suite} needs .*: ablation_lambda, "):
+      suites.SUITES[suite](types.SimpleNamespace(plan=plan))
+
+
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, monkeypatch_module):
   """The tiny experiment config with the fewest runs that still cover every suite."""
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
-  config.experiments.heuristics = ("michel",)
   monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
       k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
-  return runs_lib.Experiment(config, tmp_path_factory.mktemp("experiment"))
+  return runs_lib.Experiment(
+      run_setup.resolve_config(config),
+      plan_lib.ExperimentPlan.from_dict(exp_chars_plan(heuristics=("michel",))),
+      tmp_path_factory.mktemp("experiment"))
 
 
 @pytest.fixture(scope="module")

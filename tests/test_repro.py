@@ -14,9 +14,11 @@ import data_fixtures
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
+from allatt_jax import run_setup
 from allatt_jax import train
 from allatt_jax.errors import Preempted
 from allatt_jax.experiments import __main__ as cli
+from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
@@ -80,13 +82,15 @@ def test_time_boxed_slices_then_the_whole_suite(config, tmp_path):
   assert not (tmp_path / "runs").exists()
 
   # A deadline inside a run stops it like SIGTERM: a checkpoint of the step, no results.
-  exp = runs_lib.Experiment(config, tmp_path)
+  base = run_setup.resolve_config(config)
+  plan = plan_lib.Plan.from_dict(config.experiments.to_dict())
+  exp = runs_lib.Experiment(base, plan, tmp_path)
   baseline_dir = exp.run_dir("baseline")
   with pytest.raises(Preempted, match="Time box reached: saved a checkpoint at step 1 "):
     train.train_and_evaluate(exp.base, baseline_dir, deadline=time.monotonic())
   assert checkpointing.latest_finished_step(baseline_dir) == 1
   assert not (baseline_dir / runs_lib.RESULTS_FILE).exists()
-  late = runs_lib.Experiment(config, tmp_path, deadline=time.monotonic())
+  late = runs_lib.Experiment(base, plan, tmp_path, deadline=time.monotonic())
   with pytest.raises(Preempted, match="before run baseline started"):
     late.baseline()
 

@@ -23,6 +23,8 @@ import jax
 
 from allatt_jax import cli
 from allatt_jax import preemption
+from allatt_jax import run_setup
+from allatt_jax.experiments import plan
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
@@ -64,7 +66,10 @@ def main(argv):
   start = time.monotonic()
   with preemption.PreemptionWatch() as watch:
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
-    experiment = runs.Experiment(_CONFIG.value, _WORKDIR.value, deadline, watch)
+    config = _CONFIG.value
+    experiment = runs.Experiment(
+        run_setup.resolve_config(config, vocab_from_data=True),
+        plan.from_section(config.experiments.to_dict()), _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]

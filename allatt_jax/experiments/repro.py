@@ -18,7 +18,7 @@ from allatt_jax.experiments import suites
 
 
 def repro(exp: runs_lib.Experiment) -> suites.Report:
-  s = exp.settings
+  s = exp.plan
   total = sum(exp.base_model.layer_heads)
   base = exp.baseline()
   pruned = [exp.l0(lam, seed) for lam in s.lambdas for seed in s.seeds]
@@ -62,8 +62,8 @@ def _setting(exp: runs_lib.Experiment) -> str:
           f"{jax.__version__}), {datetime.date.today().isoformat()}; "
           f"{c.model.num_layers} layers, {c.model.dtype} compute; baseline and TXLs "
           f"{c.train.num_steps:,} steps of {c.train.batch_size} × {c.train.seq_len} "
-          f"tokens, pruning runs {exp.settings.prune_train.num_steps:,} steps (gates "
-          f"frozen at {exp.settings.prune_gates.freeze_step:,}).")
+          f"tokens, pruning runs {exp.plan.prune_train['num_steps']:,} steps (gates "
+          f"frozen at {exp.plan.prune_gates['freeze_step']:,}).")
 
 
 def _tokens_per_s(exp: runs_lib.Experiment, name: str) -> str:

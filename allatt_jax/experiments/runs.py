@@ -1,9 +1,9 @@
 """The runs behind the experiment suites, each an ordinary run in WORKDIR/runs/<name>.
 
-An experiment config (e.g. configs/exp_chars.py) is a baseline run config plus an
-`experiments` section that says how every other run differs from the baseline:
+An experiment is a baseline run config (a `RunConfig`) and a plan (plan.py, the
+config's `experiments` section) that says how every other run differs from it:
 
-  baseline            the config itself
+  baseline            the baseline run config itself
   continued           the baseline trained on for the pruning run's steps and learning
                       rate, without gates: the unpruned reference a pruned model is
                       compared with (pruning runs train longer than the baseline)
@@ -33,7 +33,6 @@ import time
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 
 from allatt_jax import checkpointing
@@ -48,6 +47,7 @@ from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import Preempted
 from allatt_jax.experiments import heuristics
+from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.run_config import RunConfig
 
 RESULTS_FILE = "results.json"
@@ -85,19 +85,21 @@ class Record:
 
 
 class Experiment:
-  """Creates, runs or reads back the runs of one experiment config and workdir."""
+  """Creates, runs or reads back the runs of one baseline, plan and workdir.
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir,
+  Heuristic runs and distilling budget runs read keys only an `ExperimentPlan` has.
+  """
+
+  def __init__(self, base: RunConfig, plan: plan_lib.Plan, workdir,
                deadline: float | None = None,
                watch: preemption.PreemptionWatch | None = None):
-    self.config = config
+    self.plan = plan
     self.deadline = deadline     # time.monotonic() value: stop training runs there
     self.watch = watch           # the command's: SIGTERM stops it between runs too
-    self.settings = config.experiments
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, _ = run_setup.prepare(config)
+    self.base, _ = run_setup.prepare(base)
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs.
@@ -108,14 +110,14 @@ class Experiment:
   def _continued_config(self, seed: int) -> RunConfig:
     return run_config.derived_run(
         self.base, init_from=str(self.run_dir("baseline")),
-        train={**self.settings.prune_train.to_dict(), "seed": seed})
+        train={**self.plan.prune_train, "seed": seed})
 
   def _l0_config(self, seed: int, distill: str = "", **gates) -> RunConfig:
     return run_config.pruning_stage(
         self.base, str(self.run_dir("baseline")),
-        train={**self.settings.prune_train.to_dict(), "seed": seed},
-        gates={**self.settings.prune_gates.to_dict(), **gates},
-        distill=self.settings.distill_variants[distill].to_dict() if distill else None)
+        train={**self.plan.prune_train, "seed": seed},
+        gates={**self.plan.prune_gates, **gates},
+        distill=self.plan.distill_variants[distill] if distill else None)
 
   # --- Runs.
 
@@ -241,10 +243,10 @@ class Experiment:
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
         corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
-        train_cfg.mem_len, self.settings.importance_batches)
+        train_cfg.mem_len, self.plan.importance_batches)
     mask = heuristics.prune_mask(
         method, setup.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
-        michel_step_fraction=self.settings.michel_step_fraction)
+        michel_step_fraction=self.plan.michel_step_fraction)
     results = exported_model.export_and_evaluate(
         directory, base_config, setup.lm.cfg, {"params": variables["params"]}, corpus,
         setup.mesh, heads=mask)

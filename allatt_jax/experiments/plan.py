@@ -1,0 +1,147 @@
+"""The experiment plan: an experiment config's `experiments` section, typed and checked.
+
+The command reads it once from its ConfigDict (`from_section` of its `to_dict()`),
+beside the baseline's `RunConfig`; every error names the flag that sets the key, and
+comes before any run starts. `Plan` holds the keys every experiment config has (the
+whole section of configs/repro_wt2.py, enough for the repro, lambda_sweep and
+txl_widths suites); `ExperimentPlan` adds those the other suites need
+(configs/exp_chars.py).
+"""
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from allatt_jax import run_config
+from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import heuristics
+
+def _flag(key: str) -> str:
+  return f"--config.experiments.{key}"
+
+
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _typed(hint, value):
+  """`value` as the type `hint` says: lists become tuples, ints floats where a float
+  is asked for, mappings read-only. Raises TypeError where it is of another type."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if hint is Any:
+    return value
+  if hint is float and _number(value):
+    return float(value)
+  if hint in (int, str) and isinstance(value, hint) and not isinstance(value, bool):
+    return value
+  if origin is tuple and isinstance(value, (tuple, list)):
+    if args[-1] is Ellipsis:
+      return tuple(_typed(args[0], v) for v in value)
+    if len(args) == len(value):
+      return tuple(_typed(a, v) for a, v in zip(args, value))
+  if origin is Mapping and isinstance(value, Mapping):
+    return types.MappingProxyType({_typed(str, k): _typed(args[1], v)
+                                   for k, v in value.items()})
+  raise TypeError(value)
+
+
+def _describe(hint) -> str:
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin is tuple and args[-1] is Ellipsis:
+    return f"a tuple of {_describe(args[0])}"
+  if origin is tuple:
+    return f"({', '.join(map(_describe, args))})"
+  if origin is Mapping:
+    return "a dict"
+  return getattr(hint, "__name__", str(hint))
+
+
+def _check_keys(key: str, values: Mapping, section: type) -> None:
+  """Every key of `values` is one of the run config `section`'s."""
+  known = {f.name for f in dataclasses.fields(section)}
+  run_section = section.__name__.removesuffix("Section").lower()
+  for name in values:
+    if name not in known:
+      raise ConfigError(f"Unknown key {_flag(f'{key}.{name}')}; {key} takes keys of a "
+                        f"run's {run_section} section: {', '.join(sorted(known))}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How every run of an experiment derives from its baseline, and what it sweeps."""
+  prune_train: Mapping[str, Any]   # train keys of a pruning or fine-tuning run
+  prune_gates: Mapping[str, Any]   # gates keys of a pruning run
+  lambdas: tuple[float, ...]
+  seeds: tuple[int, ...]           # pruning and fine-tuning seeds (one baseline)
+  txl_widths: tuple[int, ...]
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "Plan":
+    """The plan of an `experiments` section (a ConfigDict's `to_dict()`).
+
+    Raises:
+      ConfigError: a key this plan does not have or lacks, a value of another type, or
+        one no run takes (a key a run's section lacks, an unknown pruner or budget).
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+      if key not in hints:
+        raise ConfigError(f"Unknown key {_flag(key)}; known: {', '.join(names)}.")
+    missing = [key for key in names if key not in values]
+    if missing:
+      raise ConfigError(f"The experiment config has no {_flag(missing[0])}; set it in "
+                        "its `experiments` section.")
+    typed = {}
+    for key in names:
+      try:
+        typed[key] = _typed(hints[key], values[key])
+      except TypeError:
+        raise ConfigError(f"{_flag(key)} is {values[key]!r}; it takes "
+                          f"{_describe(hints[key])}.") from None
+    return cls(**typed)
+
+  def __post_init__(self):
+    _check_keys("prune_train", self.prune_train, run_config.TrainSection)
+    _check_keys("prune_gates", self.prune_gates, run_config.GatesSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentPlan(Plan):
+  """The CPU suites' plan (configs/exp_chars.py explains each key)."""
+  ablation_lambda: float
+  heuristics: tuple[str, ...]
+  heuristic_lambdas: tuple[float, ...]
+  random_seeds: tuple[int, ...]
+  importance_batches: int
+  michel_step_fraction: float
+  budgets: tuple[tuple[str, float], ...]   # (gates.target_* key, value or fraction)
+  budget_seeds: tuple[int, ...]
+  budget_reference_lambdas: tuple[float, ...]
+  distill_sparsities: tuple[float, ...]
+  distill_variants: Mapping[str, Mapping[str, Any]]   # name -> distill keys
+
+  def __post_init__(self):
+    super().__post_init__()
+    for method in self.heuristics:
+      if method not in heuristics.METHODS:
+        raise ConfigError(f"{_flag('heuristics')} names {method!r}; the pruners are "
+                          f"{', '.join(heuristics.METHODS)}.")
+    for key, _ in self.budgets:
+      if key not in run_config.BUDGET_TARGETS:
+        raise ConfigError(f"{_flag('budgets')} asks for {key!r}; a budget is one of "
+                          f"{', '.join(run_config.BUDGET_TARGETS)}.")
+    for name, keys in self.distill_variants.items():
+      _check_keys(f"distill_variants.{name}", keys, run_config.DistillSection)
+
+
+def from_section(values: Mapping[str, Any]) -> Plan:
+  """The plan of an `experiments` section: an ExperimentPlan where it has a key beyond
+  Plan's (and then all of them), else a Plan.
+
+  Raises:
+    ConfigError: as `Plan.from_dict`.
+  """
+  beyond = set(values) - {f.name for f in dataclasses.fields(Plan)}
+  return (ExperimentPlan if beyond else Plan).from_dict(values)
