@@ -9,7 +9,7 @@
   smaller.save("DIR")                                 # a standalone exported model
 
 Everything the CLIs do goes through the same functions (`likelihood.score_text`,
-`sampler.sample_text`, `evaluation.read_stream`, `prune.remove_heads`,
+`sampler.sample_text`, `stream_eval.read_stream`, `prune.remove_heads`,
 `exported_model.save`), so a result here is the CLI's result.
 """
 from collections.abc import Iterable, Mapping
@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import errors
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import exported_model
 from allatt_jax import likelihood
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
@@ -41,7 +41,7 @@ class Model:
   """A trained model (baseline, pruning run with its deterministic gates, or export)
   with its tokenizer; `load` makes one."""
 
-  def __init__(self, loaded: loader.LoadedModel):
+  def __init__(self, loaded: trained_model.LoadedModel):
     self._loaded = loaded
 
   @property
@@ -93,9 +93,9 @@ class Model:
     if memory is None:
       memory = model_lib.init_memory(self.lm.cfg, ids_BxT.shape[0],
                                      self.config.eval.mem_len)
-    segments, memory = evaluation.read_stream(
+    segments, memory = stream_eval.read_stream(
         functools.partial(_log_probs, self.variables, lm=self.lm),
-        evaluation.row_segments(ids_BxT, self.config.eval.seq_len), memory)
+        stream_eval.row_segments(ids_BxT, self.config.eval.seq_len), memory)
     logp_BxTxV = jnp.concatenate(segments, axis=1)
     return logp_BxTxV.reshape(*ids.shape, -1), memory
 
@@ -111,7 +111,7 @@ class Model:
   def costs(self) -> dict:
     """Parameters and MACs per token of this model at its eval lengths (costs.py); a
     gated model's closed heads count as removed, as in its export."""
-    return cost_model.model_report(
+    return head_costs.model_report(
         self.config, prune.running_model_config(self.lm.cfg, self.variables))
 
   def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
@@ -125,7 +125,7 @@ class Model:
     host_variables = jax.device_get(self.variables)
     pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads)
     config = exported_model.exported_config(self.config, pruned_cfg)
-    return Model(loader.LoadedModel(config, model_lib.TransformerLM.from_config(config),
+    return Model(trained_model.LoadedModel(config, model_lib.TransformerLM.from_config(config),
                                     jax.device_put({"params": params}), self.tokenizer))
 
   def save(self, directory) -> None:
@@ -146,4 +146,4 @@ def load(directory, step: int | None = None) -> Model:
     CheckpointError: no model (or no such step) there.
     DataError: an older model without tokenizer.json whose dataset is missing.
   """
-  return Model(loader.load(directory, step))
+  return Model(trained_model.load(directory, step))

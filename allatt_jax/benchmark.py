@@ -13,7 +13,7 @@ import json
 from absl import flags
 
 from allatt_jax import cli
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import throughput
 
 _CONFIG = cli.DEFINE_config(
@@ -26,7 +26,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   plan = throughput.BenchmarkPlan.from_dict(_CONFIG.value.get("benchmark", {}))
   report = throughput.measure(
-      run_setup.resolve_config(_CONFIG.value, vocab_from_data=True), plan)
+      resolver.resolve_config(_CONFIG.value, vocab_from_data=True), plan)
   print(throughput.summary(report))
   print(json.dumps(report, indent=2))
   if _OUT.value:

@@ -8,9 +8,9 @@ sweep. Instead, a pruning run can ask for a budget (at most one of them):
   gates.target_macs       non-embedding MACs per token (at the eval lengths)
 
 The budget becomes a number of open heads n* through the cost model
-(`cost_model.target_open_heads`: every head of a layer costs the same parameters
+(`head_costs.target_open_heads`: every head of a layer costs the same parameters
 and MACs, so cost is linear in the head count; n* is the most heads that fit), once,
-at setup (`run_setup.penalty_from_config`). The L0 term of the loss becomes
+at setup (`resolver.penalty_from_config`). The L0 term of the loss becomes
 
   λ1 (E[L0] − t(step)) + λ2 (E[L0] − t(step))²
 

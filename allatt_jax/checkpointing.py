@@ -1,6 +1,6 @@
 """Checkpoints: the training run's (orbax CheckpointManager) and exported models.
 
-A run's workdir holds, next to its own files (rundir.py), `checkpoints/<step>/` with
+A run's workdir holds, next to its own files (run_files.py), `checkpoints/<step>/` with
 two items: `state` (step,
 variables incl. gates, optimizer state, memory) and `data` (the segment stream's
 position). orbax writes each step to `<step>.orbax-checkpoint-tmp` and renames it when
@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax.errors import CheckpointError
 
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -41,7 +41,7 @@ class RunCheckpoints:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.directory = rundir.run_path(workdir) / "checkpoints"
+    self.directory = run_files.run_path(workdir) / "checkpoints"
     self.manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -249,13 +249,13 @@ def save_params(directory, params) -> None:
   """An exported model's parameters (no optimizer, no gates) in `directory`/params;
   `exported_model.save` writes the rest of the folder."""
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(rundir.run_path(directory) / "params", params, force=True)
+    checkpointer.save(run_files.run_path(directory) / "params", params, force=True)
 
 
 def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:
   """{prefix + 'a/b': shape} of the parameters of an exported model or of a run's latest
   checkpoint (`prefix`: where parameters sit in a train state), from metadata only."""
-  directory = rundir.run_path(directory)
+  directory = run_files.run_path(directory)
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       metadata = checkpointer.metadata(directory / "params").item_metadata
@@ -276,8 +276,8 @@ def load_model(directory, step: int | None = None):
 
 def load_model_and_step(directory, step: int | None = None):
   """(run config, variables, the checkpoint step used: None for an exported model)."""
-  directory = rundir.run_path(directory)
-  config = rundir.load_config(directory)
+  directory = run_files.run_path(directory)
+  config = run_files.load_config(directory)
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from allatt_jax import run_config
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import sharding
 
 _GIB = 2**30
@@ -58,9 +58,9 @@ def _shard_bytes(abstract) -> int:
 def check(config: run_config.RunConfig, mesh_shape: tuple[int, int],
           name: str = "") -> Report:
   """Lowers and compiles the train step of `config` on a mesh of the current devices."""
-  config = dataclasses.replace(run_setup.with_vocab_size(config),
+  config = dataclasses.replace(resolver.with_vocab_size(config),
                                mesh=run_config.MeshSection(*mesh_shape))
-  setup = run_setup.resolve(config)
+  setup = resolver.resolve(config)
   mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)
   gated = "gates" in abstract.variables

@@ -1,5 +1,5 @@
 """The checks of a run config alone, made when a command resolves it, before any data
-is loaded or code compiled (`run_setup.resolve_config`).
+is loaded or code compiled (`resolver.resolve_config`).
 
 A failed check raises one ConfigError (or DataError, for dataset options) that names
 the config key, with the flag that sets it, and how to fix it, instead of a
@@ -51,7 +51,7 @@ def check_config(config: run_config.RunConfig, mesh_shape: tuple[int, int], *,
 
   `mesh_shape`: the (data, model) sizes `config.mesh` gives on this machine
   (`sharding.mesh_shape`). `vocab_from_data`: the caller loads the dataset next and
-  takes an unset `model.vocab_size` from it (`run_setup.prepare`).
+  takes an unset `model.vocab_size` from it (`resolver.prepare`).
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.

@@ -1,6 +1,6 @@
 r"""Prints the parameters and MACs per token of a config's or a trained model's heads.
 
-Counts and forward MACs per token (`cost_model.py` has the formulas), before and
+Counts and forward MACs per token (`head_costs.py` has the formulas), before and
 after head pruning:
 
   python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
@@ -16,10 +16,10 @@ import json
 from absl import flags
 
 from allatt_jax import cli
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import exported_model
 from allatt_jax import model as model_lib
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax.errors import ConfigError
 
 _CONFIG = cli.DEFINE_config(
@@ -46,12 +46,12 @@ def main(argv: Sequence[str]) -> None:
                       "--checkpoint too.")
   if _CHECKPOINT.value is not None:
     config, cfg = exported_model.trained_model_config(_CHECKPOINT.value, _STEP.value)
-    result = cost_model.model_report(config, cfg, _HEADS_KEPT.value)
+    result = head_costs.model_report(config, cfg, _HEADS_KEPT.value)
   else:
-    config = run_setup.with_vocab_size(
-        run_setup.resolve_config(_CONFIG.value, vocab_from_data=True))
+    config = resolver.with_vocab_size(
+        resolver.resolve_config(_CONFIG.value, vocab_from_data=True))
     train = config.train
-    result = cost_model.report(model_lib.ModelConfig.from_config(config), train.seq_len,
+    result = head_costs.report(model_lib.ModelConfig.from_config(config), train.seq_len,
                                train.mem_len, train.batch_size, _HEADS_KEPT.value)
   print(json.dumps(result, indent=2))
 

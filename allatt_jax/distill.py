@@ -8,7 +8,7 @@ al. 2024):
 
 plus the L0 or budget term. h_l is layer l's output; pruning removes heads, never
 layers, so student layer l always has a teacher layer l. The teacher runs in the same
-jitted step on the same batch, with its own memory (steps.py).
+jitted step on the same batch, with its own memory (train_step.py).
 
 The KL with an adaptive softmax. Its distribution is hierarchical: a tail token's
 probability is its cluster's head probability times its probability within the

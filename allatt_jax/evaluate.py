@@ -15,12 +15,12 @@ import sys
 from absl import flags
 
 from allatt_jax import cli
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import likelihood
-from allatt_jax import loader
+from allatt_jax import trained_model
 
 _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
-_SPLIT = flags.DEFINE_enum("split", "test", evaluation.SPLITS,
+_SPLIT = flags.DEFINE_enum("split", "test", stream_eval.SPLITS,
                            "Split of the run's dataset (needs the dataset).")
 _TEXT_FILE = flags.DEFINE_string("text_file", None, "Evaluate this UTF-8 text file "
                                  "instead of a split (needs no dataset).")
@@ -37,8 +37,8 @@ def main(argv):
   text = likelihood.read_text(_TEXT_FILE.value) if _TEXT_FILE.value else None
   # The dataset is checked before the model is read: a moved folder fails at once.
   corpus = (None if text is not None else
-            loader.load_dataset(_CHECKPOINT.value, _MANUAL_DIR.value, _DATA_DIR.value))
-  model = loader.load(_CHECKPOINT.value, _STEP.value)
+            trained_model.load_dataset(_CHECKPOINT.value, _MANUAL_DIR.value, _DATA_DIR.value))
+  model = trained_model.load(_CHECKPOINT.value, _STEP.value)
   summary = likelihood.evaluate_model(
       model, split=None if text is not None else _SPLIT.value, text=text, corpus=corpus)
   source = {"file": _TEXT_FILE.value} if text is not None else {"split": _SPLIT.value}

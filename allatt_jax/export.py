@@ -2,7 +2,7 @@
 
 The export (`exported_model.save`: config.json, params with the closed heads removed
 by `prune.remove_heads`, tokenizer.json, vocabulary.json) is loadable and usable on
-text without the training run or its dataset (`loader.load`).
+text without the training run or its dataset (`trained_model.load`).
 
 A pruning run exports its final state itself, to RUN/export; this command exports a
 run's latest checkpoint (or checkpoint --step) again:
@@ -17,7 +17,7 @@ from absl import flags
 
 from allatt_jax import cli
 from allatt_jax import exported_model
-from allatt_jax import loader
+from allatt_jax import trained_model
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "The --workdir of a pruning run (gates.enabled); its latest "
@@ -40,7 +40,7 @@ def main(argv):
 
 def run(argv=None) -> None:
   """Runs the command on `argv` (program name first; default: sys.argv)."""
-  cli.run(main, argv, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)
+  cli.run(main, argv, flag_names={}, fallback_advice=trained_model.OLD_MODEL_ADVICE)
 
 
 if __name__ == "__main__":

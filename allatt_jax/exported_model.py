@@ -2,7 +2,7 @@
 
 An exported model is a folder with its run config (describing the smaller model),
 params, tokenizer.json and vocabulary.json: loadable and usable on text without the
-training run or its dataset (`loader.load`), and a start for another run
+training run or its dataset (`trained_model.load`), and a start for another run
 (`init_from`), whose dataset is checked against its vocabulary. `save` is the one
 writer of such a folder, for a pruning run's export, `python -m allatt_jax.export`,
 `api.Model.save` and the heuristic pruners' masked models; `export_and_evaluate` cuts
@@ -23,16 +23,15 @@ from etils import epath
 from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import console
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import evaluation
-from allatt_jax import loader
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
-from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import run_config
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax import validation
 from allatt_jax.data import tokenization
 
@@ -65,13 +64,13 @@ def save(directory, config: run_config.RunConfig,
     params: its parameters, on the host.
     tokenizer: the tokenizer of its dataset, saved with its vocabulary's fingerprint.
   """
-  directory = rundir.run_path(directory)
+  directory = run_files.run_path(directory)
   checkpointing.save_params(directory, params)
   # In a multi-process run one process writes the files, and the others, which read
   # the model back next, wait for them.
   if jax.process_index() == 0:
-    rundir.save_run(directory, exported_config(config, model_cfg),
-                    rundir.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
+    run_files.save_run(directory, exported_config(config, model_cfg),
+                    run_files.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
                     tokenizer.to_dict())
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"exported_model.save {directory}")
@@ -103,9 +102,9 @@ def export_and_evaluate(
                    f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}) "
                    f"to {directory}; evaluating it")
   save(directory, config, pruned_cfg, params, corpus.tokenizer)
-  evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
+  evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
                                                config)
-  results = evaluation.evaluate_splits(evaluator, {"params": params}, corpus)
+  results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(pruned_cfg.layer_heads)
   results["directory"] = str(directory)
   return results
@@ -124,14 +123,14 @@ def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.Mod
     host_variables = multihost_utils.process_allgather(variables, tiled=True)
   else:
     host_variables = jax.device_get(variables)
-  results = export_and_evaluate(rundir.run_path(workdir) / EXPORT_DIR, config, cfg,
+  results = export_and_evaluate(run_files.run_path(workdir) / EXPORT_DIR, config, cfg,
                                 host_variables, corpus, mesh)
   results["budget"] = decision
   results["warnings"] = pruning_warnings(config, sum(cfg.layer_heads),
                                          sum(results["heads_per_layer"]), decision,
                                          gate_flags)
   if jax.process_index() == 0:
-    print(progress.results_line("exported model", results, corpus.metric), flush=True)
+    print(stream_eval.results_line("exported model", results, corpus.metric), flush=True)
     for warning in results["warnings"]:
       print(f"warning: {warning}", flush=True)
   return results
@@ -155,7 +154,7 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
   if decision["allowed"] == total:
-    key = cost_model.target_key(config)
+    key = head_costs.target_key(config)
     return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
@@ -172,7 +171,7 @@ def trained_model_config(checkpoint, step: int | None = None
                          ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:
   """(run config, the model as it runs) of a run's workdir or an export: an export's
   heads, or a run's with its closed gates removed (the heads its export would keep)."""
-  config, lm, variables = loader.load_lm(checkpoint, step)
+  config, lm, variables = trained_model.load_lm(checkpoint, step)
   return config, prune.running_model_config(lm.cfg, variables)
 
 
@@ -188,16 +187,16 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
     FlagError: the folder holds something already, and `overwrite` is not set; or it
       holds something other than an exported model.
   """
-  workdir = rundir.run_path(workdir)
+  workdir = run_files.run_path(workdir)
   validation.check_export(workdir)
-  config = rundir.load_config(workdir)
-  tokenizer = loader.load_tokenizer(workdir, config)
+  config = run_files.load_config(workdir)
+  tokenizer = trained_model.load_tokenizer(workdir, config)
   step, variables = checkpointing.restore_step(workdir, step)
   pruned_cfg, params = prune.remove_heads(model_lib.ModelConfig.from_config(config),
                                           variables)
   # The default folder is named after the step that restored, so the check of the
   # folder waits for it (it still comes before anything is written).
-  out_dir = (rundir.run_path(out_dir) if out_dir
+  out_dir = (run_files.run_path(out_dir) if out_dir
              else default_export_dir(workdir, config, step))
   _check_target(out_dir, overwrite)
   save(out_dir, config, pruned_cfg, params, tokenizer)

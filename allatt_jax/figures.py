@@ -13,12 +13,12 @@ import matplotlib
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import errors
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
-from allatt_jax import rundir
+from allatt_jax import run_files
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -42,8 +42,8 @@ def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]
   every layer keeps k of its H heads, for k = H .. 0 (sparsity 0 .. 1)."""
   heads = cfg.num_heads
   kept = np.arange(heads, -1, -1)
-  params = np.array([cfg.num_layers * cost_model.layer_param_count(cfg, k) for k in kept], float)
-  macs = np.array([cfg.num_layers * cost_model.layer_macs_per_token(cfg, k, *lengths)
+  params = np.array([cfg.num_layers * head_costs.layer_param_count(cfg, k) for k in kept], float)
+  macs = np.array([cfg.num_layers * head_costs.layer_macs_per_token(cfg, k, *lengths)
                    for k in kept])
   return {"sparsity": 1.0 - kept / heads, "params": params / params[0],
           "macs": macs / macs[0]}
@@ -161,12 +161,12 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
     CheckpointError: `workdir` is not a pruning run with a gate history and a
       finished checkpoint.
   """
-  workdir = rundir.run_path(workdir)
-  config = rundir.load_config(workdir)
-  history_file = workdir / rundir.GATE_HISTORY_FILE
+  workdir = run_files.run_path(workdir)
+  config = run_files.load_config(workdir)
+  history_file = workdir / run_files.GATE_HISTORY_FILE
   if not config.gates.enabled or not history_file.is_file():
     raise errors.CheckpointError(
-        f"{workdir} is not a pruning run with a {rundir.GATE_HISTORY_FILE}: only "
+        f"{workdir} is not a pruning run with a {run_files.GATE_HISTORY_FILE}: only "
         "pruning runs (gates.enabled=True) have gates to plot.")
   records = [json.loads(line) for line in history_file.read_text().splitlines()]
   cfg = model_lib.ModelConfig.from_config(config)
@@ -214,7 +214,7 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
-  target = [f"{k}={getattr(gates, k)}" for k in cost_model.TARGET_KEYS
+  target = [f"{k}={getattr(gates, k)}" for k in head_costs.TARGET_KEYS
             if getattr(gates, k) is not None]
   strength = f"budget {target[0]}" if target else f"λ={gates.lam:g}"
   fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "

@@ -2,7 +2,7 @@
 its metric (bpc or ppl) on a text or on a split of its dataset.
 
 A text is read as one row, segment by segment, with the Transformer-XL memory carried
-across all of it (the eval seq_len and mem_len of the run's config), as `evaluation`
+across all of it (the eval seq_len and mem_len of the run's config), as `stream_eval`
 reads a split: every token after the first, which is context only, is scored once.
 `python -m allatt_jax.score` and `python -m allatt_jax.evaluate` print these, and
 `api.Model.score` returns them.
@@ -17,8 +17,8 @@ import numpy as np
 
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import evaluation
-from allatt_jax import loader
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import sharding
 
@@ -36,11 +36,11 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
   """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats.
 
   One row read in segments of `seq_len` with `mem_len` positions of memory
-  (`evaluation.read_stream`), batched like `evaluation.Evaluator` with a batch of one,
+  (`stream_eval.read_stream`), batched like `stream_eval.Evaluator` with a batch of one,
   so the mean of the negated values is that evaluator's NLL.
   """
   batches = list(data_lib.eval_batches(tokens, 1, seq_len))
-  nll_segments, _ = evaluation.read_stream(
+  nll_segments, _ = stream_eval.read_stream(
       functools.partial(_segment_nll, variables, lm=lm), batches,
       model_lib.init_memory(lm.cfg, 1, mem_len))
   # One transfer at the end keeps the device busy instead of syncing per segment.
@@ -49,7 +49,7 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
   return -nll[weights.ravel() > 0].astype(np.float64)
 
 
-def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
+def score_text(model: trained_model.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
   """(summary, token ids, log-probabilities of ids[1:]) of `text`.
 
   Raises:
@@ -66,14 +66,14 @@ def score_text(model: loader.LoadedModel, text: str) -> tuple[dict, np.ndarray, 
                               mem_len=e.mem_len)
   nll = float(-log_probs.mean())
   metric = model.tokenizer.metric
-  summary = {"tokens": len(log_probs), metric: evaluation.metric_value(nll, metric),
+  summary = {"tokens": len(log_probs), metric: stream_eval.metric_value(nll, metric),
              "nll": nll}
   if model.tokenizer.level == "word":
     summary["unk"] = skipped
   return summary, ids, log_probs
 
 
-def evaluate_model(model: loader.LoadedModel, *, split: str | None = None,
+def evaluate_model(model: trained_model.LoadedModel, *, split: str | None = None,
                    text: str | None = None, corpus: data_lib.Corpus | None = None) -> dict:
   """{'tokens', metric, 'nll'} of a loaded model on a split of its dataset (`corpus`,
   by default read from the run's config; at the run's eval batch and lengths) or on
@@ -96,11 +96,11 @@ def evaluate_model(model: loader.LoadedModel, *, split: str | None = None,
   # One device: a model trained on a mesh evaluates anywhere, at any batch size.
   mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  evaluator = evaluation.Evaluator(model.lm, mesh, batch_size=batch_size,
+  evaluator = stream_eval.Evaluator(model.lm, mesh, batch_size=batch_size,
                                    seq_len=e.seq_len, mem_len=e.mem_len)
   scored = evaluator.score(model.variables, tokens)
   metric = model.tokenizer.metric
-  return {"tokens": scored["tokens"], metric: evaluation.metric_value(scored["nll"], metric),
+  return {"tokens": scored["tokens"], metric: stream_eval.metric_value(scored["nll"], metric),
           "nll": scored["nll"]}
 
 

@@ -13,7 +13,7 @@ import jax
 from allatt_jax import cli
 from allatt_jax import distributed
 from allatt_jax import pipeline
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import train
 
 _CONFIG = cli.DEFINE_config(
@@ -40,9 +40,9 @@ def main(argv):
     logging.info("JAX process %d/%d, local devices: %s", jax.process_index(),
                  jax.process_count(), jax.local_devices())
   if config.get("pipeline"):
-    pipeline.run(run_setup.resolve_pipeline(config), _WORKDIR.value)
+    pipeline.run(resolver.resolve_pipeline(config), _WORKDIR.value)
   else:
-    train.train_and_evaluate(run_setup.resolve_config(config, vocab_from_data=True),
+    train.train_and_evaluate(resolver.resolve_config(config, vocab_from_data=True),
                              _WORKDIR.value)
 
 

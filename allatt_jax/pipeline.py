@@ -17,16 +17,15 @@ from etils import epath
 import jax
 
 from allatt_jax import console
-from allatt_jax import cost_model
-from allatt_jax import evaluation
+from allatt_jax import demo_report
+from allatt_jax import head_costs
 from allatt_jax import figures
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import run_config
-from allatt_jax import rundir
-from allatt_jax import sharding
+from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
@@ -44,8 +43,8 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                     key=lambda d: int(d.name[7:]))
   taken = {}
   for folder in [workdir / "pruned", *numbered]:
-    if (folder / rundir.CONFIG_FILE).is_file():
-      differences = validation.setting_differences(rundir.load_config(folder),
+    if (folder / run_files.CONFIG_FILE).is_file():
+      differences = validation.setting_differences(run_files.load_config(folder),
                                                    prune_config)
       if not differences:
         return folder, ""
@@ -66,19 +65,19 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
   Raises:
     ConfigError: `workdir` holds a single run or an export, not a pipeline.
   """
-  workdir = rundir.run_path(workdir)
-  if (workdir / rundir.CONFIG_FILE).is_file():
+  workdir = run_files.run_path(workdir)
+  if (workdir / run_files.CONFIG_FILE).is_file():
     # Its stages would go into new runs inside that run's folder, and exit 0.
     raise ConfigError(
-        f"--workdir {workdir} holds a single run or export (its {rundir.CONFIG_FILE}), "
+        f"--workdir {workdir} holds a single run or export (its {run_files.CONFIG_FILE}), "
         "but this config is a pipeline, whose runs go in WORKDIR/baseline and "
         "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
         "baseline/), or a new one.")
   # Completed here, as each stage will save it, so that the pruning stage's folder is
   # chosen by the settings it will really train with. The teacher of a distilling
   # pruning stage is its own baseline (its init_from).
-  baseline_config, corpus = run_setup.prepare(config.baseline)
-  prune_config = run_setup.complete(
+  baseline_config, corpus = resolver.prepare(config.baseline)
+  prune_config = resolver.complete(
       run_config.derived_run(config.pruning, init_from=str(workdir / "baseline")), corpus)
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
@@ -106,21 +105,21 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
     if is_main:
       console.banner("Evaluation: inference speed of both models on valid "
                      f"({config.speed_batches} batches, best of 3)")
-    baseline_model = loader.load_lm(workdir / "baseline")[1:]
-    pruned_model = loader.load_lm(pruned["export"]["directory"])[1:]
-    speed = _measure_speed(baseline_config, corpus.splits["valid"], config.speed_batches,
-                           baseline_model, pruned_model)
+    baseline_model = trained_model.load_lm(workdir / "baseline")[1:]
+    pruned_model = trained_model.load_lm(pruned["export"]["directory"])[1:]
+    speed = demo_report.measure_speed(baseline_config, corpus.splits["valid"],
+                                      config.speed_batches, baseline_model, pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",
                         "measure it again and write the report")
     # The last safe point is behind: a SIGTERM now lets the report (a second's work)
     # finish, and the command ends with everything done.
-    report = _report(baseline_config, prune_config, pruned_dir, baseline, pruned,
-                     baseline_model, pruned_model, speed)
+    report = demo_report.build(baseline_config, prune_config, pruned_dir, baseline,
+                               pruned, baseline_model, pruned_model, speed)
     if is_main:
       console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
-      rundir.write_json(workdir / "report.json", report)
+      run_files.write_json(workdir / "report.json", report)
       figures.gate_figure(pruned_dir, workdir / "gates.png")
-      print(summary_table(report))
+      print(demo_report.summary_table(report))
       for warning in report["warnings"]:
         print(f"warning: {warning}", flush=True)
   return report
@@ -128,91 +127,10 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
 
 def _pruning_goal(prune_config: RunConfig) -> str:
   """'λ=0.05', or the budget: 'target_sparsity=0.5: 16 of 32 heads'."""
-  key = cost_model.target_key(prune_config)
+  key = head_costs.target_key(prune_config)
   if key is None:
     return f"λ={prune_config.gates.lam}"
   cfg = model_lib.ModelConfig.from_config(prune_config)
   return (f"{key}={getattr(prune_config.gates, key):g}: "
-          f"{cost_model.target_open_heads(prune_config, cfg)} of "
+          f"{head_costs.target_open_heads(prune_config, cfg)} of "
           f"{sum(cfg.layer_heads)} heads")
-
-
-def _measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned_model,
-                   repeats: int = 3) -> dict:
-  """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
-  lengths, on its mesh) of both models on `tokens`, the valid split.
-
-  The models are timed in turns, `repeats` times each, and each keeps its best: on a
-  shared machine the best of alternating runs is the least disturbed comparison.
-  """
-  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
-  evaluators = {}
-  for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
-    evaluators[name] = (evaluation.Evaluator.from_config(lm, mesh, config), variables)
-    evaluators[name][0].score(variables, tokens, max_batches=1)   # compile, untimed
-  speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
-  for _ in range(repeats):
-    for name, (evaluator, variables) in evaluators.items():
-      scored = evaluator.score(variables, tokens, max_batches=num_batches)
-      speeds[f"{name}_tokens_per_s"] = max(speeds[f"{name}_tokens_per_s"],
-                                           scored["tokens_per_s"])
-  return speeds
-
-
-def _report(baseline_config, prune_config, pruned_dir, baseline, pruned, baseline_model,
-            pruned_model, speed) -> dict:
-  t = baseline_config.eval
-  cost = {name: {**cost_model.param_counts(lm.cfg),
-                 **cost_model.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
-          for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
-  full_heads = sum(baseline_model[0].cfg.layer_heads)
-  pruned_heads = list(pruned_model[0].cfg.layer_heads)
-  key = cost_model.target_key(prune_config)
-  return {
-      "dataset": baseline_config.data.name,
-      "metric": baseline["metric"],
-      "baseline": {
-          "valid": baseline["valid"], "test": baseline["test"],
-          "params_non_embedding": cost["baseline"]["params_non_embedding"],
-          "heads_per_layer": list(baseline_model[0].cfg.layer_heads)},
-      "pruned": {
-          "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'
-          "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
-          "gated_valid": pruned["valid"], "gated_test": pruned["test"],
-          "params_non_embedding": cost["pruned"]["params_non_embedding"],
-          "heads_per_layer": pruned_heads,
-          "sparsity": 1.0 - sum(pruned_heads) / full_heads,
-          # A fixed λ, or the budget asked for and what it decided at the freeze.
-          "lambda": None if key else prune_config.gates.lam,
-          "budget": ({"key": key, "value": getattr(prune_config.gates, key),
-                      **(pruned["export"].get("budget") or {})} if key else None)},
-      "speed": {
-          **speed,
-          "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
-          "macs_ratio": (cost["pruned"]["macs_per_token"]
-                         / cost["baseline"]["macs_per_token"]),
-          "macs_ratio_non_embedding": (cost["pruned"]["macs_per_token_non_embedding"]
-                                       / cost["baseline"]["macs_per_token_non_embedding"])},
-      "warnings": pruned["export"].get("warnings", []),
-  }
-
-
-def summary_table(report: dict) -> str:
-  metric, b, p, s = report["metric"], report["baseline"], report["pruned"], report["speed"]
-  rows = [
-      ("", "baseline", "pruned"),
-      (f"valid {metric}", f"{b['valid']:.4f}", f"{p['valid']:.4f}"),
-      (f"test {metric}", f"{b['test']:.4f}", f"{p['test']:.4f}"),
-      ("params (non-emb.)", f"{b['params_non_embedding']:,}", f"{p['params_non_embedding']:,}"),
-      ("heads per layer", " ".join(map(str, b["heads_per_layer"])),
-       " ".join(map(str, p["heads_per_layer"]))),
-      ("head sparsity", "0%", f"{100 * p['sparsity']:.1f}%"),
-      ("inference tokens/s", f"{s['baseline_tokens_per_s']:,.0f}",
-       f"{s['pruned_tokens_per_s']:,.0f}"),
-      ("MACs per token", "1.00", f"{s['macs_ratio']:.2f}"),
-  ]
-  widths = [max(len(r[i]) for r in rows) for i in range(3)]
-  lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-  lines.insert(1, "-+-".join("-" * w for w in widths))
-  return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
-

@@ -16,10 +16,10 @@ import numpy as np
 import tqdm
 
 from allatt_jax import console
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax.errors import TrainingError
 
 # Train metrics that only mean something with gates; a baseline run does not log them.
@@ -171,10 +171,6 @@ def progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
   return line
 
 
-def results_line(name: str, results: dict, metric: str) -> str:
-  return f"{name}: valid {metric} {results['valid']:.4f}  test {metric} {results['test']:.4f}"
-
-
 def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
   """Means over the logging interval; per-layer vectors become one scalar per layer."""
   summary = {}
@@ -187,7 +183,7 @@ def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
       summary[f"{key}/total"] = float(np.sum(mean))
     else:
       summary[key] = float(mean)
-  summary[metric] = evaluation.metric_value(summary["nll"], metric)
+  summary[metric] = stream_eval.metric_value(summary["nll"], metric)
   return summary
 
 
@@ -199,5 +195,5 @@ def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> No
   host_gates = jax.device_get(gates)
   probs = [np.asarray(open_probability(g["attention"]["logits"])).tolist() if g else []
            for g in (host_gates.get(f"layer_{i}") for i in range(cfg.num_layers))]
-  with (rundir.run_path(workdir) / rundir.GATE_HISTORY_FILE).open("a") as f:
+  with (run_files.run_path(workdir) / run_files.GATE_HISTORY_FILE).open("a") as f:
     f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")

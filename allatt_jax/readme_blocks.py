@@ -10,11 +10,11 @@ import json
 import re
 import textwrap
 
+from allatt_jax import demo_report
 from allatt_jax import errors
 from allatt_jax import likelihood
-from allatt_jax import loader
-from allatt_jax import pipeline
-from allatt_jax import rundir
+from allatt_jax import trained_model
+from allatt_jax import run_files
 from allatt_jax import sampler
 
 # The demo folder the README's commands use; outputs name it whatever the workdir.
@@ -43,10 +43,10 @@ def rewrite_blocks(readme: str, blocks: dict[str, str]) -> str:
 
 
 def _demo_block(report: dict) -> str:
-  return f"```\n{pipeline.summary_table(report)}\n```\n"
+  return f"```\n{demo_report.summary_table(report)}\n```\n"
 
 
-def _score_block(baseline: loader.LoadedModel, pruned: loader.LoadedModel) -> str:
+def _score_block(baseline: trained_model.LoadedModel, pruned: trained_model.LoadedModel) -> str:
   summary, ids, log_probs = likelihood.score_text(baseline, SCORED_TEXT)
   pruned_summary = likelihood.score_text(pruned, SCORED_TEXT)[0]
   metric = baseline.tokenizer.metric
@@ -72,7 +72,7 @@ def _wrap(paragraph: str) -> str:
                        break_on_hyphens=False)
 
 
-def _sample_block(pruned: loader.LoadedModel) -> str:
+def _sample_block(pruned: trained_model.LoadedModel) -> str:
   o = SAMPLE_OPTIONS
   text = sampler.sample_text(pruned, o["prompt"], o["num_tokens"],
                              temperature=o["temperature"], top_k=o["top_k"],
@@ -90,13 +90,13 @@ def generated_blocks(workdir) -> dict[str, str]:
   Raises:
     CheckpointError: `workdir` is not a finished demo workdir.
   """
-  workdir = rundir.run_path(workdir)
+  workdir = run_files.run_path(workdir)
   report_file = workdir / "report.json"
   if not report_file.is_file():
     raise errors.CheckpointError(
         f"{workdir} has no report.json: it is not a finished demo workdir. Run "
         f"python -m allatt_jax.main --config=configs/demo.py --workdir={workdir} first.")
-  baseline = loader.load(workdir / "baseline")
-  pruned = loader.load(workdir / "pruned" / "export")
+  baseline = trained_model.load(workdir / "baseline")
+  pruned = trained_model.load(workdir / "pruned" / "export")
   return {"demo": _demo_block(json.loads(report_file.read_text())),
           "score": _score_block(baseline, pruned), "sample": _sample_block(pruned)}

@@ -1,7 +1,7 @@
 """The typed run config: one frozen section per part of a run.
 
 A command reads its `ml_collections.ConfigDict` (config_base's schema, overridden by
-flags) once, at its boundary (`run_setup.resolve_config`, which checks it), and
+flags) once, at its boundary (`resolver.resolve_config`, which checks it), and
 everything below receives a `RunConfig` or one of its sections. A config derived from
 another (a pruning stage, a continued run, an export) is a `dataclasses.replace` of
 it, never a copy of a ConfigDict edited in place. The defaults stay in config_base:

@@ -15,7 +15,7 @@ from absl import logging
 
 from allatt_jax import cli
 from allatt_jax import errors
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import sampler
 
 _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
@@ -33,7 +33,7 @@ def main(argv):
   del argv
   if _NUM_TOKENS.value < 0:
     raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
-  model = loader.load(_CHECKPOINT.value, _STEP.value)
+  model = trained_model.load(_CHECKPOINT.value, _STEP.value)
   result = sampler.sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
                                temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                                seed=_SEED.value)
@@ -47,7 +47,7 @@ def main(argv):
 
 def run(argv=None) -> None:
   """Runs the command on `argv` (program name first; default: sys.argv)."""
-  cli.run(main, argv, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)
+  cli.run(main, argv, flag_names={}, fallback_advice=trained_model.OLD_MODEL_ADVICE)
 
 
 if __name__ == "__main__":

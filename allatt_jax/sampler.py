@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax import errors
-from allatt_jax import evaluation
-from allatt_jax import loader
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 
 
@@ -70,9 +70,9 @@ class Sampler:
 
   def consume(self, variables, tokens: np.ndarray, memory):
     """The memory after reading `tokens` (1-D) in segments of at most seq_len."""
-    _, memory = evaluation.read_stream(
+    _, memory = stream_eval.read_stream(
         functools.partial(_consume, variables, lm=self.lm),
-        evaluation.row_segments(np.asarray(tokens, np.int32)[None], self.seq_len), memory)
+        stream_eval.row_segments(np.asarray(tokens, np.int32)[None], self.seq_len), memory)
     return memory
 
   def step(self, variables, token_1x1, memory, key):
@@ -97,7 +97,7 @@ class Sampler:
     return np.asarray(jnp.concatenate(generated, axis=1)).ravel()
 
 
-def sample_text(model: loader.LoadedModel, prompt: str, num_tokens: int, *,
+def sample_text(model: trained_model.LoadedModel, prompt: str, num_tokens: int, *,
                 temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
   """The prompt as the model reads it, its continuation, and skipped prompt tokens.
 

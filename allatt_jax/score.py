@@ -21,7 +21,7 @@ from absl import flags
 from allatt_jax import cli
 from allatt_jax import errors
 from allatt_jax import likelihood
-from allatt_jax import loader
+from allatt_jax import trained_model
 
 _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
 _TEXT_FILE = flags.DEFINE_string(
@@ -47,7 +47,7 @@ def main(argv):
   del argv
   if _OUT.value:
     _check_out_file(_OUT.value)
-  model = loader.load(_CHECKPOINT.value, _STEP.value)
+  model = trained_model.load(_CHECKPOINT.value, _STEP.value)
   text = likelihood.read_text(_TEXT_FILE.value)
   summary, ids, log_probs = likelihood.score_text(model, text)
   if _OUT.value:
@@ -59,7 +59,7 @@ def main(argv):
 
 def run(argv=None) -> None:
   """Runs the command on `argv` (program name first; default: sys.argv)."""
-  cli.run(main, argv, flag_names={}, fallback_advice=loader.OLD_MODEL_ADVICE)
+  cli.run(main, argv, flag_names={}, fallback_advice=trained_model.OLD_MODEL_ADVICE)
 
 
 if __name__ == "__main__":

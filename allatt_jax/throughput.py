@@ -2,13 +2,13 @@
 matmul peak.
 
 `measure` times, on the first device and in one process:
-  * training tokens/s of the real jitted train step (`steps.jit_train_step`), for the
+  * training tokens/s of the real jitted train step (`train_step.jit_train_step`), for the
     baseline, for the pruning step with sampled gates, and for that step learning
     from a teacher (distill.py: the config's distill section where it turns
     distillation on, else `DISTILL`), and its achieved model
     GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
-    forward MACs per token (`cost_model.macs_per_token`, attention stack and output layer);
-  * evaluation-with-memory tokens/s (`evaluation.Evaluator`) of models of random
+    forward MACs per token (`head_costs.macs_per_token`, attention stack and output layer);
+  * evaluation-with-memory tokens/s (`stream_eval.Evaluator`) of models of random
     parameters cut to each fraction of every layer's heads (random heads, removed by
     the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
     model and their speed-up against the ideal 1 / MAC ratio;
@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import errors
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import sharding
 
 
@@ -146,7 +146,7 @@ class TrainStep:
         # steps of a run whose freeze may lie beyond the config's step count.
         train=dict(num_steps=max(config.train.num_steps, config.gates.freeze_step)))
     self.config = config
-    setup = run_setup.resolve(config)
+    setup = resolver.resolve(config)
     mesh = setup.mesh
     self.lm = setup.lm
     self._state = setup.new_state()
@@ -214,7 +214,7 @@ class Inference:
     e = config.eval
     self.segments = segments
     mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
-    self._evaluator = evaluation.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
+    self._evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
                                                        config)
     self._variables = jax.device_put({"params": params})
     length = e.batch_size * e.seq_len * self.segments + 1
@@ -255,7 +255,7 @@ def _device_memory() -> dict | None:
 def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   """The benchmark report of `config`'s model, timed as `plan` says (see the module
   docstring)."""
-  config = run_setup.with_vocab_size(config)
+  config = resolver.with_vocab_size(config)
   train, e = config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
@@ -282,7 +282,7 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
 
   cfg = train_steps["baseline"].lm.cfg
   peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
-  flops_per_token = 6 * cost_model.macs_per_token(
+  flops_per_token = 6 * head_costs.macs_per_token(
       cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
   train_report = {"flops_per_token": flops_per_token}
   for name, step in train_steps.items():
@@ -309,10 +309,10 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
     train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
 
-  full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
+  full_macs = head_costs.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
   inference, full_tokens_per_s = [], None
   for model in models:
-    macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+    macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
     tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
     full_tokens_per_s = full_tokens_per_s or tokens_per_s
     mac_ratio = macs["macs_per_token"] / full_macs

@@ -15,13 +15,13 @@ from jax.experimental import multihost_utils
 
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import exported_model
 from allatt_jax import preemption
 from allatt_jax import progress
 from allatt_jax import prune
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
@@ -47,11 +47,11 @@ def train_and_evaluate(config: RunConfig, workdir: str,
   """
   if deadline is not None and jax.process_count() > 1:
     raise ConfigError("A training deadline needs a single process.")
-  workdir = rundir.run_path(workdir)
+  workdir = run_files.run_path(workdir)
   with preemption.watching(watch) as watch:
     # The config, then its dataset, are checked before the checkpoints are opened
     # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
-    setup, corpus = run_setup.prepare_run(config)
+    setup, corpus = resolver.prepare_run(config)
     checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir)
     try:
       return _train_and_evaluate(setup, workdir, checkpoints, corpus, deadline, watch,
@@ -62,19 +62,19 @@ def train_and_evaluate(config: RunConfig, workdir: str,
       checkpoints.close()
 
 
-def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
+def _train_and_evaluate(setup: resolver.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
                         corpus: data_lib.Corpus, deadline: float | None,
                         watch: preemption.PreemptionWatch, gate_flags: str) -> dict:
   config = setup.run
   train_cfg = config.train
   latest = checkpoints.latest_step()
-  vocabulary = rundir.vocabulary_fingerprint(corpus.name, corpus.vocab)
+  vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
   validation.check_vocabulary(vocabulary, workdir, config.init_source,
                               resuming=latest is not None)
   is_main = jax.process_index() == 0
   if is_main:
-    rundir.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+    run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
@@ -125,7 +125,7 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
       if log:
         progress_log.log(done, nonfinite, state.variables.get("gates"))
       if evaluate_now:
-        progress_log.write_eval(done, evaluation.evaluate_splits(
+        progress_log.write_eval(done, stream_eval.evaluate_splits(
             evaluator, state.variables, corpus, ("valid",), config.eval.max_batches))
       if save or preempted:
         checkpoints.save(done, state, stream.get_state(), force=True)
@@ -147,13 +147,13 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   watch.stop_if_asked(f"training (checkpoint of step {train_cfg.num_steps} in "
                       f"{checkpoints.directory})", "run the final evaluation")
   if "final" not in phases:
-    phases["final"] = evaluation.evaluate_splits(evaluator, state.variables, corpus)
+    phases["final"] = stream_eval.evaluate_splits(evaluator, state.variables, corpus)
     progress_log.writer.write_scalars(
         train_cfg.num_steps, {f"final/{k}": v for k, v in phases["final"].items()})
     progress_log.writer.flush()
     _save_phases(workdir, phases)
   if is_main:
-    print(progress.results_line("final" + (" (gated)" if gated else ""), phases["final"],
+    print(stream_eval.results_line("final" + (" (gated)" if gated else ""), phases["final"],
                                 corpus.metric), flush=True)
   next_phase = "export the pruned model" if gated else "write results.json"
   watch.stop_if_asked(f"the final evaluation (kept in {workdir / PHASES_FILE})",
@@ -170,11 +170,11 @@ def _train_and_evaluate(setup: run_setup.RunSetup, workdir,
   if gated:
     results["export"] = phases["export"]
   if is_main:
-    rundir.write_json(workdir / "results.json", results)
+    run_files.write_json(workdir / "results.json", results)
   return results
 
 
-def _keep_budgeted_heads(setup: run_setup.RunSetup, workdir, state, step: int):
+def _keep_budgeted_heads(setup: resolver.RunSetup, workdir, state, step: int):
   """The state with exactly the budget's n* heads open (`prune.keep_open_heads`),
   the decision recorded in BUDGET_FILE and on the console.
 
@@ -190,7 +190,7 @@ def _keep_budgeted_heads(setup: run_setup.RunSetup, workdir, state, step: int):
   path = workdir / BUDGET_FILE
   if decision["changed"] or not path.is_file():
     if jax.process_index() == 0:
-      rundir.write_json(path, {"step": step, **decision})
+      run_files.write_json(path, {"step": step, **decision})
       print(_budget_line(decision, sum(setup.lm.cfg.layer_heads)), flush=True)
   if not decision["changed"]:
     return state
@@ -209,7 +209,7 @@ def _budget_line(decision: dict, num_heads: int) -> str:
 
 def budget_decision(workdir) -> dict | None:
   """What the budget decided at the freeze (`_keep_budgeted_heads`), or None."""
-  path = rundir.run_path(workdir) / BUDGET_FILE
+  path = run_files.run_path(workdir) / BUDGET_FILE
   return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -230,4 +230,4 @@ def _finished_phases(workdir, config: RunConfig, step: int) -> dict:
 
 def _save_phases(workdir, phases: dict) -> None:
   if jax.process_index() == 0:
-    rundir.write_json(workdir / PHASES_FILE, phases)
+    run_files.write_json(workdir / PHASES_FILE, phases)

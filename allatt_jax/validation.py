@@ -18,7 +18,7 @@ import jax
 
 from allatt_jax import checkpointing
 from allatt_jax import run_config
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
@@ -73,10 +73,10 @@ def check_same_settings(config: run_config.RunConfig, workdir) -> None:
   Resuming would train a mix of both, and the saved config.json would then describe
   a model it did not train; a workdir without config.json has nothing to compare.
   """
-  workdir = rundir.run_path(workdir)
-  if not (workdir / rundir.CONFIG_FILE).is_file():
+  workdir = run_files.run_path(workdir)
+  if not (workdir / run_files.CONFIG_FILE).is_file():
     return
-  changed = setting_differences(rundir.load_config(workdir), config)
+  changed = setting_differences(run_files.load_config(workdir), config)
   if changed:
     raise ConfigError(
         f"--workdir {workdir} holds a run trained with other settings ({'; '.join(changed)});"
@@ -141,8 +141,8 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
   if found == state_shapes:
     return
   workdir = checkpoints.directory.parent
-  saved = workdir / rundir.CONFIG_FILE
-  previous = rundir.load_config(workdir) if saved.is_file() else None
+  saved = workdir / run_files.CONFIG_FILE
+  previous = run_files.load_config(workdir) if saved.is_file() else None
   if previous is not None and previous.model.vocab_size != config.model.vocab_size:
     # Other data changes the shape of every embedding and its optimizer state: the
     # cause says more than that list, which only --verbosity=1 shows.
@@ -164,12 +164,12 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
 
 
 def _check_init_from(config, state_shapes):
-  source = rundir.run_path(config.init_from)
+  source = run_files.run_path(config.init_from)
   if not source.is_dir():
     raise CheckpointError(
         f"config.init_from={source} does not exist or is not a folder; set it to the "
         "--workdir of the finished baseline run, or an exported model, to start from.")
-  saved = rundir.load_config(source)
+  saved = run_files.load_config(source)
   found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
   if saved.model.vocab_size != config.model.vocab_size:
     raise CheckpointError(
@@ -195,7 +195,7 @@ def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
   if init_from:
     sources.append((f"config.init_from={init_from}", init_from))
   for who, directory in sources:
-    saved = rundir.load_vocabulary(directory)
+    saved = run_files.load_vocabulary(directory)
     if saved is not None and saved != fingerprint:
       raise DataError(
           f"The vocabulary of dataset {fingerprint['dataset']!r} ({fingerprint['size']} "
@@ -207,11 +207,11 @@ def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
 
 def check_export(workdir) -> None:
   """Raises CheckpointError unless `workdir` is a pruning run with a finished checkpoint."""
-  if (rundir.run_path(workdir) / "params").is_dir():
+  if (run_files.run_path(workdir) / "params").is_dir():
     raise CheckpointError(
         f"{workdir} is an exported model, not a run: it has no checkpoints or gates left "
         "to export. Give the pruning run's --workdir (the folder holding checkpoints/).")
-  config = rundir.load_config(workdir)
+  config = run_files.load_config(workdir)
   if not config.gates.enabled:
     raise CheckpointError(
         f"{workdir} is a baseline run (gates.enabled=False): it has no head gates, so "

@@ -5,8 +5,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from allatt_jax import checkpointing
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import validation
 
 
@@ -14,9 +14,9 @@ def start_run(config, workdir):
   """(setup, checkpoints) of a run about to train, after the checks a run makes
   before it reads its dataset or compiles (config, starting point, `init_from`,
   workdir, resume), as `train.train_and_evaluate` makes them."""
-  setup = run_setup.resolve(config, starts_run=True)
+  setup = resolver.resolve(config, starts_run=True)
   return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
-                                            rundir.run_path(workdir))
+                                            run_files.run_path(workdir))
 
 
 def saved_state(workdir, step):

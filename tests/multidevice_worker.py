@@ -20,9 +20,9 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax import sharding
-from allatt_jax import run_setup
+from allatt_jax import resolver
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ((8, 1), (4, 2), (2, 4))
@@ -35,7 +35,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # run_setup.resolve comes after prepare fills it in
+  config.model.vocab_size = 27   # resolver.resolve comes after prepare fills it in
   config.mesh.data, config.mesh.model = mesh
   # Dropout checks that random masks do not depend on how arrays are sharded.
   config.model.update(dict(dropout=0.1, dropout_attn=0.1, dropout_emb=0.1))
@@ -50,12 +50,12 @@ def test_config(data_dir: str, mesh=(-1, 1)):
 
 def train_steps(config, num_steps: int = NUM_STEPS):
   """(state, losses, last inputs, stream) after `num_steps` sampled-gate steps."""
-  setup = run_setup.resolve(config)
+  setup = resolver.resolve(config)
   state = setup.new_state()
   batch = sharding.batch_sharding(setup.mesh)
   step_fn = setup.train_step(sample_gates=True)
   t = config.train
-  stream = data_lib.SegmentStream(run_setup.load_corpus(config).splits["train"], t.batch_size,
+  stream = data_lib.SegmentStream(resolver.load_corpus(config).splits["train"], t.batch_size,
                                   t.seq_len, *sharding.process_rows(setup.mesh))
   losses = []
   for _ in range(num_steps):
@@ -101,7 +101,7 @@ def placements(state, inputs) -> dict[str, dict]:
 
 def save_run(workdir: pathlib.Path, config, state, stream) -> None:
   """The state as a run's checkpoint, written as the train loop writes it."""
-  rundir.save_config(workdir, config)
+  run_files.save_config(workdir, config)
   checkpoints = checkpointing.RunCheckpoints(workdir)
   checkpoints.save(int(state.step), state, stream.get_state(), force=True)
   checkpoints.wait()

@@ -11,8 +11,8 @@ from allatt_jax import config_base
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
-from allatt_jax import run_setup
-from allatt_jax import steps
+from allatt_jax import resolver
+from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
 
 VOCAB = 29
@@ -37,8 +37,8 @@ def make_state(config):
   # Plain SGD with rate 1: the update is minus the gradient, so the test compares
   # gradients without an optimizer that could amplify or hide their differences.
   optimizer = optax.sgd(1.0)
-  settings = steps.StepConfig.from_config(config, optim.schedules(config))
-  state = steps.init_state(lm, optimizer, run_setup.penalty_from_config(config, lm.cfg),
+  settings = train_step.StepConfig.from_config(config, optim.schedules(config))
+  state = train_step.init_state(lm, optimizer, resolver.penalty_from_config(config, lm.cfg),
                            settings, jax.random.key(0))
   previous = jax.random.randint(jax.random.key(1), (BATCH, SEQ_LEN), 0, VOCAB)
   _, memory, _ = lm.apply(state.variables, previous, previous, state.memory)
@@ -57,9 +57,9 @@ def run_step(accum, gated, memory=None):
     state = state.replace(memory=memory)
   old = state.variables
   step = jax.jit(functools.partial(
-      steps.train_step, lm=lm, optimizer=optimizer,
-      penalty=run_setup.penalty_from_config(config, lm.cfg),
-      step_config=steps.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
+      train_step.train_step, lm=lm, optimizer=optimizer,
+      penalty=resolver.penalty_from_config(config, lm.cfg),
+      step_config=train_step.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
   new_state, metrics = step(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)
   return updates, new_state.memory, metrics

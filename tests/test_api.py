@@ -18,12 +18,12 @@ from allatt_jax import gates as gates_lib
 from allatt_jax import exported_model
 from allatt_jax import figures
 from allatt_jax import likelihood
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import run_config
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
@@ -41,7 +41,7 @@ def stages(tmp_path_factory):
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
-  stages = run_setup.resolve_pipeline(config)
+  stages = resolver.resolve_pipeline(config)
   runs = tmp_path_factory.mktemp("runs")
   return stages.baseline, run_config.derived_run(stages.pruning,
                                                  init_from=str(runs / "baseline"))
@@ -108,7 +108,7 @@ def test_import_is_light_and_exposes_the_api():
 
 @pytest.mark.slow
 def test_run_saves_its_tokenizer(workdir, model):
-  saved = rundir.load_tokenizer(workdir)
+  saved = run_files.load_tokenizer(workdir)
   assert saved["level"] == "char" and saved["clean"] == "text8"
   assert len(saved["vocab"]) == model.lm.cfg.vocab_size == 27
 
@@ -148,7 +148,7 @@ def test_save_load_round_trip_is_exact(workdir, model, ids, tmp_path):
   np.testing.assert_array_equal(np.asarray(loaded.log_probs(ids)[0]),
                                 np.asarray(smaller.log_probs(ids)[0]))
   assert loaded.tokenizer == smaller.tokenizer
-  assert rundir.load_vocabulary(tmp_path / "smaller") == rundir.load_vocabulary(workdir)
+  assert run_files.load_vocabulary(tmp_path / "smaller") == run_files.load_vocabulary(workdir)
   with pytest.raises(CheckpointError, match="is an exported model: it has one set of parameters, no steps"):
     allatt_jax.load(tmp_path / "smaller", step=3)
 
@@ -190,7 +190,7 @@ def test_export_is_standalone(model, tmp_path):
                     "--num_tokens=20", env=env).stdout
   assert sampled.startswith("the town") and len(sampled.rstrip("\n")) == 28
   # In this process, the library behind evaluate --text_file and costs --checkpoint.
-  loaded = loader.load(export)
+  loaded = trained_model.load(export)
   evaluated = likelihood.evaluate_model(loaded, text=TEXT)
   assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
   assert evaluated["tokens"] == scored["tokens"]
@@ -203,7 +203,7 @@ def test_export_is_standalone(model, tmp_path):
 @pytest.mark.slow
 def test_model_saved_before_tokenizers_loads_through_its_dataset(model, ids, tmp_path):
   model.save(tmp_path / "old")
-  (tmp_path / "old" / rundir.TOKENIZER_FILE).unlink()
+  (tmp_path / "old" / run_files.TOKENIZER_FILE).unlink()
   old = allatt_jax.load(tmp_path / "old")
   assert old.tokenizer == model.tokenizer
   np.testing.assert_array_equal(np.asarray(old.log_probs(ids)[0]),
@@ -233,14 +233,14 @@ def test_readme_python_example_runs(workdir, tmp_path, capsys):
   exec(example.replace("/tmp/allatt_demo", str(tmp_path)), {})  # pylint: disable=exec-used
   printed = capsys.readouterr().out.splitlines()
   assert printed[0] == "(8, 8, 8, 8)"
-  assert (tmp_path / "smaller" / rundir.TOKENIZER_FILE).is_file()
+  assert (tmp_path / "smaller" / run_files.TOKENIZER_FILE).is_file()
 
 
 @pytest.mark.slow
 def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
   for directory in (pruned_run, pruned_run / exported_model.EXPORT_DIR):
-    assert rundir.load_tokenizer(directory) == model.tokenizer.to_dict()
-    assert rundir.load_vocabulary(directory) == rundir.load_vocabulary(pruned_run)
+    assert run_files.load_tokenizer(directory) == model.tokenizer.to_dict()
+    assert run_files.load_vocabulary(directory) == run_files.load_vocabulary(pruned_run)
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ from allatt_jax import optim
 from allatt_jax import pipeline
 from allatt_jax import prune
 from allatt_jax import run_config
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
@@ -125,7 +125,7 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config.gates.update(config.experiments.prune_gates.to_dict())
   config.gates.target_sparsity = 0.5
   config.train.update(config.experiments.prune_train.to_dict())
-  setup = run_setup.resolve(config)
+  setup = resolver.resolve(config)
   state = setup.new_state()
   step = config.gates.freeze_step - 1          # the target is n* = 4 of 8 by now
   gap = float(setup.penalty.open_count(state.variables, step)) - 4.0
@@ -195,7 +195,7 @@ def demo_baseline(tmp_path_factory, data_dir):
   """The tiny demo's baseline stage, trained once: the pipelines below start from a
   copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
   workdir = tmp_path_factory.mktemp("demo_baseline")
-  baseline = run_setup.resolve_pipeline(demo_config(data_dir)).baseline
+  baseline = resolver.resolve_pipeline(demo_config(data_dir)).baseline
   train.train_and_evaluate(baseline, workdir / "baseline")
   return workdir / "baseline"
 
@@ -210,7 +210,7 @@ def sized_demo(tmp_path_factory, demo_baseline, data_dir):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
   workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
   report = pipeline.run(
-      run_setup.resolve_pipeline(demo_config(data_dir, target_sparsity=0.5)), workdir)
+      resolver.resolve_pipeline(demo_config(data_dir, target_sparsity=0.5)), workdir)
   return workdir, report
 
 
@@ -224,7 +224,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   decision = pruned["budget"]
   assert decision["changed"] == len(decision["opened"]) + len(decision["closed"])
   assert decision["by_gates"] + len(decision["opened"]) - len(decision["closed"]) == 4
-  saved = rundir.load_config(workdir / "pruned")
+  saved = run_files.load_config(workdir / "pruned")
   assert saved.gates.lam == 0.0 and saved.gates.target_sparsity == 0.5
   assert saved.model.vocab_size == 27          # taken from the dataset (demo: 0)
   # Export, results, the gate figure's marks and Model.costs() agree on the heads.
@@ -234,7 +234,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   results = json.loads((workdir / "pruned" / "results.json").read_text())
   assert kept == pruned["heads_per_layer"] == results["export"]["heads_per_layer"]
   assert api.load(workdir / "pruned").costs()["heads_per_layer"] == kept
-  export_config = rundir.load_config(workdir / "pruned" / "export")
+  export_config = run_files.load_config(workdir / "pruned" / "export")
   assert list(export_config.model.heads_per_layer) == kept
   # The figure's colours too: a hard gate's open probability is >= 1/2 iff it is kept.
   last = json.loads((workdir / "pruned" / "gate_history.jsonl").read_text()
@@ -251,7 +251,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
   capsys.readouterr()
   report = pipeline.run(
-      run_setup.resolve_pipeline(demo_config(data_dir, target_sparsity=0.75)), workdir)
+      resolver.resolve_pipeline(demo_config(data_dir, target_sparsity=0.75)), workdir)
   out = capsys.readouterr().out
   assert not PROGRESS.search(out.split("== Pruning")[0]), "the baseline trained again"
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
@@ -263,11 +263,11 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   capsys.readouterr()
   config = demo_config(data_dir, target_sparsity=0.5)
   config.eval.max_batches = 4
-  report = pipeline.run(run_setup.resolve_pipeline(config), workdir)
+  report = pipeline.run(resolver.resolve_pipeline(config), workdir)
   assert report["pruned"]["directory"] == "pruned"
   assert not PROGRESS.search(capsys.readouterr().out)     # nothing trained
   assert (workdir / "pruned" / "config.json").read_bytes() != saved_config   # eval key
-  assert rundir.load_config(workdir / "pruned").gates.target_sparsity == 0.5
+  assert run_files.load_config(workdir / "pruned").gates.target_sparsity == 0.5
 
 
 def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data_dir):
@@ -275,7 +275,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
   config.gates.target_sparsity = 0.5
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
-    pipeline.run(run_setup.resolve_pipeline(config), tmp_path)
+    pipeline.run(resolver.resolve_pipeline(config), tmp_path)
   assert not any(tmp_path.iterdir())
 
 
@@ -283,7 +283,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
                                                    capsys):
   config = demo_config(data_dir, lam=0.0)
-  report = pipeline.run(run_setup.resolve_pipeline(config),
+  report = pipeline.run(resolver.resolve_pipeline(config),
                         with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
@@ -295,7 +295,7 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 @pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
-  baseline = run_setup.resolve_pipeline(config).baseline
+  baseline = resolver.resolve_pipeline(config).baseline
   baseline = dataclasses.replace(
       run_config.derived_run(baseline, train=dict(num_steps=10)),
       checkpoint=dataclasses.replace(baseline.checkpoint, every_steps=5))
@@ -312,7 +312,7 @@ def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   longer = dataclasses.replace(run_config.derived_run(baseline, train=dict(num_steps=15)),
                                eval=dataclasses.replace(baseline.eval, every_steps=5))
   train.train_and_evaluate(longer, tmp_path / "run")
-  assert rundir.load_config(tmp_path / "run").train.num_steps == 15
+  assert run_files.load_config(tmp_path / "run").train.num_steps == 15
 
 
 @pytest.mark.slow
@@ -321,7 +321,7 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
   config.data.data_dir = data_dir
   config.train.num_steps = 5
   experiment = lambda: runs_lib.Experiment(
-      run_setup.resolve_config(config), plan_lib.from_section(config.experiments.to_dict()),
+      resolver.resolve_config(config), plan_lib.from_section(config.experiments.to_dict()),
       tmp_path)
   experiment().baseline()
   config.train.learning_rate = 0.01
@@ -333,12 +333,12 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
 
 def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
                                                                            data_dir):
-  config = run_setup.resolve_pipeline(demo_config(data_dir)).baseline
+  config = resolver.resolve_pipeline(demo_config(data_dir)).baseline
   assert config.model.vocab_size == 0
-  completed, corpus = run_setup.prepare(config)
+  completed, corpus = resolver.prepare(config)
   assert completed.model.vocab_size == corpus.vocab_size == 27
   with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
-    run_setup.prepare(run_config.derived_run(config, model=dict(vocab_size=30)))
+    resolver.prepare(run_config.derived_run(config, model=dict(vocab_size=30)))
 
 
 def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
@@ -351,7 +351,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
                           data_dir=str(tmp_path / "tfds")))
   with caplog.at_level(logging.WARNING):
-    run_setup.load_corpus(config)
+    resolver.load_corpus(config)
   [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
   assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
           in message and "--config.data.min_count=2" in message)
@@ -359,7 +359,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
   (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
   with caplog.at_level(logging.WARNING):
-    run_setup.load_corpus(config)
+    resolver.load_corpus(config)
   assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
 
 
@@ -382,7 +382,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   config = config_base.base_config()
   config.model.vocab_size = 27
   config.gates.update(dict(enabled=True, target_sparsity=0.0, freeze_step=100))
-  setup = run_setup.resolve(config)
+  setup = resolver.resolve(config)
   total = sum(setup.lm.cfg.layer_heads)
   everything = dict(allowed=total, by_gates=total, changed=0)
   [warning] = exported_model.pruning_warnings(setup.run, total, total, everything,

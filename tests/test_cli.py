@@ -20,7 +20,7 @@ from allatt_jax import cli
 from allatt_jax import config_base
 from allatt_jax import console
 from allatt_jax import data as data_lib
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from helpers import start_run
@@ -53,7 +53,7 @@ def prune_config():
   with config.unlocked():
     del config["pipeline"]
   config.gates.update(dict(enabled=True, freeze_step=15))
-  config.model.vocab_size = 27   # what run_setup.prepare takes from the data before start
+  config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   return config
 
 
@@ -82,14 +82,14 @@ def test_main_config_failing_to_load_names_the_file_and_the_error(tmp_path):
 
 
 def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
-  rundir.save_config(tmp_path, prune_config)
+  run_files.save_config(tmp_path, prune_config)
   result = command("allatt_jax.export", f"--workdir={tmp_path}")
   assert_one_error_line(result, str(tmp_path))
 
 
 @pytest.mark.slow
 def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
-  rundir.save_config(tmp_path / "export", prune_config)
+  run_files.save_config(tmp_path / "export", prune_config)
   (tmp_path / "export" / "params").mkdir()
   result = command("allatt_jax.export", f"--workdir={tmp_path / 'export'}")
   assert_one_error_line(result, "is an exported model, not a run", "--workdir")
@@ -98,7 +98,7 @@ def test_export_of_an_export_instead_of_its_run(tmp_path, prune_config):
 @pytest.mark.slow
 def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
   # Its stages went into new runs nested in that run's folder, and it exited 0.
-  rundir.save_config(tmp_path / "run", prune_config)
+  run_files.save_config(tmp_path / "run", prune_config)
   result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
                    f"--workdir={tmp_path / 'run'}", tmp=tmp_path)
   assert_one_error_line(result, "holds a single run", "WORKDIR/baseline")
@@ -107,8 +107,8 @@ def test_main_pipeline_into_a_single_runs_workdir(tmp_path, prune_config):
 
 @pytest.mark.slow
 def test_score_of_a_pipelines_workdir_names_its_runs(tmp_path, prune_config):
-  rundir.save_config(tmp_path / "baseline", prune_config)
-  rundir.save_config(tmp_path / "pruned", prune_config)
+  run_files.save_config(tmp_path / "baseline", prune_config)
+  run_files.save_config(tmp_path / "pruned", prune_config)
   result = command("allatt_jax.score", f"--checkpoint={tmp_path}",
                    f"--text_file={tmp_path / 'missing.txt'}")
   assert_one_error_line(result, "no config.json", "pipeline's workdir",
@@ -169,7 +169,7 @@ def saved_run_config(workdir, manual_dir):
   """A run's config.json on dataset text_files in `manual_dir`, without checkpoints."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.data.update(dict(name="text_files", manual_dir=str(manual_dir)))
-  rundir.save_config(workdir, config)
+  run_files.save_config(workdir, config)
 
 
 @pytest.mark.slow
@@ -278,13 +278,13 @@ def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, cap
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = str(tmp_path / "tfds")
-  config.model.vocab_size = 27   # what run_setup.prepare takes from the data before start
+  config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   workdir = tmp_path / "run"
   setup, checkpoints = start_run(config, workdir)
   checkpoints.save(1, setup.new_state(), {"position": 0}, force=True)
   checkpoints.wait()
   checkpoints.close()
-  rundir.save_config(workdir, config)
+  run_files.save_config(workdir, config)
 
   other = config.copy_and_resolve_references()
   other.data.update(dict(name="text_files", manual_dir=str(text_folder(tmp_path / "text"))))

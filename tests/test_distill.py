@@ -16,9 +16,9 @@ from allatt_jax import config_base
 from allatt_jax import distill
 from allatt_jax import pipeline
 from allatt_jax import run_config
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import sharding
-from allatt_jax import steps
+from allatt_jax import train_step
 from allatt_jax import train
 from allatt_jax.errors import ConfigError
 from tests import helpers
@@ -117,8 +117,8 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   """α = β = 0 with a teacher in the state: parameters, gates, optimizer state, memory
   and metrics after three steps (gates sampled) equal the plain pruning step's, bit
   for bit."""
-  plain = run_setup.resolve(_tiny_pruning_config())
-  with_teacher = run_setup.resolve(_tiny_pruning_config(weight=0.5))
+  plain = resolver.resolve(_tiny_pruning_config())
+  with_teacher = resolver.resolve(_tiny_pruning_config(weight=0.5))
   zero = dataclasses.replace(with_teacher.step_config, grad_accum_steps=accum,
                              distill=run_config.DistillSection())
   batch = sharding.batch_sharding(plain.mesh)
@@ -126,7 +126,7 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   for setup, settings in ((plain, dataclasses.replace(plain.step_config,
                                                       grad_accum_steps=accum)),
                           (with_teacher, zero)):
-    step_fns.append(steps.jit_train_step(
+    step_fns.append(train_step.jit_train_step(
         setup.lm, setup.optimizer, setup.penalty, settings, setup.state_sharding, batch,
         sharding.replicated(setup.mesh), sample_gates=True))
   states = [plain.new_state(), with_teacher.new_state()]
@@ -146,7 +146,7 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
   """A run that does not distill saves no 'teacher' entry, so checkpoints made before
   distillation existed (step, variables, opt_state, memory) restore unchanged."""
-  setup = run_setup.resolve(_tiny_pruning_config())
+  setup = resolver.resolve(_tiny_pruning_config())
   checkpoints = checkpointing.RunCheckpoints(tmp_path, async_save=False)
   try:
     checkpoints.save(1, setup.new_state(), {"position": 0})
@@ -160,11 +160,11 @@ def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
 
 def test_distillation_config_errors():
   with pytest.raises(ConfigError, match=r"distill.weight=1.5 is out of range.*\[0, 1\]"):
-    run_setup.resolve_config(_tiny_pruning_config(weight=1.5))
+    resolver.resolve_config(_tiny_pruning_config(weight=1.5))
   with pytest.raises(ConfigError, match="distill.temperature=0.0 is out of range"):
-    run_setup.resolve_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
+    resolver.resolve_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
   with pytest.raises(ConfigError, match="kl_clusters='tails' is unknown"):
-    run_setup.resolve_config(_tiny_pruning_config(kl_clusters="tails"))
+    resolver.resolve_config(_tiny_pruning_config(kl_clusters="tails"))
   config = _tiny_pruning_config(hidden_weight=1.0)
   config.gates.enabled = False
   with pytest.raises(ConfigError, match="init_from is not set.*--config.distill.weight=0"):
@@ -172,7 +172,7 @@ def test_distillation_config_errors():
   demo = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   demo.distill.weight = 0.5
   with pytest.raises(ConfigError, match="--config.pipeline.prune_distill.weight=0.5"):
-    run_setup.resolve_pipeline(demo)
+    resolver.resolve_pipeline(demo)
 
 
 @pytest.mark.slow

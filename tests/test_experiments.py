@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from allatt_jax import config_base
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
@@ -142,13 +142,13 @@ def test_budgets_convert_to_the_most_heads_that_fit():
   cfg = model_lib.ModelConfig.from_config(config)
   e = config.eval
   for key, cost in (("target_params",
-                     lambda c: cost_model.param_counts(c)["params_non_embedding"]),
-                    ("target_macs", lambda c: cost_model.macs_per_token(
+                     lambda c: head_costs.param_counts(c)["params_non_embedding"]),
+                    ("target_macs", lambda c: head_costs.macs_per_token(
                         c, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"])):
     five = cost(dataclasses.replace(cfg, heads_per_layer=(3, 2)))
     for value, heads in ((five, 5), (five - 1, 4), (five * 10, 8), (1, 0)):
-      assert cost_model.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
-  assert cost_model.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
+      assert head_costs.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
+  assert head_costs.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
 
 
 @pytest.mark.parametrize("gates, match", [
@@ -159,17 +159,17 @@ def test_budgets_convert_to_the_most_heads_that_fit():
 def test_budget_config_errors(gates, match):
   with pytest.raises(ConfigError, match=match):
     config = budget_config(**gates)
-    cost_model.target_open_heads(config, model_lib.ModelConfig.from_config(config))
+    head_costs.target_open_heads(config, model_lib.ModelConfig.from_config(config))
 
 
 def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
   config = budget_config(target_sparsity=0.5, lam=0.1, l0_warmup_steps=0,
                          budget_warmup_steps=0)
-  corpus = run_setup.load_corpus(config)
-  completed = run_setup.complete(config, corpus)
+  corpus = resolver.load_corpus(config)
+  completed = resolver.complete(config, corpus)
   assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
   assert config.gates.lam == 0.1                  # the caller's config is left alone
-  penalty = run_setup.penalty_from_config(completed, model_lib.ModelConfig.from_config(
+  penalty = resolver.penalty_from_config(completed, model_lib.ModelConfig.from_config(
       completed))
   assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
@@ -249,7 +249,7 @@ def experiment(tmp_path_factory, monkeypatch_module):
   monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
       k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
   return runs_lib.Experiment(
-      run_setup.resolve_config(config),
+      resolver.resolve_config(config),
       plan_lib.ExperimentPlan.from_dict(exp_chars_plan(heuristics=("michel",))),
       tmp_path_factory.mktemp("experiment"))
 
@@ -304,8 +304,8 @@ def test_heuristic_runs_start_from_the_masked_model(experiment):
   mask = json.loads((masked_dir / runs_lib.MASK_FILE).read_text())["mask"]
   assert masked.heads_per_layer == tuned.heads_per_layer == [sum(m) for m in mask]
   assert masked.heads == 8 - removed
-  assert (rundir.load_vocabulary(masked_dir)
-          == rundir.load_vocabulary(experiment.run_dir("baseline")))
+  assert (run_files.load_vocabulary(masked_dir)
+          == run_files.load_vocabulary(experiment.run_dir("baseline")))
   config = json.loads((experiment.run_dir(tuned.name) / "config.json").read_text())
   assert config["init_from"] == str(masked_dir)
   assert not config["gates"]["enabled"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import errors
 from allatt_jax import prune
 from allatt_jax import gates as gates_lib
@@ -144,7 +144,7 @@ def test_exported_tree_is_the_pruned_models(kind):
   assert jax.tree.map(np.shape, params) == jax.tree.map(lambda x: x.shape, expected)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
   count = sum(x.size for x in jax.tree.leaves(params))
-  assert count == cost_model.param_counts(pruned_cfg)["params_total"]
+  assert count == head_costs.param_counts(pruned_cfg)["params_total"]
 
   # Everything outside the attention of pruned layers is copied unchanged.
   flat_full = traverse_util.flatten_dict(variables["params"])

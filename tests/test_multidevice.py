@@ -17,7 +17,7 @@ from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import model as model_lib
-from allatt_jax import rundir
+from allatt_jax import run_files
 
 import multidevice_worker as worker
 
@@ -97,7 +97,7 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
     np.testing.assert_array_equal(a, b)
   # The smaller model computes what the gated one does with deterministic gates.
   gated_lm, here_lm = (model_lib.TransformerLM.from_config(c)
-                       for c in (rundir.load_config(workdir), here_config))
+                       for c in (run_files.load_config(workdir), here_config))
   gated_vars = checkpointing.restore_variables(workdir)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 27)
   logp = [lm.apply(v, tokens, model_lib.init_memory(lm.cfg, 2, 16), method=lm.log_probs)[0]

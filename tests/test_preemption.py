@@ -20,11 +20,12 @@ from helpers import assert_bit_identical
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
+from allatt_jax import demo_report
 from allatt_jax import errors
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import exported_model
 from allatt_jax import pipeline
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax import train
 from allatt_jax.errors import Preempted
 
@@ -65,7 +66,7 @@ def demo(tmp_path_factory):
   for key, value in cache.items():
     jax.config.update(key, value)
   config = config_base.load(path)
-  pipeline.run(run_setup.resolve_pipeline(config), root / "uninterrupted")
+  pipeline.run(resolver.resolve_pipeline(config), root / "uninterrupted")
   yield path, config, root / "uninterrupted"
   for key, value in before.items():
     jax.config.update(key, value)
@@ -76,7 +77,7 @@ class Calls:
 
   def __init__(self, monkeypatch):
     self.saves, self.evaluations = 0, 0
-    save, evaluate_splits = checkpointing.RunCheckpoints.save, evaluation.evaluate_splits
+    save, evaluate_splits = checkpointing.RunCheckpoints.save, stream_eval.evaluate_splits
 
     def counted_save(checkpoints, *args, **kwargs):
       self.saves += 1
@@ -124,10 +125,10 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
       calls = Calls(monkeypatch)
       arrange(monkeypatch)
       if match is None:
-        pipeline.run(run_setup.resolve_pipeline(config), workdir)
+        pipeline.run(resolver.resolve_pipeline(config), workdir)
       else:
         with pytest.raises(Preempted, match=match):
-          pipeline.run(run_setup.resolve_pipeline(config), workdir)
+          pipeline.run(resolver.resolve_pipeline(config), workdir)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     return calls
 
@@ -160,14 +161,14 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   assert calls.evaluations == 2 and not (pruned / "results.json").exists()
 
   # 5. During the speed comparison of the report: nothing before it is redone.
-  calls = rerun(lambda m: sigterm_before(m, pipeline, "_measure_speed"),
+  calls = rerun(lambda m: sigterm_before(m, demo_report, "measure_speed"),
                 r"^Preempted after the speed comparison \(not kept\)\. Rerun the same "
                 r"command to measure it again and write the report\.$")
   assert (calls.saves, calls.evaluations) == (0, 0)
   assert (pruned / "results.json").is_file() and not (workdir / "report.json").exists()
 
   # 6. While the report is written, past the last safe point: it finishes.
-  calls = rerun(lambda m: sigterm_before(m, pipeline, "_report"))
+  calls = rerun(lambda m: sigterm_before(m, demo_report, "build"))
   assert (calls.saves, calls.evaluations) == (0, 0)
 
   # The interrupted pipeline ends where the uninterrupted one does.

@@ -25,7 +25,7 @@ from allatt_jax import config_base
 from allatt_jax import errors
 from allatt_jax import preemption
 from allatt_jax import progress
-from allatt_jax import steps
+from allatt_jax import train_step
 from allatt_jax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ POISONED_STEP = 5
 @pytest.fixture
 def poisoned(monkeypatch):
   """Step POISONED_STEP's forward pass reads NaN memory, so its loss and gradient are NaN."""
-  real_step = steps.train_step
+  real_step = train_step.train_step
 
   def train_step(state, inputs, targets, **kwargs):
     poison = jnp.where(state.step + 1 == POISONED_STEP, jnp.nan, 1.0)

@@ -12,10 +12,10 @@ import pytest
 
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import sampler as sampler_lib
 from allatt_jax import sharding
 from allatt_jax import train
@@ -42,7 +42,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(workdir):
-  return loader.load(workdir)
+  return trained_model.load(workdir)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_score_matches_evaluate(model, corpus):
   e = model.config.eval
   log_probs = likelihood.token_log_probs(model.lm, model.variables, tokens,
                                          seq_len=e.seq_len, mem_len=e.mem_len)
-  evaluator = evaluation.Evaluator(model.lm, sharding.make_mesh((1, 1)),
+  evaluator = stream_eval.Evaluator(model.lm, sharding.make_mesh((1, 1)),
                                  batch_size=1, seq_len=e.seq_len, mem_len=e.mem_len)
   expected = evaluator.score(model.variables, tokens)
   assert len(log_probs) == expected["tokens"] == len(tokens) - 1
@@ -103,7 +103,7 @@ def test_score_matches_evaluate(model, corpus):
 
   summary, _, _ = likelihood.score_text(model, model.tokenizer.decode(tokens))
   assert summary["bpc"] == pytest.approx(
-      evaluation.metric_value(expected["nll"], "bpc"), rel=1e-5)
+      stream_eval.metric_value(expected["nll"], "bpc"), rel=1e-5)
 
 
 def test_sampling_is_deterministic_per_seed(model, corpus):

@@ -15,8 +15,8 @@ from allatt_jax.data import eval_batches
 from allatt_jax.data import SegmentStream
 from allatt_jax.data import to_global_array
 from allatt_jax.errors import DataError
-from allatt_jax.evaluation import read_stream
-from allatt_jax.evaluation import row_segments
+from allatt_jax.stream_eval import read_stream
+from allatt_jax.stream_eval import row_segments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,11 @@ from allatt_jax import adaptive
 from allatt_jax import config_base
 from allatt_jax import config_checks
 from allatt_jax import likelihood
-from allatt_jax import loader
+from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import validation
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import specs
@@ -140,11 +140,11 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
 def test_a_run_cannot_resume_with_another_option_set(tmp_path):
   word = load(tmp_path)
   (tmp_path / 'run' / 'checkpoints').mkdir(parents=True)
-  rundir.save_vocabulary(tmp_path / 'run', rundir.vocabulary_fingerprint(
+  run_files.save_vocabulary(tmp_path / 'run', run_files.vocabulary_fingerprint(
       word.name, word.vocab))
   capped = load(tmp_path, max_vocab=4)
   with pytest.raises(DataError, match="vocabulary of dataset 'text_files' .* is not the one"):
-    validation.check_vocabulary(rundir.vocabulary_fingerprint(
+    validation.check_vocabulary(run_files.vocabulary_fingerprint(
         capped.name, capped.vocab), tmp_path / 'init', init_from=str(tmp_path / 'run'),
         resuming=False)
   assert (tmp_path / 'run' / 'vocabulary.json').is_file()   # nothing deleted
@@ -299,13 +299,13 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))
   config.pipeline.prune_gates.target_sparsity = 0.5     # no vocab_size: the data's
-  report = pipeline.run(run_setup.resolve_pipeline(config), tmp_path / 'run')
+  report = pipeline.run(resolver.resolve_pipeline(config), tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
   assert report['pruned']['sparsity'] == 0.5
   stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
-  assert rundir.load_config(tmp_path / 'run' / 'baseline').model.vocab_size == stats.vocab_size
-  model = loader.load(tmp_path / 'run' / 'pruned' / 'export')
+  assert run_files.load_config(tmp_path / 'run' / 'baseline').model.vocab_size == stats.vocab_size
+  model = trained_model.load(tmp_path / 'run' / 'pruned' / 'export')
   summary, ids, log_probs = likelihood.score_text(model, 'the cat saw a zebra\nthe dog ran\n')
   assert summary['unk'] == 1 and len(log_probs) == len(ids) - 1 == 9
   assert np.all(log_probs < 0)

@@ -13,8 +13,8 @@ from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import sharding
 from allatt_jax import train
 
@@ -33,7 +33,7 @@ def tiny_config(data_dir, **train_overrides):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # run_setup.resolve comes after prepare fills it in
+  config.model.vocab_size = 27   # resolver.resolve comes after prepare fills it in
   config.train.update(train_overrides)
   return config
 
@@ -46,7 +46,7 @@ def demo_run(tmp_path_factory, data_dir):
   # Strong, early pressure so that even 30 tiny steps close some heads.
   config.pipeline.prune_gates.update(dict(lam=0.5, init=0.5, learning_rate=0.2))
   workdir = tmp_path_factory.mktemp("demo")
-  report = pipeline.run(run_setup.resolve_pipeline(config), workdir)
+  report = pipeline.run(resolver.resolve_pipeline(config), workdir)
   return workdir, config, report
 
 
@@ -73,7 +73,7 @@ def test_exported_model_scores_like_gated_model(demo_run):
   assert report["pruned"]["valid"] == pytest.approx(report["pruned"]["gated_valid"], rel=1e-5)
   assert report["pruned"]["test"] == pytest.approx(report["pruned"]["gated_test"], rel=1e-5)
 
-  gated_config = rundir.load_config(workdir / "pruned")
+  gated_config = run_files.load_config(workdir / "pruned")
   gated_lm = model_lib.TransformerLM.from_config(gated_config)
   gated_vars = checkpointing.restore_variables(workdir / "pruned")
   export_config, export_vars = checkpointing.load_model(workdir / "pruned" / "export")
@@ -94,10 +94,10 @@ def test_exported_model_scores_like_gated_model(demo_run):
 def test_gates_frozen_bit_identical_while_params_train(data_dir):
   config = tiny_config(data_dir, num_steps=8)
   config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0))
-  setup = run_setup.resolve(config)
+  setup = resolver.resolve(config)
   state = setup.new_state()
   step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
-  stream = data_lib.SegmentStream(run_setup.load_corpus(config).splits["train"], 4, 16)
+  stream = data_lib.SegmentStream(resolver.load_corpus(config).splits["train"], 4, 16)
   history = []
   for step in range(6):
     with sharding.activate(setup.mesh):

@@ -15,8 +15,8 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.data import tokenization
@@ -26,7 +26,7 @@ from allatt_jax.errors import DataError
 from helpers import start_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TEXT8_VOCABULARY = rundir.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
+TEXT8_VOCABULARY = run_files.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
 
 
 def tiny_config(**sections):
@@ -35,7 +35,7 @@ def tiny_config(**sections):
   with config.unlocked():
     del config["pipeline"]
   config.data.name = "text8"
-  config.model.vocab_size = 27   # what run_setup.prepare takes from the data before start
+  config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   for name, values in sections.items():
     if isinstance(values, dict):
       config[name].update(values)
@@ -55,12 +55,12 @@ def baseline(tmp_path_factory):
   """A baseline workdir with a step-1 checkpoint (made without training)."""
   workdir = tmp_path_factory.mktemp("baseline")
   config = tiny_config()
-  state = run_setup.resolve(config).new_state()
+  state = resolver.resolve(config).new_state()
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False)
   checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
   checkpoints.close()
-  rundir.save_config(workdir, config)
-  rundir.save_vocabulary(workdir, TEXT8_VOCABULARY)
+  run_files.save_config(workdir, config)
+  run_files.save_vocabulary(workdir, TEXT8_VOCABULARY)
   return workdir
 
 
@@ -213,8 +213,8 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
 def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs):
   workdir = tmp_path / "run"
   shutil.copytree(baseline, workdir)
-  other = rundir.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET[::-1])
-  rundir.save_vocabulary(workdir, other)
+  other = run_files.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET[::-1])
+  run_files.save_vocabulary(workdir, other)
   manual_dir, data_dir = text8_dirs
   config = tiny_config(data=dict(manual_dir=manual_dir, data_dir=data_dir))
   with pytest.raises(DataError, match=(
@@ -224,7 +224,7 @@ def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs)
 
 
 def test_vocabulary_differs_from_init_from(baseline, tmp_path):
-  other = rundir.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
+  other = run_files.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
   with pytest.raises(DataError, match=r"is not the one config.init_from=.* was trained with"):
     validation.check_vocabulary(other, tmp_path, str(baseline), resuming=False)
   validation.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline), resuming=False)
@@ -291,9 +291,9 @@ def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
 
 def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert str(rundir.run_path("gs://bucket/runs/a") / "checkpoints") == (
+  assert str(run_files.run_path("gs://bucket/runs/a") / "checkpoints") == (
       "gs://bucket/runs/a/checkpoints")
-  assert str(rundir.run_path("runs/a")) == str(tmp_path / "runs" / "a")
+  assert str(run_files.run_path("runs/a")) == str(tmp_path / "runs" / "a")
 
 
 def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
@@ -306,16 +306,16 @@ def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
                                    "weight_decay_exclude"))):
     for key in keys:
       del saved[section][key]
-  (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(saved))
-  config = rundir.load_config(tmp_path)
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  config = run_files.load_config(tmp_path)
   cfg = model_lib.ModelConfig.from_config(config)
   assert (cfg.out_bias, cfg.final_norm, cfg.persistent_content_bias, cfg.layer_norm_eps,
           cfg.same_length_keys, cfg.gate.open_at_zero) == (
               False, True, True, 1e-6, "mem_len", False)
   assert config.train.optimizer == "optax_lamb" and config.gates.lr_multiplier == 1.0
   # A config that has the keys keeps its own values.
-  (tmp_path / rundir.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
-  assert model_lib.ModelConfig.from_config(rundir.load_config(tmp_path)).out_bias
+  (tmp_path / run_files.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
+  assert model_lib.ModelConfig.from_config(run_files.load_config(tmp_path)).out_bias
 
 
 def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
@@ -324,7 +324,7 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   config = tiny_config(train=dict(batch_size=8, grad_accum_steps=4),
                        eval=dict(batch_size=12), mesh=dict(data=-1, model=2))
-  check = lambda: run_setup.resolve_config(config)
+  check = lambda: resolver.resolve_config(config)
   with pytest.raises(ConfigError) as raised:
     check()
   assert str(raised.value) == (

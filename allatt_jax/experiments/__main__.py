@@ -23,7 +23,7 @@ import jax
 
 from allatt_jax import cli
 from allatt_jax import preemption
-from allatt_jax import run_setup
+from allatt_jax import resolver
 from allatt_jax.experiments import plan
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
@@ -68,7 +68,7 @@ def main(argv):
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
     config = _CONFIG.value
     experiment = runs.Experiment(
-        run_setup.resolve_config(config, vocab_from_data=True),
+        resolver.resolve_config(config, vocab_from_data=True),
         plan.from_section(config.experiments.to_dict()), _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))

@@ -7,7 +7,7 @@ number of heads removed; the head surgery of the L0 method's export
 kinds of pruned model are built, evaluated and fine-tuned the same way.
 
 Scores (a higher score keeps a head), measured on training batches read in order
-with the Transformer-XL memory carried, as in training (`evaluation.read_stream`):
+with the Transformer-XL memory carried, as in training (`stream_eval.read_stream`):
 
   michel        Michel et al. 2019: I_h = E_batch |∂L/∂ξ_h| for a head mask ξ that
                 multiplies each head's output, L2-normalised within each layer; heads
@@ -42,7 +42,7 @@ import numpy as np
 
 from allatt_jax import attention
 from allatt_jax import data as data_lib
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import model as model_lib
 
 METHODS = ("michel", "entropy", "sparsity", "distribution", "magnitude", "random")
@@ -106,7 +106,7 @@ def _mask_gradient(lm, variables, xi, inputs_BxT, targets_BxT, memory):
 def michel_importance(lm, variables, segments: Segments, mask) -> list[np.ndarray]:
   """Per layer, E_batch |∂L/∂ξ_h| at ξ = mask (before the per-layer normalisation)."""
   xi = [jnp.asarray(m, jnp.float32) for m in mask]
-  batch_grads, _ = evaluation.read_stream(
+  batch_grads, _ = stream_eval.read_stream(
       lambda memory, batch: _mask_gradient(lm, variables, xi, *batch, memory),
       segments.batches, segments.memory(lm.cfg))
   total = [np.zeros(m.shape, np.float64) for m in mask]
@@ -187,7 +187,7 @@ def attention_metrics(lm, variables, segments: Segments) -> dict[str, list[np.nd
     return [None if layer is None else _head_statistics(*layer, mask_TxK)
             for layer in probs], memory
 
-  batch_statistics, _ = evaluation.read_stream(statistics, segments.batches,
+  batch_statistics, _ = stream_eval.read_stream(statistics, segments.batches,
                                                segments.memory(lm.cfg))
   sums = {k: [np.zeros(h) for h in lm.cfg.layer_heads] for k in ATTENTION_METRICS}
   for layers in batch_statistics:

@@ -15,7 +15,7 @@ config's `experiments` section) that says how every other run differs from it:
                       `exported_model.export_and_evaluate`), then fine-tuned like
                       `continued`, from it
   budget              a pruning run with a budget target instead of λ (budget.py,
-                      cost_model.py), plain or distilling from the baseline (distill.py)
+                      head_costs.py), plain or distilling from the baseline (distill.py)
 
 A run whose folder holds results.json is finished and is read back instead of rerun;
 an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
@@ -36,13 +36,13 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import exported_model
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
 from allatt_jax import run_config
-from allatt_jax import run_setup
-from allatt_jax import rundir
+from allatt_jax import resolver
+from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
 from allatt_jax.errors import Preempted
@@ -99,7 +99,7 @@ class Experiment:
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, _ = run_setup.prepare(base)
+    self.base, _ = resolver.prepare(base)
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs.
@@ -146,7 +146,7 @@ class Experiment:
     value = fraction
     if key != "target_sparsity":
       e = self.base.eval
-      full, _ = cost_model.head_cost(self.base_model, key,
+      full, _ = head_costs.head_cost(self.base_model, key,
                                  (e.seq_len, e.mem_len, e.batch_size))
       value = int(fraction * full) if key == "target_params" else fraction * full
     config = self._l0_config(seed, distill, lam=0.0, **{key: value})
@@ -156,7 +156,7 @@ class Experiment:
                           )["export"].get("budget") or {}
     record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
                         distill=distill,
-                        target_heads=cost_model.target_open_heads(config, self.base_model),
+                        target_heads=head_costs.target_open_heads(config, self.base_model),
                         by_gates=decision.get("by_gates"), changed=decision.get("changed"))
     return record
 
@@ -167,7 +167,7 @@ class Experiment:
     masked_dir = self.run_dir(f"{name}_masked")
     if not (masked_dir / RESULTS_FILE).is_file():
       self._export_masked(masked_dir, method, num_remove, seed)
-    masked_config = rundir.load_config(masked_dir)
+    masked_config = run_files.load_config(masked_dir)
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
     config = run_config.derived_run(
@@ -206,7 +206,7 @@ class Experiment:
     if results is None:
       results = json.loads((workdir / RESULTS_FILE).read_text())
     if "export" in results:
-      exported = rundir.load_config(results["export"]["directory"])
+      exported = run_files.load_config(results["export"]["directory"])
       return self._record(name, kind, exported,
                           {**results["export"], "metric": results["metric"]},
                           gated_test=results["test"])
@@ -219,8 +219,8 @@ class Experiment:
         name=name, kind=kind, metric=results["metric"],
         valid=results["valid"], test=results["test"],
         heads_per_layer=list(cfg.layer_heads),
-        params_non_embedding=cost_model.param_counts(cfg)["params_non_embedding"],
-        macs_per_token=cost_model.macs_per_token(
+        params_non_embedding=head_costs.param_counts(cfg)["params_non_embedding"],
+        macs_per_token=head_costs.macs_per_token(
             cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],
         d_model=cfg.d_model,
         wall_s=_read_json(self.run_dir(name) / SUMMARY_FILE).get("wall_s", 0.0), extra=extra)
@@ -238,8 +238,8 @@ class Experiment:
     _all_processes_reach(f"cleared {directory}")
     start = time.perf_counter()
     base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
-    setup = run_setup.resolve(self.base)
-    corpus = run_setup.load_corpus(self.base)
+    setup = resolver.resolve(self.base)
+    corpus = resolver.load_corpus(self.base)
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
         corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
@@ -274,7 +274,7 @@ def _all_processes_reach(point: str) -> None:
 
 def _write_json(path: pathlib.Path, value) -> None:
   if jax.process_index() == 0:
-    rundir.write_json(path, value)
+    run_files.write_json(path, value)
 
 
 def mean_std(values) -> tuple[float, float]:

@@ -15,7 +15,7 @@ from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import model as model_lib
 from allatt_jax import run_config
-from allatt_jax import rundir
+from allatt_jax import run_files
 from allatt_jax.data import tokenization
 
 # What score, sample and export, which take no data flags, say when a model saved
@@ -40,12 +40,12 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
     CheckpointError: `checkpoint` holds no run or export.
     DataError: the dataset cannot be loaded, or its vocabulary is not the model's.
   """
-  config = rundir.load_config(checkpoint)
+  config = run_files.load_config(checkpoint)
   moved = {key: value for key, value in (("manual_dir", manual_dir), ("data_dir", data_dir))
            if value}
   config = dataclasses.replace(config, data=dataclasses.replace(config.data, **moved))
   corpus = data_lib.load_run_corpus(config)
-  saved = rundir.load_tokenizer(checkpoint)
+  saved = run_files.load_tokenizer(checkpoint)
   if saved is not None and tokenization.Tokenizer.from_dict(saved) != corpus.tokenizer:
     where = config.data.manual_dir or "its prepared folder"
     raise errors.DataError(
@@ -62,7 +62,7 @@ def load_tokenizer(checkpoint, config: run_config.RunConfig) -> tokenization.Tok
   Raises:
     DataError: nothing saved and the run's dataset cannot be loaded.
   """
-  saved = rundir.load_tokenizer(checkpoint)
+  saved = run_files.load_tokenizer(checkpoint)
   if saved is not None:
     return tokenization.Tokenizer.from_dict(saved)
   return data_lib.load_run_corpus(config).tokenizer

@@ -124,3 +124,8 @@ def evaluate_splits(evaluator: Evaluator, variables, corpus: data_lib.Corpus,
     results[split] = metric_value(scored["nll"], corpus.metric)
     results[f"{split}_nll"] = scored["nll"]
   return results
+
+
+def results_line(name: str, results: dict, metric: str) -> str:
+  """'NAME: valid bpc 2.3406  test bpc 2.3146' of `evaluate_splits`'s results."""
+  return f"{name}: valid {metric} {results['valid']:.4f}  test {metric} {results['test']:.4f}"

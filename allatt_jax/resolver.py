@@ -3,7 +3,7 @@
 `resolve_config` turns a command's ConfigDict into a frozen `RunConfig` and checks it
 (config_checks.py) before any data is read or code traced; `resolve` builds from it
 the model, mesh, optimizer, L0 term, train-step constants, state shapes and
-evaluator; everything below (`steps`, `evaluate`, `validation`'s state checks,
+evaluator; everything below (`train_step`, `evaluate`, `validation`'s state checks,
 export) receives these objects. A run first calls `prepare`: the config's checks,
 then its dataset, then the config completed from it (`model.vocab_size` 0 means the
 dataset's), which is what the run resolves and saves.
@@ -21,14 +21,14 @@ import optax
 from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import config_checks
-from allatt_jax import cost_model
+from allatt_jax import head_costs
 from allatt_jax import data as data_lib
-from allatt_jax import evaluation
+from allatt_jax import stream_eval
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
 from allatt_jax import sharding
-from allatt_jax import steps
+from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
 from allatt_jax.run_config import RunConfig
 
@@ -41,20 +41,20 @@ class RunSetup:
   mesh: jax.sharding.Mesh
   optimizer: optax.GradientTransformationExtraArgs
   penalty: budget.Penalty
-  step_config: steps.StepConfig
-  abstract_state: Any                   # steps.TrainState of ShapeDtypeStructs
+  step_config: train_step.StepConfig
+  abstract_state: Any                   # train_step.TrainState of ShapeDtypeStructs
   state_sharding: Any
   rows: tuple[int, int]                 # this process's share of a batch (process_rows)
 
   @functools.cached_property
-  def evaluator(self) -> evaluation.Evaluator:
-    return evaluation.Evaluator.from_config(self.lm, self.mesh, self.run)
+  def evaluator(self) -> stream_eval.Evaluator:
+    return stream_eval.Evaluator.from_config(self.lm, self.mesh, self.run)
 
-  def new_state(self, source_params=None) -> steps.TrainState:
+  def new_state(self, source_params=None) -> train_step.TrainState:
     """A freshly initialised state, placed on the mesh; with `source_params` (a
     pruning run's `init_from` model's), those params instead of the initial ones, the
     optimizer state fresh for them, and a distilling run's teacher a copy of them."""
-    init = functools.partial(steps.init_state, self.lm, self.optimizer, self.penalty,
+    init = functools.partial(train_step.init_state, self.lm, self.optimizer, self.penalty,
                              self.step_config)
     with sharding.activate(self.mesh):
       state = jax.jit(init, out_shardings=self.state_sharding)(
@@ -76,7 +76,7 @@ class RunSetup:
   def train_step(self, *, sample_gates: bool):
     """The jitted train step over this setup's mesh (to be called under
     `sharding.activate(mesh)`, on global batches)."""
-    return steps.jit_train_step(
+    return train_step.jit_train_step(
         self.lm, self.optimizer, self.penalty, self.step_config, self.state_sharding,
         sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh),
         sample_gates=sample_gates)
@@ -188,8 +188,8 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   rates = optim.schedules(run)
   optimizer = optim.make_optimizer(run.train, rates,
                                    budget.COLLECTION if penalty.controlled else None)
-  step_config = steps.StepConfig.from_config(run, rates)
-  abstract, shardings = steps.abstract_state(lm, optimizer, penalty, step_config, mesh)
+  step_config = train_step.StepConfig.from_config(run, rates)
+  abstract, shardings = train_step.abstract_state(lm, optimizer, penalty, step_config, mesh)
   return RunSetup(run=run, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
                   step_config=step_config, abstract_state=abstract,
                   state_sharding=shardings, rows=sharding.process_rows(mesh))
@@ -202,10 +202,10 @@ def penalty_from_config(config: RunConfig, cfg: model_lib.ModelConfig) -> budget
   `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
   """
   lam = budget.lambda_schedule(config.gates)
-  if cost_model.target_key(config) is None:
+  if head_costs.target_key(config) is None:
     return budget.Penalty(lam, cfg.gate)
   gates = config.gates
-  allowed = cost_model.target_open_heads(config, cfg)
+  allowed = head_costs.target_open_heads(config, cfg)
   warmup = budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
   controlled = functools.partial(
       budget.Penalty, lam, cfg.gate, allowed=allowed,
@@ -275,7 +275,7 @@ def complete(config, corpus: data_lib.Corpus) -> RunConfig:
   config carries is set to 0 rather than saved as if it had been used.
   """
   run = RunConfig.of(config)
-  budgeted = cost_model.target_key(run) is not None
+  budgeted = head_costs.target_key(run) is not None
   return run_config.derived_run(
       run, model=dict(vocab_size=run.model.vocab_size or corpus.vocab_size),
       gates=dict(lam=0.0) if budgeted and run.gates.lam else None)

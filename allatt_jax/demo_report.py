@@ -1,0 +1,96 @@
+"""The demo's report: both models' scores, sizes and inference speeds, and the summary
+table the demo prints (and the README quotes).
+
+`measure_speed` times both models on the same tokens; `build` gathers what the
+stages returned into report.json's content; `summary_table` renders it.
+"""
+import jax
+
+from allatt_jax import head_costs
+from allatt_jax import sharding
+from allatt_jax import stream_eval
+from allatt_jax.run_config import RunConfig
+
+
+def measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned_model,
+                   repeats: int = 3) -> dict:
+  """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
+  lengths, on its mesh) of both models on `tokens`, the valid split.
+
+  The models are timed in turns, `repeats` times each, and each keeps its best: on a
+  shared machine the best of alternating runs is the least disturbed comparison.
+  """
+  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
+  evaluators = {}
+  for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
+    evaluators[name] = (stream_eval.Evaluator.from_config(lm, mesh, config), variables)
+    evaluators[name][0].score(variables, tokens, max_batches=1)   # compile, untimed
+  speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
+  for _ in range(repeats):
+    for name, (evaluator, variables) in evaluators.items():
+      scored = evaluator.score(variables, tokens, max_batches=num_batches)
+      speeds[f"{name}_tokens_per_s"] = max(speeds[f"{name}_tokens_per_s"],
+                                           scored["tokens_per_s"])
+  return speeds
+
+
+def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, baseline: dict,
+          pruned: dict, baseline_model, pruned_model, speed: dict) -> dict:
+  """report.json's content: the stages' results (`train.train_and_evaluate`'s),
+  both models ((model, variables) as loaded) with their costs at the eval lengths,
+  the pruning goal and the budget's decision, and `speed` (`measure_speed`)."""
+  t = baseline_config.eval
+  cost = {name: {**head_costs.param_counts(lm.cfg),
+                 **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
+          for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
+  full_heads = sum(baseline_model[0].cfg.layer_heads)
+  pruned_heads = list(pruned_model[0].cfg.layer_heads)
+  key = head_costs.target_key(prune_config)
+  return {
+      "dataset": baseline_config.data.name,
+      "metric": baseline["metric"],
+      "baseline": {
+          "valid": baseline["valid"], "test": baseline["test"],
+          "params_non_embedding": cost["baseline"]["params_non_embedding"],
+          "heads_per_layer": list(baseline_model[0].cfg.layer_heads)},
+      "pruned": {
+          "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'
+          "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
+          "gated_valid": pruned["valid"], "gated_test": pruned["test"],
+          "params_non_embedding": cost["pruned"]["params_non_embedding"],
+          "heads_per_layer": pruned_heads,
+          "sparsity": 1.0 - sum(pruned_heads) / full_heads,
+          # A fixed λ, or the budget asked for and what it decided at the freeze.
+          "lambda": None if key else prune_config.gates.lam,
+          "budget": ({"key": key, "value": getattr(prune_config.gates, key),
+                      **(pruned["export"].get("budget") or {})} if key else None)},
+      "speed": {
+          **speed,
+          "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
+          "macs_ratio": (cost["pruned"]["macs_per_token"]
+                         / cost["baseline"]["macs_per_token"]),
+          "macs_ratio_non_embedding": (cost["pruned"]["macs_per_token_non_embedding"]
+                                       / cost["baseline"]["macs_per_token_non_embedding"])},
+      "warnings": pruned["export"].get("warnings", []),
+  }
+
+
+def summary_table(report: dict) -> str:
+  metric, b, p, s = report["metric"], report["baseline"], report["pruned"], report["speed"]
+  rows = [
+      ("", "baseline", "pruned"),
+      (f"valid {metric}", f"{b['valid']:.4f}", f"{p['valid']:.4f}"),
+      (f"test {metric}", f"{b['test']:.4f}", f"{p['test']:.4f}"),
+      ("params (non-emb.)", f"{b['params_non_embedding']:,}", f"{p['params_non_embedding']:,}"),
+      ("heads per layer", " ".join(map(str, b["heads_per_layer"])),
+       " ".join(map(str, p["heads_per_layer"]))),
+      ("head sparsity", "0%", f"{100 * p['sparsity']:.1f}%"),
+      ("inference tokens/s", f"{s['baseline_tokens_per_s']:,.0f}",
+       f"{s['pruned_tokens_per_s']:,.0f}"),
+      ("MACs per token", "1.00", f"{s['macs_ratio']:.2f}"),
+  ]
+  widths = [max(len(r[i]) for r in rows) for i in range(3)]
+  lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+  lines.insert(1, "-+-".join("-" * w for w in widths))
+  return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
+
