@@ -19,16 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import head_costs
 from allatt_jax import errors
-from allatt_jax import stream_eval
 from allatt_jax import exported_model
+from allatt_jax import head_costs
 from allatt_jax import likelihood
-from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import sampler
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 from allatt_jax.data import tokenization
 
 

@@ -11,8 +11,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import sharding
 
 _GIB = 2**30

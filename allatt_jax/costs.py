@@ -16,8 +16,8 @@ import json
 from absl import flags
 
 from allatt_jax import cli
-from allatt_jax import head_costs
 from allatt_jax import exported_model
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import resolver
 from allatt_jax.errors import ConfigError

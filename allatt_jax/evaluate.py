@@ -15,8 +15,8 @@ import sys
 from absl import flags
 
 from allatt_jax import cli
-from allatt_jax import stream_eval
 from allatt_jax import likelihood
+from allatt_jax import stream_eval
 from allatt_jax import trained_model
 
 _CHECKPOINT, _STEP = cli.DEFINE_trained_model()

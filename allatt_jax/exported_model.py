@@ -23,15 +23,15 @@ from etils import epath
 from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import console
-from allatt_jax import head_costs
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import stream_eval
-from allatt_jax import trained_model
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import run_files
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 from allatt_jax import validation
 from allatt_jax.data import tokenization
 

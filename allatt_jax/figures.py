@@ -13,8 +13,8 @@ import matplotlib
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import head_costs
 from allatt_jax import errors
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config

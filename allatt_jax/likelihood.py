@@ -17,10 +17,10 @@ import numpy as np
 
 from allatt_jax import data as data_lib
 from allatt_jax import errors
-from allatt_jax import stream_eval
-from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import sharding
+from allatt_jax import stream_eval
+from allatt_jax import trained_model
 
 
 @functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))

@@ -18,15 +18,15 @@ import jax
 
 from allatt_jax import console
 from allatt_jax import demo_report
-from allatt_jax import head_costs
 from allatt_jax import figures
-from allatt_jax import trained_model
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
+from allatt_jax import trained_model
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.run_config import RunConfig

@@ -16,10 +16,10 @@ import numpy as np
 import tqdm
 
 from allatt_jax import console
-from allatt_jax import stream_eval
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import run_files
+from allatt_jax import stream_eval
 from allatt_jax.errors import TrainingError
 
 # Train metrics that only mean something with gates; a baseline run does not log them.

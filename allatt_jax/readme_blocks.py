@@ -13,9 +13,9 @@ import textwrap
 from allatt_jax import demo_report
 from allatt_jax import errors
 from allatt_jax import likelihood
-from allatt_jax import trained_model
 from allatt_jax import run_files
 from allatt_jax import sampler
+from allatt_jax import trained_model
 
 # The demo folder the README's commands use; outputs name it whatever the workdir.
 README_WORKDIR = "/tmp/allatt_demo"

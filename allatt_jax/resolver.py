@@ -21,13 +21,13 @@ import optax
 from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import config_checks
-from allatt_jax import head_costs
 from allatt_jax import data as data_lib
-from allatt_jax import stream_eval
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
 from allatt_jax import sharding
+from allatt_jax import stream_eval
 from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
 from allatt_jax.run_config import RunConfig

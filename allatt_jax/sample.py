@@ -15,8 +15,8 @@ from absl import logging
 
 from allatt_jax import cli
 from allatt_jax import errors
-from allatt_jax import trained_model
 from allatt_jax import sampler
+from allatt_jax import trained_model
 
 _CHECKPOINT, _STEP = cli.DEFINE_trained_model()
 _PROMPT = flags.DEFINE_string("prompt", None, "Text the generation continues "

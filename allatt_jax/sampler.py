@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax import errors
+from allatt_jax import model as model_lib
 from allatt_jax import stream_eval
 from allatt_jax import trained_model
-from allatt_jax import model as model_lib
 
 
 @functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))

@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import head_costs
 from allatt_jax import errors
-from allatt_jax import stream_eval
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import sharding
+from allatt_jax import stream_eval
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,13 +15,13 @@ from jax.experimental import multihost_utils
 
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
-from allatt_jax import stream_eval
 from allatt_jax import exported_model
 from allatt_jax import preemption
 from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_files
+from allatt_jax import stream_eval
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted

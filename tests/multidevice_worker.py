@@ -20,9 +20,9 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
+from allatt_jax import resolver
 from allatt_jax import run_files
 from allatt_jax import sharding
-from allatt_jax import resolver
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ((8, 1), (4, 2), (2, 4))

@@ -10,8 +10,8 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import model as model_lib
 from allatt_jax import optim
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
 

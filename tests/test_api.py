@@ -14,17 +14,17 @@ import pytest
 
 import allatt_jax
 from allatt_jax import config_base
-from allatt_jax import gates as gates_lib
 from allatt_jax import exported_model
 from allatt_jax import figures
+from allatt_jax import gates as gates_lib
 from allatt_jax import likelihood
-from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
+from allatt_jax import trained_model
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import FlagError

@@ -23,8 +23,8 @@ from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import pipeline
 from allatt_jax import prune
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation

@@ -15,11 +15,11 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import distill
 from allatt_jax import pipeline
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import sharding
-from allatt_jax import train_step
 from allatt_jax import train
+from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
 from tests import helpers
 

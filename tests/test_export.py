@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import head_costs
 from allatt_jax import errors
-from allatt_jax import prune
 from allatt_jax import gates as gates_lib
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 
 VOCAB = 41
 SEQ_LEN = 8

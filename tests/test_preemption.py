@@ -22,10 +22,10 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import demo_report
 from allatt_jax import errors
-from allatt_jax import stream_eval
 from allatt_jax import exported_model
 from allatt_jax import pipeline
 from allatt_jax import resolver
+from allatt_jax import stream_eval
 from allatt_jax import train
 from allatt_jax.errors import Preempted
 

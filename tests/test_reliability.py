@@ -25,8 +25,8 @@ from allatt_jax import config_base
 from allatt_jax import errors
 from allatt_jax import preemption
 from allatt_jax import progress
-from allatt_jax import train_step
 from allatt_jax import train
+from allatt_jax import train_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25

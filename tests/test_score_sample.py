@@ -12,13 +12,13 @@ import pytest
 
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import stream_eval
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
-from allatt_jax import trained_model
 from allatt_jax import sampler as sampler_lib
 from allatt_jax import sharding
+from allatt_jax import stream_eval
 from allatt_jax import train
+from allatt_jax import trained_model
 from allatt_jax.errors import ConfigError
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes

@@ -10,11 +10,11 @@ from allatt_jax import adaptive
 from allatt_jax import config_base
 from allatt_jax import config_checks
 from allatt_jax import likelihood
-from allatt_jax import trained_model
 from allatt_jax import model as model_lib
 from allatt_jax import pipeline
 from allatt_jax import resolver
 from allatt_jax import run_files
+from allatt_jax import trained_model
 from allatt_jax import validation
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import specs

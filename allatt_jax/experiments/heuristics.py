@@ -42,8 +42,8 @@ import numpy as np
 
 from allatt_jax import attention
 from allatt_jax import data as data_lib
-from allatt_jax import stream_eval
 from allatt_jax import model as model_lib
+from allatt_jax import stream_eval
 
 METHODS = ("michel", "entropy", "sparsity", "distribution", "magnitude", "random")
 ATTENTION_METRICS = ("entropy", "sparsity", "distribution")

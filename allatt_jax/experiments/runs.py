@@ -36,12 +36,12 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from allatt_jax import checkpointing
-from allatt_jax import head_costs
 from allatt_jax import exported_model
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import preemption
-from allatt_jax import run_config
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
