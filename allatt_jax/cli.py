@@ -166,6 +166,15 @@ def DEFINE_trained_model() -> tuple[flags.FlagHolder, flags.FlagHolder]:  # pyli
                               "(default: the latest finished one).", lower_bound=0)
   return checkpoint, step
 
+
+def DEFINE_data_folders(manual_dir_help: str, data_dir_help: str  # pylint: disable=invalid-name
+                        ) -> tuple[flags.FlagHolder, flags.FlagHolder]:
+  """--manual_dir and --data_dir: where a dataset's files and its prepared ids lie
+  (the data section's keys of the same names), with each command's own help."""
+  return (flags.DEFINE_string("manual_dir", None, manual_dir_help),
+          flags.DEFINE_string("data_dir", None, data_dir_help))
+
+
 # absl's flags that print help (then exiting with status 1, here with 0: help that was
 # asked for is a success, and scripts and `&&` chains go on).
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")

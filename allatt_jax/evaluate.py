@@ -24,12 +24,11 @@ _SPLIT = flags.DEFINE_enum("split", "test", stream_eval.SPLITS,
                            "Split of the run's dataset (needs the dataset).")
 _TEXT_FILE = flags.DEFINE_string("text_file", None, "Evaluate this UTF-8 text file "
                                  "instead of a split (needs no dataset).")
-_MANUAL_DIR = flags.DEFINE_string(
-    "manual_dir", None, "The folder of the dataset's files, if they moved since "
-    "training (default: the run's config.data.manual_dir).")
-_DATA_DIR = flags.DEFINE_string(
-    "data_dir", None, "The TFDS data folder of the prepared dataset, if it moved "
-    "(default: the run's config.data.data_dir, else $TFDS_DATA_DIR).")
+_MANUAL_DIR, _DATA_DIR = cli.DEFINE_data_folders(
+    "The folder of the dataset's files, if they moved since training (default: the "
+    "run's config.data.manual_dir).",
+    "The TFDS data folder of the prepared dataset, if it moved (default: the run's "
+    "config.data.data_dir, else $TFDS_DATA_DIR).")
 
 
 def main(argv):

@@ -1,4 +1,4 @@
-"""Training and pruning runs: setup, state, the train loop, final evaluation.
+"""Training and pruning runs: the train loop, and the phases after it.
 
 A run is a baseline run (no gates) or a pruning run (`gates.enabled`, usually with
 `init_from` a baseline workdir). Restarting on the same workdir resumes from the

@@ -19,12 +19,11 @@ from allatt_jax.data import specs
 
 _DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
                              'Dataset to prepare.')
-_MANUAL_DIR = flags.DEFINE_string(
-    'manual_dir', None, "Folder holding the dataset's official files, or your own "
-    'train/valid/test files for text_files (else TFDS downloads the official archive).')
-_DATA_DIR = flags.DEFINE_string(
-    'data_dir', None, 'TFDS data folder: the ids go to DATA_DIR/allatt_text/DATASET/1.0.0 '
-    '(default $TFDS_DATA_DIR or ~/tensorflow_datasets).')
+_MANUAL_DIR, _DATA_DIR = cli.DEFINE_data_folders(
+    "Folder holding the dataset's official files, or your own train/valid/test files "
+    'for text_files (else TFDS downloads the official archive).',
+    'TFDS data folder: the ids go to DATA_DIR/allatt_text/DATASET/1.0.0 (default '
+    '$TFDS_DATA_DIR or ~/tensorflow_datasets).')
 _LEVEL = flags.DEFINE_enum('level', '', ('',) + specs.LEVELS,
                            'text_files: word, char or byte (default word).')
 _FILES = flags.DEFINE_string('files', specs.DEFAULT_FILES,
