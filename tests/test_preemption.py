@@ -88,7 +88,7 @@ class Calls:
       return evaluate_splits(*args, **kwargs)
 
     monkeypatch.setattr(checkpointing.RunCheckpoints, "save", counted_save)
-    monkeypatch.setattr(evaluation, "evaluate_splits", counted_evaluation)
+    monkeypatch.setattr(stream_eval, "evaluate_splits", counted_evaluation)
 
 
 def sigterm_before(monkeypatch, owner, name, when=lambda *args, **kwargs: True):
@@ -141,7 +141,7 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   assert checkpointing.latest_finished_step(baseline) == BASELINE_STEPS
 
   # 2. During the baseline's final evaluation: no step is trained again.
-  calls = rerun(lambda m: sigterm_before(m, evaluation, "evaluate_splits"),
+  calls = rerun(lambda m: sigterm_before(m, stream_eval, "evaluate_splits"),
                 rf"^Preempted after the final evaluation \(kept in "
                 rf"{baseline}/{train.PHASES_FILE}\)\. Rerun the same command to write "
                 r"results.json\.$")

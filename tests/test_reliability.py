@@ -189,12 +189,12 @@ def poisoned(monkeypatch):
   """Step POISONED_STEP's forward pass reads NaN memory, so its loss and gradient are NaN."""
   real_step = train_step.train_step
 
-  def train_step(state, inputs, targets, **kwargs):
+  def poisoned_step(state, inputs, targets, **kwargs):
     poison = jnp.where(state.step + 1 == POISONED_STEP, jnp.nan, 1.0)
     memory = {**state.memory, "hidden": state.memory["hidden"] * poison}
     return real_step(state.replace(memory=memory), inputs, targets, **kwargs)
 
-  monkeypatch.setattr(steps, "train_step", train_step)
+  monkeypatch.setattr(train_step, "train_step", poisoned_step)
 
 
 class RecordingWriter(metric_writers.LoggingWriter):
