@@ -74,11 +74,9 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
         "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
         "baseline/), or a new one.")
   # Completed here, as each stage will save it, so that the pruning stage's folder is
-  # chosen by the settings it will really train with. The teacher of a distilling
-  # pruning stage is its own baseline (its init_from).
-  baseline_config, corpus = resolver.prepare(config.baseline)
-  prune_config = resolver.complete(
-      run_config.derived_run(config.pruning, init_from=str(workdir / "baseline")), corpus)
+  # chosen by the settings it will really train with.
+  baseline_config, prune_config, corpus = resolver.prepare_pipeline(
+      config, workdir / "baseline")
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: SIGTERM between stages stops it there too.

@@ -234,6 +234,16 @@ def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
   return complete(run, corpus), corpus
 
 
+def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
+                     ) -> tuple[RunConfig, RunConfig, data_lib.Corpus]:
+  """(baseline config, pruning config, the dataset): both stages completed from their
+  dataset (`prepare`), the pruning stage starting from `baseline_dir`, the
+  baseline's folder, which is also its teacher when it distills."""
+  baseline, corpus = prepare(config.baseline)
+  pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
+  return baseline, complete(pruning, corpus), corpus
+
+
 def vocab_size(config) -> int:
   """The config's `model.vocab_size`, or, when unset, its dataset's (which is then
   read): for commands that build a model without training it."""
