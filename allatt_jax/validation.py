@@ -2,7 +2,7 @@
 
 The config alone was checked when it was resolved (config_checks.py); here
 `open_checkpoints` checks `init_from`, the workdir and its checkpoints (against the
-abstract state the setup built) as a run starts (`train.start`),
+abstract state the setup built) as a run starts (`train.train_and_evaluate`),
 `check_vocabulary` the dataset once it is loaded, and `check_export` guards an
 export. A failed check raises one error (see
 errors.py) that says what is wrong, where (the config key, flag or file) and how to
