@@ -1,12 +1,15 @@
 """The resolver: a command's config becomes, once, the typed objects a run is made of.
 
 `resolve_config` turns a command's ConfigDict into a frozen `RunConfig` and checks it
-(config_checks.py) before any data is read or code traced; `resolve` builds from it
-the model, mesh, optimizer, L0 term, train-step constants, state shapes and
-evaluator; everything below (`train_step`, `evaluate`, `validation`'s state checks,
-export) receives these objects. A run first calls `prepare`: the config's checks,
-then its dataset, then the config completed from it (`model.vocab_size` 0 means the
-dataset's), which is what the run resolves and saves.
+(config_checks.py) before any data is read or code traced; `resolve_pipeline` does
+the same for the demo's two stages (a `PipelineConfig`). `resolve` builds from a
+config the model, mesh, optimizer, L0 term, train-step constants, state shapes and
+evaluator (a `RunSetup`); everything below (`train_step`, `stream_eval`,
+`validation`'s state checks, export) receives these objects. `prepare` makes the
+config's checks, then reads its dataset, then completes the config from it
+(`model.vocab_size` 0 means the dataset's), which is what a run resolves and saves;
+`prepare_run` does both for a run about to train, and `prepare_pipeline` for the
+demo's stages.
 """
 import dataclasses
 import functools
