@@ -6,8 +6,9 @@ gates section: a fixed λ, or a size through `target_sparsity`, `target_params` 
 `target_macs`) and `prune_distill` (its distill section: the baseline as teacher);
 the command resolves it into a `PipelineConfig` (`resolver.resolve_pipeline`). Each
 stage is an ordinary run in its own subfolder of the workdir, so a rerun resumes
-whatever was not finished and reuses what was: the baseline in `baseline/`, the pruning stage in `pruned/`, or, when `pruned/` (and every other
-`pruned-N/`) was trained with other pruning settings, in the first free `pruned-N/`.
+whatever was not finished and reuses what was: the baseline in `baseline/`, the
+pruning stage in `pruned/`, or, when `pruned/` (and every other `pruned-N/`) was
+trained with other pruning settings, in the first free `pruned-N/`.
 Nothing trained is overwritten or mixed. SIGTERM stops the pipeline at the next safe
 point (a training step, the end of a phase or a stage; see preemption.py) with exit
 status 143, and a rerun goes on from there.
