@@ -30,6 +30,7 @@ from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import run_files
+from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax import trained_model
 from allatt_jax import validation
@@ -70,8 +71,8 @@ def save(directory, config: run_config.RunConfig,
   # the model back next, wait for them.
   if jax.process_index() == 0:
     run_files.save_run(directory, exported_config(config, model_cfg),
-                    run_files.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
-                    tokenizer.to_dict())
+                       run_files.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
+                       tokenizer.to_dict())
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"exported_model.save {directory}")
 
@@ -119,12 +120,8 @@ def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.Mod
 
   `variables` may be sharded over processes: they are gathered onto every host first.
   """
-  if jax.process_count() > 1:
-    host_variables = multihost_utils.process_allgather(variables, tiled=True)
-  else:
-    host_variables = jax.device_get(variables)
   results = export_and_evaluate(run_files.run_path(workdir) / EXPORT_DIR, config, cfg,
-                                host_variables, corpus, mesh)
+                                sharding.on_host(variables), corpus, mesh)
   results["budget"] = decision
   results["warnings"] = pruning_warnings(config, sum(cfg.layer_heads),
                                          sum(results["heads_per_layer"]), decision,
@@ -166,6 +163,7 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"warm-up, {gate_flags}.budget_warmup_steps (now "
             f"{budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)})."]
   return []
+
 
 def trained_model_config(checkpoint, step: int | None = None
                          ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:

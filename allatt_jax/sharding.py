@@ -11,6 +11,7 @@ import functools
 
 import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -56,6 +57,14 @@ def activate(mesh):
   """The mesh and logical rules under which models are traced and steps run."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
     yield
+
+
+def on_host(tree):
+  """`tree`'s arrays whole on this host, also where they are sharded over processes
+  (every process must call it, as it gathers from all of them)."""
+  if jax.process_count() > 1:
+    return multihost_utils.process_allgather(tree, tiled=True)
+  return jax.device_get(tree)
 
 
 def on_mesh(mesh, fn):
