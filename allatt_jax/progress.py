@@ -2,8 +2,8 @@
 history, and the check of its metrics for NaN/inf.
 
 The train loop hands every step's metrics to `TrainProgress.add` (they stay on the
-device) and calls `TrainProgress.report` at its log, eval and save steps: only then
-are the metrics fetched, so the NaN/inf check adds no host sync of its own.
+device) and calls `TrainProgress.fetch` at its log, eval and save steps: only then
+are the metrics read, so the NaN/inf check adds no host sync of its own.
 """
 import json
 import sys
@@ -103,6 +103,11 @@ class TrainProgress:
     """A periodic evaluation's results; its time does not count against steps/s."""
     self.writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
     self.interval_start = time.perf_counter()
+
+  def write_final(self, step: int, results: dict) -> None:
+    """The final evaluation's results, written at once (the run may stop next)."""
+    self.writer.write_scalars(step, {f"final/{k}": v for k, v in results.items()})
+    self.writer.flush()
 
   def close(self) -> None:
     self.bar.close()

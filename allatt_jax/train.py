@@ -11,7 +11,6 @@ import time
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
@@ -21,6 +20,7 @@ from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_files
+from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
@@ -85,7 +85,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
     stream.set_state(data_state)
   else:
     # A pruning run starts from the params of `init_from` (a run or an exported
-    # model), whose shapes `start` checked; its gates and optimizer start fresh.
+    # model), whose shapes `open_checkpoints` checked; its gates and optimizer start
+    # fresh.
     source = config.init_source
     state = setup.new_state(checkpointing.load_model(source)[1]["params"] if source
                             else None)
@@ -148,9 +149,7 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
                       f"{checkpoints.directory})", "run the final evaluation")
   if "final" not in phases:
     phases["final"] = stream_eval.evaluate_splits(evaluator, state.variables, corpus)
-    progress_log.writer.write_scalars(
-        train_cfg.num_steps, {f"final/{k}": v for k, v in phases["final"].items()})
-    progress_log.writer.flush()
+    progress_log.write_final(train_cfg.num_steps, phases["final"])
     _save_phases(workdir, phases)
   if is_main:
     print(stream_eval.results_line("final" + (" (gated)" if gated else ""), phases["final"],
@@ -180,13 +179,8 @@ def _keep_budgeted_heads(setup: resolver.RunSetup, workdir, state, step: int):
 
   Made when the gates freeze, so the last steps train the model at its final size.
   """
-  gates = state.variables["gates"]
-  if jax.process_count() > 1:
-    host_gates = multihost_utils.process_allgather(gates, tiled=True)
-  else:
-    host_gates = jax.device_get(gates)
-  new_gates, decision = prune.keep_open_heads(setup.lm.cfg, host_gates,
-                                              setup.penalty.allowed)
+  new_gates, decision = prune.keep_open_heads(
+      setup.lm.cfg, sharding.on_host(state.variables["gates"]), setup.penalty.allowed)
   path = workdir / BUDGET_FILE
   if decision["changed"] or not path.is_file():
     if jax.process_index() == 0:
