@@ -178,9 +178,8 @@ def prepare_run(config) -> tuple[RunSetup, data_lib.Corpus]:
     ConfigError: as `prepare`.
     DataError: the dataset cannot be loaded.
   """
-  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=True)
-  corpus = load_corpus(run)
-  return _build(complete(run, corpus), mesh_shape), corpus
+  run, corpus, mesh_shape = _prepared(config)
+  return _build(run, mesh_shape), corpus
 
 
 def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
@@ -232,9 +231,14 @@ def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
       `model.vocab_size` that is not the dataset's.
     DataError: the dataset cannot be loaded.
   """
-  run, _ = _checked(config, vocab_from_data=True, starts_run=True)
+  return _prepared(config)[:2]
+
+
+def _prepared(config) -> tuple[RunConfig, data_lib.Corpus, tuple[int, int]]:
+  """(the checked config completed from its dataset, the dataset, the mesh shape)."""
+  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=True)
   corpus = load_corpus(run)
-  return complete(run, corpus), corpus
+  return complete(run, corpus), corpus, mesh_shape
 
 
 def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
