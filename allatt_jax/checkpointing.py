@@ -245,6 +245,7 @@ def restore_step(workdir, step: int | None = None) -> tuple[int, dict]:
   finally:
     run.close()
 
+
 def save_params(directory, params) -> None:
   """An exported model's parameters (no optimizer, no gates) in `directory`/params;
   `exported_model.save` writes the rest of the folder."""

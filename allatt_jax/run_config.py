@@ -16,6 +16,7 @@ BUDGET_TARGETS = ("target_sparsity", "target_params", "target_macs")
 # `init_from` of a pruning run that deliberately starts from fresh parameters.
 FROM_SCRATCH = "none"
 
+
 def _tuple_or_none(value):
   return None if value is None else tuple(value)
 

@@ -17,6 +17,7 @@ from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import heuristics
 
+
 def _flag(key: str) -> str:
   return f"--config.experiments.{key}"
 
