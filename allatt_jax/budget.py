@@ -10,7 +10,7 @@ sweep. Instead, a pruning run can ask for a budget (at most one of them):
 The budget becomes a number of open heads n* through the cost model
 (`head_costs.target_open_heads`: every head of a layer costs the same parameters
 and MACs, so cost is linear in the head count; n* is the most heads that fit), once,
-at setup (`resolver.penalty_from_config`). The L0 term of the loss becomes
+at setup (`Penalty.of`). The L0 term of the loss becomes
 
   λ1 (E[L0] − t(step)) + λ2 (E[L0] − t(step))²
 
@@ -40,6 +40,7 @@ the heads ranked by logit where the gates disagree with the budget), so the gate
 model trains its last steps, and is exported, at the size asked for.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,26 @@ class Penalty:
   target: optax.Schedule | None = None      # t(step), only with a budget
   allowed: int | None = None                # n*, the heads the budget allows
   sharpness: optax.Schedule = optax.constant_schedule(1.0)   # k(step) of the count
+
+  @classmethod
+  def of(cls, gates: run_config.GatesSection, gate: gates_lib.GateConfig,
+         layer_heads, allowed: int | None) -> "Penalty":
+    """The run's L0 term: the fixed-λ schedule, or, with a budget of `allowed` heads
+    (n*, `head_costs.target_open_heads`), the controller whose target t(step) moves
+    from the initial expected open heads (`layer_heads` at the gates' init) down to
+    n* over `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze)."""
+    lam = lambda_schedule(gates)
+    if allowed is None:
+      return cls(lam, gate)
+    warmup = target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
+    controlled = functools.partial(
+        cls, lam, gate, allowed=allowed,
+        sharpness=sharpness_schedule(warmup, gates.freeze_step, gates.budget_sharpness))
+    if not warmup:
+      return controlled(optax.constant_schedule(float(allowed)))
+    start = float(expected_open(gate, [jnp.full((h,), gate.init)
+                                       for h in layer_heads if h]))
+    return controlled(optax.linear_schedule(start, float(allowed), warmup))
 
   @property
   def controlled(self) -> bool:

@@ -45,13 +45,18 @@ _WHY_NOT_NEGATIVE = {
 }
 
 
-def check_config(config: run_config.RunConfig, mesh_shape: tuple[int, int], *,
-                 vocab_from_data: bool = False) -> None:
-  """The checks of the config alone, before any of it is built.
+def check_config(config: run_config.RunConfig, num_devices: int, *,
+                 vocab_from_data: bool = False, starts_run: bool = False
+                 ) -> tuple[int, int]:
+  """The checks of the config alone, before any of it is built; returns the (data,
+  model) sizes `config.mesh` gives on `num_devices` devices.
 
-  `mesh_shape`: the (data, model) sizes `config.mesh` gives on this machine
-  (`sharding.mesh_shape`). `vocab_from_data`: the caller loads the dataset next and
-  takes an unset `model.vocab_size` from it (`resolver.prepare`).
+  `vocab_from_data`: the caller loads the dataset next and takes an unset
+  `model.vocab_size` from it (`resolver.prepare`). `starts_run`: the config of a run
+  about to train, whose starting point is checked too: pruning an untrained model is
+  almost always a forgotten flag, which would only show in the results after the
+  whole pruning schedule (from scratch is an explicit choice), and a distilling run
+  needs its teacher.
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.
@@ -60,16 +65,12 @@ def check_config(config: run_config.RunConfig, mesh_shape: tuple[int, int], *,
   _check_names(config)
   _check_model(config, vocab_from_data)
   _check_lengths(config)
-  _check_mesh(config, *mesh_shape)
+  if starts_run:
+    _check_starting_point(config)
+  return _checked_mesh(config, num_devices)
 
 
-def check_starting_point(config: run_config.RunConfig) -> None:
-  """Raises ConfigError for a pruning run that does not say what it starts from, or a
-  distilling run without a teacher.
-
-  Pruning an untrained model is almost always a forgotten flag, which would only show
-  in the results after the whole pruning schedule; from scratch is an explicit choice.
-  """
+def _check_starting_point(config: run_config.RunConfig) -> None:
   _check_teacher(config)
   if config.gates.enabled and not config.init_from:
     raise ConfigError(
@@ -114,6 +115,9 @@ def _check_ranges(config):
                       "the logits are divided by it. Set --config.distill.temperature "
                       "to a value > 0 (1 = the plain distributions).")
   gates, train = config.gates, config.train
+  targets = [k for k in run_config.BUDGET_TARGETS if getattr(gates, k) is not None]
+  if len(targets) > 1:
+    raise ConfigError(f"config.gates sets {targets}; set at most one budget target.")
   if gates.enabled and gates.freeze_step > train.num_steps:
     raise ConfigError(
         f"config.gates.freeze_step={gates.freeze_step} is beyond "
@@ -168,7 +172,7 @@ def _check_model(config, vocab_from_data: bool):
 def _check_lengths(config):
   if config.model.rel_pos != "learned":
     return
-  table = run_config.relative_table_len(config)
+  table = config.relative_table_len
   for section in ("train", "eval"):
     s = getattr(config, section)
     if s.seq_len + s.mem_len > table:
@@ -180,9 +184,16 @@ def _check_lengths(config):
           "and eval), or use model.rel_pos='sinusoidal'.")
 
 
-def _check_mesh(config, data: int, model: int):
-  _check_batches(config, data)
-  m = config.model
+def _checked_mesh(config, num_devices: int) -> tuple[int, int]:
+  """The mesh's (data, model) sizes, once the model's widths divide over its 'model'
+  axis and each batch a step splits over its 'data' axis: the train batch, each
+  micro-batch of gradient accumulation and the eval batch. With several processes
+  each reads a contiguous share of every batch, whole whenever the batch divides by
+  `data`."""
+  data, model = sharding.mesh_shape(config.mesh, num_devices)
+  t, e, m = config.train, config.eval, config.model
+  accum = t.grad_accum_steps
+  sharding.check_accumulation(t.batch_size, accum)
   heads = sorted({m.num_heads, *(h for h in (m.heads_per_layer or ()) if h)})
   widths = [("config.model.num_heads / heads_per_layer", h) for h in heads]
   if m.kind == "txl":
@@ -193,15 +204,6 @@ def _check_mesh(config, data: int, model: int):
           f"{key}: {width} is not divisible by the model-parallel size "
           f"(config.mesh.model={model}), which splits heads and the feed-forward width "
           f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
-
-
-def _check_batches(config, data: int) -> None:
-  """Each batch a step splits over the 'data' axis: the train batch, each micro-batch
-  of gradient accumulation and the eval batch. With several processes each reads a
-  contiguous share of every batch, whole whenever the batch divides by `data`."""
-  t, e = config.train, config.eval
-  accum = t.grad_accum_steps
-  sharding.check_accumulation(t.batch_size, accum)
   micro = t.batch_size // accum
   batches = [(f"config.train.batch_size={t.batch_size}", t.batch_size),
              (f"the micro-batch config.train.batch_size / grad_accum_steps = "
@@ -209,13 +211,13 @@ def _check_batches(config, data: int) -> None:
              (f"config.eval.batch_size={e.batch_size}", e.batch_size)]
   bad = [name for name, rows in batches if rows % data]
   if not bad:
-    return
+    return data, model
   processes = (f", {jax.process_count()} processes each reading its share"
                if jax.process_count() > 1 else "")
   up = lambda n, k: -(-n // k) * k
   raise ConfigError(
       f"{bad[0]} is not divisible by the data-parallel size ({data}: config.mesh.data="
-      f"{config.mesh.data} on {jax.device_count()} devices{processes}), which splits "
+      f"{config.mesh.data} on {num_devices} devices{processes}), which splits "
       f"every batch into equal rows per data shard. Found: "
       + "; ".join(f"{name} ({'ok' if rows % data == 0 else 'not divisible'})"
                   for name, rows in batches)

@@ -45,7 +45,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
   full_heads = sum(baseline_model[0].cfg.layer_heads)
   pruned_heads = list(pruned_model[0].cfg.layer_heads)
-  key = head_costs.target_key(prune_config)
+  key = prune_config.gates.budget_target
   return {
       "dataset": baseline_config.data.name,
       "metric": baseline["metric"],

@@ -137,14 +137,6 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 TARGET_KEYS = run_config.BUDGET_TARGETS
 
 
-def target_key(config: run_config.RunConfig) -> str | None:
-  """The budget key the config sets, or None for a plain fixed-λ (or baseline) run."""
-  keys = [k for k in TARGET_KEYS if getattr(config.gates, k, None) is not None]
-  if len(keys) > 1:
-    raise ConfigError(f"config.gates sets {keys}; set at most one budget target.")
-  return keys[0] if keys else None
-
-
 def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
   """(cost of the unpruned model, cost of one head) in params or MACs per token.
 
@@ -167,7 +159,7 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
     ConfigError: no budget, more than one, or one out of range, or a run without
       gates.
   """
-  key = target_key(config)
+  key = config.gates.budget_target
   if key is None:
     raise ConfigError(f"config.gates sets none of {TARGET_KEYS}.")
   gates = config.gates

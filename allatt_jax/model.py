@@ -85,12 +85,13 @@ class ModelConfig:
   def from_config(cls, config: run_config.RunConfig, **overrides) -> "ModelConfig":
     """The ModelConfig of a run config (model and gates sections; a ConfigDict of the
     same shape reads the same): the one place a model's hyper-parameters are read."""
+    config = run_config.RunConfig.of(config)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in config.model.to_dict().items() if k in fields}
     for key in ("heads_per_layer", "cutoffs", "tie_projs"):
       if values.get(key) is not None:
         values[key] = tuple(values[key])
-    values["max_relative_len"] = run_config.relative_table_len(config)
+    values["max_relative_len"] = config.relative_table_len
     if not values.get("cutoffs") and values.get("div_val", 1) > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
       values["cutoffs"] = adaptive.default_cutoffs(config.data.name,

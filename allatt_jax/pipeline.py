@@ -127,7 +127,7 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
 
 def _pruning_goal(prune_config: RunConfig) -> str:
   """'λ=0.05', or the budget: 'target_sparsity=0.5: 16 of 32 heads'."""
-  key = head_costs.target_key(prune_config)
+  key = prune_config.gates.budget_target
   if key is None:
     return f"λ={prune_config.gates.lam}"
   cfg = model_lib.ModelConfig.from_config(prune_config)

@@ -15,10 +15,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from allatt_jax import budget
@@ -118,10 +116,9 @@ def _checked(config, vocab_from_data: bool = False, starts_run: bool = False
   """(the checked RunConfig, its mesh's (data, model) sizes on this machine);
   `starts_run`: also what a run that trains it starts from (its `init_from`)."""
   run = RunConfig.of(config)
-  mesh_shape = sharding.mesh_shape(run.mesh, jax.device_count())
-  config_checks.check_config(run, mesh_shape, vocab_from_data=vocab_from_data)
-  if starts_run:
-    config_checks.check_starting_point(run)
+  mesh_shape = config_checks.check_config(run, jax.device_count(),
+                                          vocab_from_data=vocab_from_data,
+                                          starts_run=starts_run)
   return run, mesh_shape
 
 
@@ -172,7 +169,7 @@ def resolve(config, *, starts_run: bool = False) -> RunSetup:
 def prepare_run(config) -> tuple[RunSetup, data_lib.Corpus]:
   """(the objects of a run about to train, its dataset): its config checked (and what
   it starts from) before the dataset is read, then completed from the dataset
-  (`complete`), as the run saves it.
+  (`RunConfig.completed`), as the run saves it.
 
   Raises:
     ConfigError: as `prepare`.
@@ -186,7 +183,10 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
   mesh = sharding.make_mesh(mesh_shape)
-  penalty = penalty_from_config(run, cfg)
+  # A budget becomes its number of open heads n* here, once; a bad one fails at setup.
+  allowed = (head_costs.target_open_heads(run, cfg) if run.gates.budget_target
+             else None)
+  penalty = budget.Penalty.of(run.gates, cfg.gate, cfg.layer_heads, allowed)
   rates = optim.schedules(run)
   optimizer = optim.make_optimizer(run.train, rates,
                                    budget.COLLECTION if penalty.controlled else None)
@@ -197,37 +197,14 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
                   state_sharding=shardings, rows=sharding.process_rows(mesh))
 
 
-def penalty_from_config(config: RunConfig, cfg: model_lib.ModelConfig) -> budget.Penalty:
-  """The run's L0 term; a budget that cannot work fails here, at setup.
-
-  With a budget, t(step) moves from the initial expected open heads down to n* over
-  `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
-  """
-  lam = budget.lambda_schedule(config.gates)
-  if head_costs.target_key(config) is None:
-    return budget.Penalty(lam, cfg.gate)
-  gates = config.gates
-  allowed = head_costs.target_open_heads(config, cfg)
-  warmup = budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
-  controlled = functools.partial(
-      budget.Penalty, lam, cfg.gate, allowed=allowed,
-      sharpness=budget.sharpness_schedule(warmup, gates.freeze_step,
-                                          gates.budget_sharpness))
-  if not warmup:
-    return controlled(optax.constant_schedule(float(allowed)))
-  start = float(budget.expected_open(cfg.gate, [jnp.full((h,), cfg.gate.init)
-                                                for h in cfg.layer_heads if h]))
-  return controlled(optax.linear_schedule(start, float(allowed), warmup))
-
-
 def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
-  """(the config completed from its dataset (`complete`), the dataset).
+  """(the config completed from its dataset (`RunConfig.completed`), the dataset).
 
   The config's own checks come first, so a bad config fails before any dataset is
   read or prepared.
 
   Raises:
-    ConfigError: as `config_checks.check_config` and `check_starting_point`, or a
+    ConfigError: as `config_checks.check_config`, or a
       `model.vocab_size` that is not the dataset's.
     DataError: the dataset cannot be loaded.
   """
@@ -237,8 +214,8 @@ def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
 def _prepared(config) -> tuple[RunConfig, data_lib.Corpus, tuple[int, int]]:
   """(the checked config completed from its dataset, the dataset, the mesh shape)."""
   run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=True)
-  corpus = load_corpus(run)
-  return complete(run, corpus), corpus, mesh_shape
+  corpus = data_lib.load_run_corpus(run)
+  return run.completed(corpus.vocab_size), corpus, mesh_shape
 
 
 def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
@@ -248,7 +225,7 @@ def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
   baseline's folder, which is also its teacher when it distills."""
   baseline, corpus = prepare(config.baseline)
   pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
-  return baseline, complete(pruning, corpus), corpus
+  return baseline, pruning.completed(corpus.vocab_size), corpus
 
 
 def vocab_size(config) -> int:
@@ -261,52 +238,3 @@ def with_vocab_size(config) -> RunConfig:
   """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`)."""
   run = RunConfig.of(config)
   return run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
-
-
-def load_corpus(config: RunConfig) -> data_lib.Corpus:
-  """The run's dataset, checked against the model's vocabulary size.
-
-  Warns when a word-level train split never holds <unk> while valid or test do: the
-  model then scores those tokens with an embedding it never trained.
-
-  Raises:
-    ConfigError: `model.vocab_size` is set and is not the dataset's.
-    DataError: the dataset cannot be loaded.
-  """
-  corpus = data_lib.load_run_corpus(config)
-  if config.model.vocab_size and corpus.vocab_size != config.model.vocab_size:
-    raise ConfigError(
-        f"config.model.vocab_size is {config.model.vocab_size} but dataset "
-        f"{config.data.name!r} has {corpus.vocab_size} types; set "
-        f"--config.model.vocab_size={corpus.vocab_size}, or 0 to take it from the "
-        "dataset.")
-  _warn_if_unk_untrained(corpus)
-  return corpus
-
-
-def complete(config, corpus: data_lib.Corpus) -> RunConfig:
-  """The config with what it leaves to the run filled in, as the run will save it.
-
-  `model.vocab_size` 0 (or None) becomes the dataset's; with a budget
-  (`gates.target_*`) the controller finds the L0 weight, so a fixed `gates.lam` the
-  config carries is set to 0 rather than saved as if it had been used.
-  """
-  run = RunConfig.of(config)
-  budgeted = head_costs.target_key(run) is not None
-  return run_config.derived_run(
-      run, model=dict(vocab_size=run.model.vocab_size or corpus.vocab_size),
-      gates=dict(lam=0.0) if budgeted and run.gates.lam else None)
-
-
-def _warn_if_unk_untrained(corpus: data_lib.Corpus) -> None:
-  if corpus.level != "word" or data_lib.UNK not in corpus.vocab:
-    return
-  unk = corpus.vocab.index(data_lib.UNK)
-  counts = {split: int(np.count_nonzero(ids == unk)) for split, ids in corpus.splits.items()}
-  if counts["train"] or not (counts["valid"] or counts["test"]):
-    return
-  logging.warning(
-      "Dataset %r: <unk> never occurs in the train split but %d times in valid and %d "
-      "in test; the model scores them with an embedding it never trained. Set "
-      "--config.data.min_count=2 (train words seen once become <unk>) or "
-      "--config.data.max_vocab to train it.", corpus.name, counts["valid"], counts["test"])

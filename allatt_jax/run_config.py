@@ -92,6 +92,12 @@ class GatesSection(_Section):
   budget_sharpness: float
   budget_warmup_steps: int | None
 
+  @property
+  def budget_target(self) -> str | None:
+    """The budget key (BUDGET_TARGETS) this section sets, or None for a fixed λ (or a
+    baseline); the resolver has checked that at most one is set."""
+    return next((k for k in BUDGET_TARGETS if getattr(self, k, None) is not None), None)
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSection(_Section):
@@ -212,6 +218,23 @@ class RunConfig:
     (init_from unset, or FROM_SCRATCH)."""
     return "" if self.init_from in ("", FROM_SCRATCH) else self.init_from
 
+  @property
+  def relative_table_len(self) -> int:
+    """The learned relative position table's length: `model.max_relative_len`, or,
+    where that is 0, the longest context a train or eval query sees."""
+    t, e = self.train, self.eval
+    return (self.model.max_relative_len
+            or max(t.seq_len + t.mem_len, e.seq_len + e.mem_len))
+
+  def completed(self, vocab_size: int) -> "RunConfig":
+    """This config with what it leaves to the run filled in, as the run saves it:
+    `model.vocab_size` 0 (or None) becomes `vocab_size` (the dataset's); with a budget
+    (`gates.target_*`) the controller finds the L0 weight, so a fixed `gates.lam` is
+    set to 0 rather than saved as if it had been used."""
+    return derived_run(
+        self, model=dict(vocab_size=self.model.vocab_size or vocab_size),
+        gates=dict(lam=0.0) if self.gates.budget_target and self.gates.lam else None)
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -227,15 +250,6 @@ def txl_model(d_model: int) -> dict:
   """The model keys that make an All-att config its Transformer-XL: same depth and
   heads, a feed-forward of 4d, no persistent vectors."""
   return dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0)
-
-
-def relative_table_len(config: RunConfig) -> int:
-  """The learned relative position table's length: `model.max_relative_len`, or,
-  where that is 0 (or a saved config predates it), the longest context a train or
-  eval query sees."""
-  t, e = config.train, config.eval
-  return (getattr(config.model, "max_relative_len", 0)
-          or max(t.seq_len + t.mem_len, e.seq_len + e.mem_len))
 
 
 def paper_pruning(config, lam: float, init_from: str):

@@ -14,7 +14,6 @@ import uuid
 from absl import logging
 from etils import epath
 import flax
-import jax
 
 from allatt_jax import checkpointing
 from allatt_jax import run_config
@@ -108,9 +107,6 @@ def _leaves(config: run_config.RunConfig) -> dict:
     leaves.update({f"{name}.{k}": v for k, v in section.items()}
                   if isinstance(section, dict) else {name: section})
   return leaves
-
-
-
 
 
 def check_workdir(workdir: epath.Path) -> None:

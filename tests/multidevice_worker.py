@@ -55,7 +55,7 @@ def train_steps(config, num_steps: int = NUM_STEPS):
   batch = sharding.batch_sharding(setup.mesh)
   step_fn = setup.train_step(sample_gates=True)
   t = config.train
-  stream = data_lib.SegmentStream(resolver.load_corpus(config).splits["train"], t.batch_size,
+  stream = data_lib.SegmentStream(data_lib.load_run_corpus(config).splits["train"], t.batch_size,
                                   t.seq_len, *sharding.process_rows(setup.mesh))
   losses = []
   for _ in range(num_steps):

@@ -7,10 +7,10 @@ import numpy as np
 import optax
 import pytest
 
+from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import model as model_lib
 from allatt_jax import optim
-from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import train_step
 from allatt_jax.errors import ConfigError
@@ -38,7 +38,7 @@ def make_state(config):
   # gradients without an optimizer that could amplify or hide their differences.
   optimizer = optax.sgd(1.0)
   settings = train_step.StepConfig.from_config(config, optim.schedules(config))
-  state = train_step.init_state(lm, optimizer, resolver.penalty_from_config(config, lm.cfg),
+  state = train_step.init_state(lm, optimizer, budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None),
                            settings, jax.random.key(0))
   previous = jax.random.randint(jax.random.key(1), (BATCH, SEQ_LEN), 0, VOCAB)
   _, memory, _ = lm.apply(state.variables, previous, previous, state.memory)
@@ -58,7 +58,7 @@ def run_step(accum, gated, memory=None):
   old = state.variables
   step = jax.jit(functools.partial(
       train_step.train_step, lm=lm, optimizer=optimizer,
-      penalty=resolver.penalty_from_config(config, lm.cfg),
+      penalty=budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None),
       step_config=train_step.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
   new_state, metrics = step(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)

@@ -19,7 +19,6 @@ from allatt_jax import figures
 from allatt_jax import gates as gates_lib
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
-from allatt_jax import pipeline
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files

@@ -14,7 +14,6 @@ from allatt_jax import adaptive
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import distill
-from allatt_jax import pipeline
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import sharding

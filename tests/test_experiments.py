@@ -11,11 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from allatt_jax import budget
 from allatt_jax import config_base
+from allatt_jax import data as data_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
@@ -131,10 +134,10 @@ def test_masked_model_equals_the_exported_one(tiny_model):
   np.testing.assert_allclose(masked, nll.mean(), rtol=1e-6)
 
 
-def budget_config(**gates):
+def budget_config(**gates) -> run_config.RunConfig:
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.gates.update({"enabled": True, "lam": 0.0, **gates})
-  return config
+  return run_config.RunConfig.of(config)
 
 
 def test_budgets_convert_to_the_most_heads_that_fit():
@@ -151,8 +154,12 @@ def test_budgets_convert_to_the_most_heads_that_fit():
   assert head_costs.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
 
 
+def test_a_config_sets_at_most_one_budget():
+  with pytest.raises(ConfigError, match="at most one budget target"):
+    resolver.resolve_config(budget_config(target_sparsity=0.5, target_params=10))
+
+
 @pytest.mark.parametrize("gates, match", [
-    (dict(target_sparsity=0.5, target_params=10), "at most one"),
     (dict(target_sparsity=1.5), r"\[0, 1\]"),
     (dict(target_macs=-3.0), "positive"),
 ])
@@ -165,12 +172,13 @@ def test_budget_config_errors(gates, match):
 def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
   config = budget_config(target_sparsity=0.5, lam=0.1, l0_warmup_steps=0,
                          budget_warmup_steps=0)
-  corpus = resolver.load_corpus(config)
-  completed = resolver.complete(config, corpus)
+  corpus = data_lib.load_run_corpus(config)
+  completed = config.completed(corpus.vocab_size)
   assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
   assert config.gates.lam == 0.1                  # the caller's config is left alone
-  penalty = resolver.penalty_from_config(completed, model_lib.ModelConfig.from_config(
-      completed))
+  cfg = model_lib.ModelConfig.from_config(completed)
+  penalty = budget.Penalty.of(completed.gates, cfg.gate, cfg.layer_heads,
+                              head_costs.target_open_heads(completed, cfg))
   assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
 

@@ -99,7 +99,7 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir):
   setup = resolver.resolve(config)
   state = setup.new_state()
   step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
-  stream = data_lib.SegmentStream(resolver.load_corpus(config).splits["train"], 4, 16)
+  stream = data_lib.SegmentStream(data_lib.load_run_corpus(config).splits["train"], 4, 16)
   history = []
   for step in range(6):
     with sharding.activate(setup.mesh):

@@ -21,6 +21,7 @@ from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
+from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
 
 
@@ -105,14 +106,25 @@ def load_corpus(name: str, data_dir: str | None = None,
 
 
 def load_run_corpus(config) -> Corpus:
-  """The corpus of a run config's `data` section, checked against its eval segments.
+  """The corpus of a run config's `data` section, checked against its model's
+  vocabulary size and its eval segments.
+
+  Warns when a word-level train split never holds <unk> while valid or test do: the
+  model then scores those tokens with an embedding it never trained.
 
   Raises:
+    ConfigError: `model.vocab_size` is set and is not the dataset's.
     DataError: as load_corpus, or valid/test shorter than one evaluation segment.
   """
   data = config.data
   corpus = load_corpus(data.name, getattr(data, 'data_dir', None),
                        getattr(data, 'manual_dir', None), **_options(data))
+  vocab_size = config.model.vocab_size
+  if vocab_size and corpus.vocab_size != vocab_size:
+    raise ConfigError(
+        f'config.model.vocab_size is {vocab_size} but dataset {data.name!r} has '
+        f'{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, '
+        'or 0 to take it from the dataset.')
   needed = config.eval.seq_len + 1
   for split in specs.SPLITS[1:]:
     if corpus.splits[split].size < needed:
@@ -120,7 +132,22 @@ def load_run_corpus(config) -> Corpus:
           f"Dataset {data.name!r}: the {split} split has {corpus.splits[split].size} "
           f'tokens, fewer than one evaluation segment (config.eval.seq_len + 1 = '
           f'{needed}). Give it more text, or lower --config.eval.seq_len.')
+  _warn_if_unk_untrained(corpus)
   return corpus
+
+
+def _warn_if_unk_untrained(corpus: Corpus) -> None:
+  if corpus.level != 'word' or tokenization.UNK not in corpus.vocab:
+    return
+  unk = corpus.vocab.index(tokenization.UNK)
+  counts = {split: int(np.count_nonzero(ids == unk)) for split, ids in corpus.splits.items()}
+  if counts['train'] or not (counts['valid'] or counts['test']):
+    return
+  logging.warning(
+      'Dataset %r: <unk> never occurs in the train split but %d times in valid and %d '
+      'in test; the model scores them with an embedding it never trained. Set '
+      '--config.data.min_count=2 (train words seen once become <unk>) or '
+      '--config.data.max_vocab to train it.', corpus.name, counts['valid'], counts['test'])
 
 
 def check_data_config(data) -> None:

@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from allatt_jax import checkpointing
+from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
@@ -239,7 +240,7 @@ class Experiment:
     start = time.perf_counter()
     base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
     setup = resolver.resolve(self.base)
-    corpus = resolver.load_corpus(self.base)
+    corpus = data_lib.load_run_corpus(self.base)
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
         corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
