@@ -20,6 +20,7 @@ training run. `exported_model.save` writes it; its params go through `save_param
 from typing import Any, Callable
 
 from absl import logging
+from etils import epath
 import flax
 import jax
 from jax.experimental import multihost_utils
@@ -41,7 +42,8 @@ class RunCheckpoints:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.directory = run_files.run_path(workdir) / "checkpoints"
+    # `workdir` as run_files.run_path gives it: orbax wants an absolute path or a URL.
+    self.directory = epath.Path(workdir) / "checkpoints"
     self.manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -137,6 +139,17 @@ class RunCheckpoints:
       multihost_utils.sync_global_devices(f"set aside {self.directory}")
     self.manager.reload()
 
+  def newest_state_shapes(self) -> tuple[int, dict[str, tuple[int, ...]]] | None:
+    """(step, `state_shapes`) of the newest checkpoint whose metadata reads, or None:
+    the run resumes from it or an older one (an unreadable one is skipped then, with a
+    warning)."""
+    for step in self.steps():
+      try:
+        return step, self.state_shapes(step)
+      except CheckpointError:
+        continue
+    return None
+
   def steps(self) -> list[int]:
     """The steps of the finished checkpoints, newest first."""
     return sorted(self.manager.all_steps(), reverse=True)
@@ -196,7 +209,7 @@ def _no_checkpoint(directory) -> CheckpointError:
 
 def latest_finished_step(workdir) -> int:
   """The step of a run's latest complete checkpoint; CheckpointError if it has none."""
-  run = RunCheckpoints(workdir, async_save=False, read_only=True)
+  run = RunCheckpoints(run_files.run_path(workdir), async_save=False, read_only=True)
   try:
     step = run.latest_step()
   finally:
@@ -208,11 +221,12 @@ def latest_finished_step(workdir) -> int:
 
 def restore_variables(workdir, step: int | None = None) -> dict:
   """The model variables of a run's checkpoint, as host arrays (see restore_step)."""
-  return restore_step(workdir, step)[1]
+  return restore_step(run_files.run_path(workdir), step)[1]
 
 
-def restore_step(workdir, step: int | None = None) -> tuple[int, dict]:
-  """(step, model variables as host arrays) of a run's checkpoint.
+def restore_step(workdir: epath.Path, step: int | None = None) -> tuple[int, dict]:
+  """(step, model variables as host arrays) of a run's checkpoint (`workdir` as
+  run_files.run_path gives it).
 
   By default the newest checkpoint that restores (unreadable newer ones are skipped
   with a warning); with `step`, that checkpoint or a CheckpointError. Arrays are read
@@ -253,10 +267,10 @@ def save_params(directory, params) -> None:
     checkpointer.save(run_files.run_path(directory) / "params", params, force=True)
 
 
-def model_param_shapes(directory, prefix: str) -> dict[str, tuple[int, ...]]:
+def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[int, ...]]:
   """{prefix + 'a/b': shape} of the parameters of an exported model or of a run's latest
-  checkpoint (`prefix`: where parameters sit in a train state), from metadata only."""
-  directory = run_files.run_path(directory)
+  checkpoint (`directory`, as run_files.run_path gives it; `prefix`: where parameters
+  sit in a train state), from metadata only."""
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       metadata = checkpointer.metadata(directory / "params").item_metadata
@@ -278,6 +292,8 @@ def load_model(directory, step: int | None = None):
 def load_model_and_step(directory, step: int | None = None):
   """(run config, variables, the checkpoint step used: None for an exported model)."""
   directory = run_files.run_path(directory)
+  # The config first: a folder without one gets load_config's advice (a pipeline's
+  # workdir, say), not a missing checkpoint's.
   config = run_files.load_config(directory)
   if (directory / "params").is_dir():
     if step is not None:
@@ -286,6 +302,7 @@ def load_model_and_step(directory, step: int | None = None):
           "Leave out the step, or point at the training run's workdir.")
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
-    return config, {"params": jax.tree.map(np.asarray, params)}, None
-  used, variables = restore_step(directory, step)
+    used, variables = None, {"params": jax.tree.map(np.asarray, params)}
+  else:
+    used, variables = restore_step(directory, step)
   return config, variables, used

@@ -52,10 +52,12 @@ def train_and_evaluate(config: RunConfig, workdir: str,
     # The config, then its dataset, are checked before the checkpoints are opened
     # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
     setup, corpus = resolver.prepare_run(config)
-    checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir)
+    vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
+    checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
+                                              vocabulary)
     try:
-      return _train_and_evaluate(setup, workdir, checkpoints, corpus, deadline, watch,
-                                 gate_flags)
+      return _train_and_evaluate(setup, workdir, checkpoints, corpus, vocabulary,
+                                 deadline, watch, gate_flags)
     finally:
       # Whatever stopped the run, the save in flight completes (or never counts).
       checkpoints.wait()
@@ -64,14 +66,12 @@ def train_and_evaluate(config: RunConfig, workdir: str,
 
 def _train_and_evaluate(setup: resolver.RunSetup, workdir,
                         checkpoints: checkpointing.RunCheckpoints,
-                        corpus: data_lib.Corpus, deadline: float | None,
-                        watch: preemption.PreemptionWatch, gate_flags: str) -> dict:
+                        corpus: data_lib.Corpus, vocabulary: dict,
+                        deadline: float | None, watch: preemption.PreemptionWatch,
+                        gate_flags: str) -> dict:
   config = setup.run
   train_cfg = config.train
   latest = checkpoints.latest_step()
-  vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
-  validation.check_vocabulary(vocabulary, workdir, config.init_source,
-                              resuming=latest is not None)
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())

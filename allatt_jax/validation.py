@@ -34,10 +34,12 @@ BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lag
 
 
 def open_checkpoints(config: run_config.RunConfig, abstract_state,
-                     workdir: epath.Path) -> checkpointing.RunCheckpoints:
+                     workdir: epath.Path, vocabulary: dict
+                     ) -> checkpointing.RunCheckpoints:
   """The run's one CheckpointManager, opened after the checks of its `init_from`
   (first, so that a wrong one leaves no workdir behind), its workdir and the
-  checkpoints it holds, against the state's shapes and the run's settings.
+  checkpoints it holds, against the state's shapes, the run's settings and the
+  loaded dataset's `vocabulary` (`run_files.vocabulary_fingerprint`).
 
   Raises:
     CheckpointError: `init_from` is missing, unreadable or does not fit the config;
@@ -45,24 +47,24 @@ def open_checkpoints(config: run_config.RunConfig, abstract_state,
       gives.
     ConfigError: the workdir is not writable, or holds a run trained with other
       settings.
+    DataError: the dataset's vocabulary is not the one of the run resumed or of
+      `init_from`.
   """
-  shapes = _state_shapes(abstract_state)
   if config.init_source:
-    _check_init_from(config, shapes)
+    _check_init_from(config, abstract_state)
   check_workdir(workdir)
+  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
   try:
-    _check_resume(config, checkpoints, shapes)
-    if checkpoints.steps():
+    _check_resume(config, checkpoints, state_shapes)
+    resuming = bool(checkpoints.steps())
+    if resuming:
       check_same_settings(config, workdir)
+    check_vocabulary(vocabulary, workdir, config.init_source, resuming=resuming)
   except BaseException:
     checkpoints.close()
     raise
   return checkpoints
-
-
-def _state_shapes(abstract_state):
-  return checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
 
 
 def check_same_settings(config: run_config.RunConfig, workdir) -> None:
@@ -124,16 +126,10 @@ def check_workdir(workdir: epath.Path) -> None:
 
 
 def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shapes):
-  # The newest checkpoint whose metadata reads: the run resumes from it or an older
-  # one (an unreadable one is skipped then, with a warning).
-  for step in checkpoints.steps():
-    try:
-      found = checkpoints.state_shapes(step)
-      break
-    except CheckpointError:
-      continue
-  else:
+  newest = checkpoints.newest_state_shapes()
+  if newest is None:
     return
+  step, found = newest
   if found == state_shapes:
     return
   workdir = checkpoints.directory.parent
@@ -159,7 +155,7 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
       f"config ({saved}); to train this config, use a new --workdir.")
 
 
-def _check_init_from(config, state_shapes):
+def _check_init_from(config, abstract_state):
   source = run_files.run_path(config.init_from)
   if not source.is_dir():
     raise CheckpointError(
@@ -167,6 +163,7 @@ def _check_init_from(config, state_shapes):
         "--workdir of the finished baseline run, or an exported model, to start from.")
   saved = run_files.load_config(source)
   found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
+  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   if saved.model.vocab_size != config.model.vocab_size:
     raise CheckpointError(
         f"config.init_from={source} was trained with a vocabulary of "

@@ -10,13 +10,19 @@ from allatt_jax import run_files
 from allatt_jax import validation
 
 
-def start_run(config, workdir):
+def start_run(config, workdir, vocabulary: dict | None = None):
   """(setup, checkpoints) of a run about to train, after the checks a run makes
-  before it reads its dataset or compiles (config, starting point, `init_from`,
-  workdir, resume), as `train.train_and_evaluate` makes them."""
-  setup = resolver.resolve(config, starts_run=True)
+  before it compiles (config and starting point before its dataset is read; then
+  `init_from`, workdir, resume and vocabulary), as `train.train_and_evaluate` makes
+  them. `vocabulary`: the fingerprint of the config's dataset where the test does
+  not hold that dataset (else it is loaded, as a run loads it)."""
+  if vocabulary is None:
+    setup, corpus = resolver.prepare_run(config)
+    vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
+  else:
+    setup = resolver.resolve(config, starts_run=True)
   return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
-                                            run_files.run_path(workdir))
+                                            run_files.run_path(workdir), vocabulary)
 
 
 def saved_state(workdir, step):

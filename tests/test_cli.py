@@ -288,6 +288,7 @@ def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, cap
 
   other = config.copy_and_resolve_references()
   other.data.update(dict(name="text_files", manual_dir=str(text_folder(tmp_path / "text"))))
+  other.model.vocab_size = 0      # the dataset's
   other.model.vocab_size = data_lib.load_run_corpus(other).vocab_size
   with caplog.at_level(logging.DEBUG, logger="absl"):
     with pytest.raises(CheckpointError) as error:

@@ -45,8 +45,9 @@ def tiny_config(**sections):
 
 
 def check_run(config, workdir):
-  """What a run checks before it loads data or compiles (`helpers.start_run`)."""
-  _, checkpoints = start_run(config, workdir)
+  """What a run checks before it compiles (`helpers.start_run`), on text8, whose
+  vocabulary is TEXT8_VOCABULARY."""
+  _, checkpoints = start_run(config, workdir, TEXT8_VOCABULARY)
   checkpoints.close()
 
 
