@@ -79,7 +79,8 @@ def _deterministic(logits: list[np.ndarray], gate: gates_lib.GateConfig) -> list
 
 def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
   """Per layer, the deterministic gate values (H_i,); empty for a headless layer."""
-  return _deterministic(_gate_logits(cfg, gates), cfg.gate)
+  logits = _gate_logits(cfg, gates)
+  return _deterministic(logits, cfg.gate)
 
 
 def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]:
@@ -137,6 +138,16 @@ def keep_open_heads(cfg: model_lib.ModelConfig, gates,
               "changed": len(opened) + len(closed),
               "opened": [list(ih) for ih in opened], "closed": [list(ih) for ih in closed]}
   return new_gates, decision
+
+
+def decision_line(decision: dict, num_heads: int) -> str:
+  """`keep_open_heads`' decision on a model of `num_heads` heads, in a line."""
+  line = (f"budget: the gates keep {decision['by_gates']} of {num_heads} heads at the "
+          f"freeze, the budget allows {decision['allowed']}")
+  if not decision["changed"]:
+    return line + ": kept as they are"
+  return line + (f": {decision['changed']} head decision(s) changed by logit rank "
+                 f"(opened {len(decision['opened'])}, closed {len(decision['closed'])})")
 
 
 def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:

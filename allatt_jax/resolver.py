@@ -82,7 +82,8 @@ class RunSetup:
         sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh),
         sample_gates=sample_gates)
 
-  def train_steps(self, gated: bool) -> dict:
+  @functools.cached_property
+  def loop_steps(self) -> dict:
     """{sample_gates: step(state, inputs, targets) -> (state, metrics)}: the train
     steps of the loop (a gated run samples its gates before the freeze, not after),
     each taking this process's rows of a batch and running on the mesh."""
@@ -96,7 +97,7 @@ class RunSetup:
       return step
 
     return {sample: on_rows(sharding.on_mesh(self.mesh, self.train_step(sample_gates=sample)))
-            for sample in ((True, False) if gated else (False,))}
+            for sample in ((True, False) if self.lm.cfg.gated else (False,))}
 
 
 def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:

@@ -71,7 +71,6 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
                         gate_flags: str) -> dict:
   config = setup.run
   train_cfg = config.train
-  latest = checkpoints.latest_step()
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
@@ -79,7 +78,7 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   # --- State: resume, or start fresh (from a baseline for pruning runs).
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
                                   train_cfg.seq_len, *setup.rows)
-  if latest is not None:
+  if checkpoints.latest_step() is not None:
     resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
     logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
     stream.set_state(data_state)
@@ -90,25 +89,34 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
     source = config.init_source
     state = setup.new_state(checkpointing.load_model(source)[1]["params"] if source
                             else None)
-  gated = "gates" in state.variables
-  # Phase results count only for the state they were computed from.
-  phases = _finished_phases(workdir, config, int(state.step))
+  gated = setup.lm.cfg.gated
+  # Phase results count only for the state they were computed from: the last step's,
+  # evaluated as the eval section says.
+  phases_key = {"step": train_cfg.num_steps, "eval": config.eval.to_dict()}
+  phases_path = workdir / PHASES_FILE
+  phases = (json.loads(phases_path.read_text())
+            if int(state.step) == train_cfg.num_steps and phases_path.is_file() else {})
+  if phases.get("key") != phases_key:
+    phases = {"key": phases_key}
 
   progress_log = progress.TrainProgress(
       workdir, setup.lm.cfg, num_steps=train_cfg.num_steps, first_step=int(state.step),
       tokens_per_step=train_cfg.batch_size * train_cfg.seq_len, metric=corpus.metric,
       skip_nonfinite=train_cfg.skip_nonfinite_steps, gated=gated)
-  step_fns = setup.train_steps(gated)
-  evaluator = setup.evaluator
   budgeted = setup.penalty.allowed is not None
   freeze_step = config.gates.freeze_step
 
   # --- Train loop. Metrics stay on device until a log, evaluation or save reads them.
+  # Its last pass trains no step: gates that freeze with the last step are decided
+  # there, on the final state (idempotent, so a rerun of a finished run changes
+  # nothing).
   try:
-    for step in range(int(state.step), train_cfg.num_steps):
+    for step in range(int(state.step), train_cfg.num_steps + 1):
       if budgeted and step == freeze_step:
         state = _keep_budgeted_heads(setup, workdir, state, step)
-      state, metrics = step_fns[gated and step < freeze_step](state, *next(stream))
+      if step == train_cfg.num_steps:
+        break
+      state, metrics = setup.loop_steps[gated and step < freeze_step](state, *next(stream))
       done = step + 1
       progress_log.add(done, metrics)
 
@@ -127,7 +135,7 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
         progress_log.log(done, nonfinite, state.variables.get("gates"))
       if evaluate_now:
         progress_log.write_eval(done, stream_eval.evaluate_splits(
-            evaluator, state.variables, corpus, ("valid",), config.eval.max_batches))
+            setup.evaluator, state.variables, corpus, ("valid",), config.eval.max_batches))
       if save or preempted:
         checkpoints.save(done, state, stream.get_state(), force=True)
       if preempted:
@@ -139,30 +147,26 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   finally:
     progress_log.close()
 
-  if budgeted and freeze_step == train_cfg.num_steps:
-    # Gates that freeze with the last step: the decision is made on the final state
-    # (idempotent, so a rerun of a finished run changes nothing).
-    state = _keep_budgeted_heads(setup, workdir, state, freeze_step)
-
   # --- Phases after training, each skipped if a run before this one finished it.
   watch.stop_if_asked(f"training (checkpoint of step {train_cfg.num_steps} in "
                       f"{checkpoints.directory})", "run the final evaluation")
   if "final" not in phases:
-    phases["final"] = stream_eval.evaluate_splits(evaluator, state.variables, corpus)
+    phases["final"] = stream_eval.evaluate_splits(setup.evaluator, state.variables, corpus)
     progress_log.write_final(train_cfg.num_steps, phases["final"])
-    _save_phases(workdir, phases)
+    if is_main:
+      run_files.write_json(phases_path, phases)
   if is_main:
     print(stream_eval.results_line("final" + (" (gated)" if gated else ""), phases["final"],
-                                corpus.metric), flush=True)
+                                   corpus.metric), flush=True)
   next_phase = "export the pruned model" if gated else "write results.json"
-  watch.stop_if_asked(f"the final evaluation (kept in {workdir / PHASES_FILE})",
-                      next_phase)
+  watch.stop_if_asked(f"the final evaluation (kept in {phases_path})", next_phase)
   if gated:
     if "export" not in phases:
       phases["export"] = exported_model.export_pruning_run(
           workdir, config, setup.lm.cfg, state.variables, corpus, setup.mesh,
           decision=budget_decision(workdir) if budgeted else None, gate_flags=gate_flags)
-      _save_phases(workdir, phases)
+      if is_main:
+        run_files.write_json(phases_path, phases)
     watch.stop_if_asked(f"the export to {phases['export']['directory']}",
                         "write results.json")
   results = {**phases["final"], "metric": corpus.metric}
@@ -179,49 +183,20 @@ def _keep_budgeted_heads(setup: resolver.RunSetup, workdir, state, step: int):
 
   Made when the gates freeze, so the last steps train the model at its final size.
   """
-  new_gates, decision = prune.keep_open_heads(
-      setup.lm.cfg, sharding.on_host(state.variables["gates"]), setup.penalty.allowed)
+  gates = sharding.on_host(state.variables["gates"])
+  new_gates, decision = prune.keep_open_heads(setup.lm.cfg, gates, setup.penalty.allowed)
   path = workdir / BUDGET_FILE
   if decision["changed"] or not path.is_file():
     if jax.process_index() == 0:
+      print(prune.decision_line(decision, sum(setup.lm.cfg.layer_heads)), flush=True)
       run_files.write_json(path, {"step": step, **decision})
-      print(_budget_line(decision, sum(setup.lm.cfg.layer_heads)), flush=True)
   if not decision["changed"]:
     return state
   new_gates = jax.device_put(new_gates, setup.state_sharding.variables["gates"])
   return state.replace(variables={**state.variables, "gates": new_gates})
 
 
-def _budget_line(decision: dict, num_heads: int) -> str:
-  line = (f"budget: the gates keep {decision['by_gates']} of {num_heads} heads at the "
-          f"freeze, the budget allows {decision['allowed']}")
-  if not decision["changed"]:
-    return line + ": kept as they are"
-  return line + (f": {decision['changed']} head decision(s) changed by logit rank "
-                 f"(opened {len(decision['opened'])}, closed {len(decision['closed'])})")
-
-
 def budget_decision(workdir) -> dict | None:
   """What the budget decided at the freeze (`_keep_budgeted_heads`), or None."""
   path = run_files.run_path(workdir) / BUDGET_FILE
   return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _phases_key(config: RunConfig) -> dict:
-  """What the phases' results depend on besides the final state."""
-  return {"step": config.train.num_steps, "eval": config.eval.to_dict()}
-
-
-def _finished_phases(workdir, config: RunConfig, step: int) -> dict:
-  """The results of the phases after training that a run before this one finished:
-  {'final': ..., 'export': ...}, each present if done for this num_steps and eval.
-  A state short of the last step (`step`) has finished none."""
-  path, key = workdir / PHASES_FILE, _phases_key(config)
-  saved = (json.loads(path.read_text())
-           if step == config.train.num_steps and path.is_file() else {})
-  return saved if saved.get("key") == key else {"key": key}
-
-
-def _save_phases(workdir, phases: dict) -> None:
-  if jax.process_index() == 0:
-    run_files.write_json(workdir / PHASES_FILE, phases)
