@@ -260,11 +260,12 @@ def restore_step(workdir: epath.Path, step: int | None = None) -> tuple[int, dic
     run.close()
 
 
-def save_params(directory, params) -> None:
-  """An exported model's parameters (no optimizer, no gates) in `directory`/params;
-  `exported_model.save` writes the rest of the folder."""
+def save_params(directory: epath.Path, params) -> None:
+  """An exported model's parameters (no optimizer, no gates) in `directory`/params
+  (`directory` as run_files.run_path gives it); `exported_model.save` writes the rest
+  of the folder."""
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(run_files.run_path(directory) / "params", params, force=True)
+    checkpointer.save(directory / "params", params, force=True)
 
 
 def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -295,6 +296,17 @@ def load_model_and_step(directory, step: int | None = None):
   # The config first: a folder without one gets load_config's advice (a pipeline's
   # workdir, say), not a missing checkpoint's.
   config = run_files.load_config(directory)
+  return (config, *_load_variables(directory, step))
+
+
+def load_params(directory: epath.Path):
+  """The parameters of an exported model, or of a run's newest checkpoint that
+  restores, as host arrays (`directory` as run_files.run_path gives it)."""
+  return _load_variables(directory, None)[0]["params"]
+
+
+def _load_variables(directory: epath.Path, step: int | None) -> tuple[dict, int | None]:
+  """(variables, the checkpoint step used: None for an exported model)."""
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(
@@ -302,7 +314,6 @@ def load_model_and_step(directory, step: int | None = None):
           "Leave out the step, or point at the training run's workdir.")
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
-    used, variables = None, {"params": jax.tree.map(np.asarray, params)}
-  else:
-    used, variables = restore_step(directory, step)
-  return config, variables, used
+    return {"params": jax.tree.map(np.asarray, params)}, None
+  used, variables = restore_step(directory, step)
+  return variables, used

@@ -29,7 +29,6 @@ from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import run_files
-from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax import trained_model
 from allatt_jax import validation
@@ -64,12 +63,13 @@ def save(directory, config: run_config.RunConfig,
     params: its parameters, on the host.
     tokenizer: the tokenizer of its dataset, saved with its vocabulary's fingerprint.
   """
+  exported = exported_config(config, model_cfg)
   directory = run_files.run_path(directory)
   checkpointing.save_params(directory, params)
   # In a multi-process run one process writes the files, and the others, which read
   # the model back next, wait for them.
   if jax.process_index() == 0:
-    run_files.save_run(directory, exported_config(config, model_cfg),
+    run_files.save_run(directory, exported,
                        run_files.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
                        tokenizer.to_dict())
   if jax.process_count() > 1:
@@ -117,10 +117,10 @@ def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.Mod
   (`export_and_evaluate`), with the budget's `decision` at the freeze (None: a fixed
   λ) and the warnings of `pruning_warnings`, which are also printed.
 
-  `variables` may be sharded over processes: they are gathered onto every host first.
+  `variables`: on the host (`sharding.on_host`).
   """
   results = export_and_evaluate(run_files.run_path(workdir) / EXPORT_DIR, config, cfg,
-                                sharding.on_host(variables), corpus, mesh)
+                                variables, corpus, mesh)
   results["budget"] = decision
   results["warnings"] = pruning_warnings(config, sum(cfg.layer_heads),
                                          sum(results["heads_per_layer"]), decision,

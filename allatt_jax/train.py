@@ -74,6 +74,7 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+  source = run_files.run_path(config.init_source) if config.init_source else None
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
@@ -86,9 +87,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
     # A pruning run starts from the params of `init_from` (a run or an exported
     # model), whose shapes `open_checkpoints` checked; its gates and optimizer start
     # fresh.
-    source = config.init_source
-    state = setup.new_state(checkpointing.load_model(source)[1]["params"] if source
-                            else None)
+    params = checkpointing.load_params(source) if source else None
+    state = setup.new_state(params)
   gated = setup.lm.cfg.gated
   # Phase results count only for the state they were computed from: the last step's,
   # evaluated as the eval section says.
@@ -162,8 +162,10 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   watch.stop_if_asked(f"the final evaluation (kept in {phases_path})", next_phase)
   if gated:
     if "export" not in phases:
+      # Sharded over processes, maybe: every host gathers the whole model.
+      variables = sharding.on_host(state.variables)
       phases["export"] = exported_model.export_pruning_run(
-          workdir, config, setup.lm.cfg, state.variables, corpus, setup.mesh,
+          workdir, config, setup.lm.cfg, variables, corpus, setup.mesh,
           decision=budget_decision(workdir) if budgeted else None, gate_flags=gate_flags)
       if is_main:
         run_files.write_json(phases_path, phases)
