@@ -80,6 +80,10 @@ class Evaluator:
         functools.partial(eval_step, lm=lm),
         in_shardings=(None, self._memory, self._batch, self._batch, self._batch),
         out_shardings=(sharding.replicated(mesh), self._memory), donate_argnums=(1,)))
+    # Made on the devices, in their shards, rather than copied there from the host.
+    self._empty_memory = sharding.on_mesh(mesh, jax.jit(
+        functools.partial(model_lib.init_memory, lm.cfg, batch_size, mem_len),
+        out_shardings=self._memory))
 
   @classmethod
   def from_config(cls, lm: model_lib.TransformerLM, mesh,
@@ -90,8 +94,7 @@ class Evaluator:
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
-    memory = jax.device_put(model_lib.init_memory(self.lm.cfg, self.batch_size, self.mem_len),
-                            self._memory)
+    memory = self._empty_memory()
     shape = (self.batch_size, self.seq_len)
 
     # The sums ride along with the memory, so each batch's are added as soon as its
