@@ -244,9 +244,13 @@ def test_a_section_of_the_common_keys_is_a_plan_for_the_suites_that_need_no_more
   with pytest.raises(ConfigError, match=r"Unknown key --config\.experiments\.lambda;"):
     plan_lib.from_section({**repro, "lambda": 0.1})
   # A suite that needs more says so before its first run.
-  for suite in ("ablation", "heuristics", "budget", "distill"):
+  for suite in suites.FULL_PLAN_SUITES:
     with pytest.raises(ConfigError, match=rf"--suite={suite} needs .*: ablation_lambda, "):
       suites.SUITES[suite](types.SimpleNamespace(plan=plan))
+  # And --suite=all before any suite's run: the suites before ablation need no more.
+  with pytest.raises(ConfigError, match=r"--suite=ablation needs "):
+    suites.check_plan(types.SimpleNamespace(plan=plan), list(suites.SUITES))
+  suites.check_plan(types.SimpleNamespace(plan=plan), ["lambda_sweep", "txl_widths"])
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,7 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+    suites.check_plan(experiment, names)
     for name in names:
       run_suite(name, experiment)
       if jax.process_index() == 0:

@@ -66,6 +66,19 @@ def _total_heads(exp) -> int:
   return sum(exp.base_model.layer_heads)
 
 
+# The suites that read an ExperimentPlan's keys beyond the common Plan's.
+FULL_PLAN_SUITES = ("ablation", "heuristics", "budget", "distill")
+
+
+def check_plan(exp, names) -> None:
+  """Raises ConfigError when one of the suites `names` needs keys that the plan lacks:
+  made before the first of them runs (`--suite=all` runs them all, in order, for
+  hours)."""
+  for name in names:
+    if name in FULL_PLAN_SUITES:
+      _full_plan(exp, name)
+
+
 def _full_plan(exp, suite: str) -> plan_lib.ExperimentPlan:
   """The plan of a suite that needs an ExperimentPlan's keys: checked before the
   suite's first run."""
