@@ -212,9 +212,11 @@ def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
   return _prepared(config)[:2]
 
 
-def _prepared(config) -> tuple[RunConfig, data_lib.Corpus, tuple[int, int]]:
-  """(the checked config completed from its dataset, the dataset, the mesh shape)."""
-  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=True)
+def _prepared(config, starts_run: bool = True
+              ) -> tuple[RunConfig, data_lib.Corpus, tuple[int, int]]:
+  """(the checked config completed from its dataset, the dataset, the mesh shape);
+  `starts_run`: also what a run that trains it starts from (its `init_from`)."""
+  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=starts_run)
   corpus = data_lib.load_run_corpus(run)
   return run.completed(corpus.vocab_size), corpus, mesh_shape
 
@@ -231,8 +233,10 @@ def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
 
 def vocab_size(config) -> int:
   """The config's `model.vocab_size`, or, when unset, its dataset's (which is then
-  read): for commands that build a model without training it."""
-  return config.model.vocab_size or prepare(config)[0].model.vocab_size
+  read): for commands that build a model without training it, and so need no
+  `init_from`."""
+  return (config.model.vocab_size
+          or _prepared(config, starts_run=False)[0].model.vocab_size)
 
 
 def with_vocab_size(config) -> RunConfig:

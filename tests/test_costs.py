@@ -14,6 +14,7 @@ import pytest
 from allatt_jax import config_base
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
+from allatt_jax import resolver
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -95,3 +96,12 @@ def test_cli_prints_one_json_object():
               "relative_params", "relative_macs"):
     assert key in report
   assert report["heads_per_layer"] == [2, 2]
+
+
+def test_a_pruning_config_without_init_from_has_costs():
+  # Costs build the model without training it: its vocabulary comes from the dataset,
+  # and what a run would start from is not asked for.
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.gates.update(dict(enabled=True, freeze_step=10))
+  assert not config.init_from and not config.model.vocab_size
+  assert resolver.with_vocab_size(config).model.vocab_size == 27
