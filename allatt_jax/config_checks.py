@@ -115,9 +115,9 @@ def _check_ranges(config):
                       "the logits are divided by it. Set --config.distill.temperature "
                       "to a value > 0 (1 = the plain distributions).")
   gates, train = config.gates, config.train
-  targets = [k for k in run_config.BUDGET_TARGETS if getattr(gates, k) is not None]
-  if len(targets) > 1:
-    raise ConfigError(f"config.gates sets {targets}; set at most one budget target.")
+  if len(gates.budget_targets) > 1:
+    raise ConfigError(f"config.gates sets {list(gates.budget_targets)}; set at most one "
+                      "budget target.")
   if gates.enabled and gates.freeze_step > train.num_steps:
     raise ConfigError(
         f"config.gates.freeze_step={gates.freeze_step} is beyond "

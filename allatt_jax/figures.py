@@ -214,9 +214,8 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
-  target = [f"{k}={getattr(gates, k)}" for k in head_costs.TARGET_KEYS
-            if getattr(gates, k) is not None]
-  strength = f"budget {target[0]}" if target else f"λ={gates.lam:g}"
+  key = gates.budget_target
+  strength = f"budget {key}={getattr(gates, key)}" if key else f"λ={gates.lam:g}"
   fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "
                f"{100 * sparsity:.1f}%\nheads kept per layer: "
                f"{' '.join(str(len(k)) for k in kept)} of "

@@ -134,9 +134,6 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 # --- Budgets: a pruning run's requested size as a number of open heads (budget.py
 # steers the gates to it).
 
-TARGET_KEYS = run_config.BUDGET_TARGETS
-
-
 def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
   """(cost of the unpruned model, cost of one head) in params or MACs per token.
 
@@ -161,7 +158,7 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
   """
   key = config.gates.budget_target
   if key is None:
-    raise ConfigError(f"config.gates sets none of {TARGET_KEYS}.")
+    raise ConfigError(f"config.gates sets none of {run_config.BUDGET_TARGETS}.")
   gates = config.gates
   if not gates.enabled:
     raise ConfigError(f"config.gates.{key} needs a pruning run: set "

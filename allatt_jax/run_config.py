@@ -93,10 +93,15 @@ class GatesSection(_Section):
   budget_warmup_steps: int | None
 
   @property
+  def budget_targets(self) -> tuple[str, ...]:
+    """The budget keys (BUDGET_TARGETS) this section sets: at most one, as the
+    resolver checks."""
+    return tuple(k for k in BUDGET_TARGETS if getattr(self, k) is not None)
+
+  @property
   def budget_target(self) -> str | None:
-    """The budget key (BUDGET_TARGETS) this section sets, or None for a fixed λ (or a
-    baseline); the resolver has checked that at most one is set."""
-    return next((k for k in BUDGET_TARGETS if getattr(self, k, None) is not None), None)
+    """The budget key this section sets, or None for a fixed λ (or a baseline)."""
+    return next(iter(self.budget_targets), None)
 
 
 @dataclasses.dataclass(frozen=True)
