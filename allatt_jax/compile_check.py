@@ -53,9 +53,7 @@ def main(argv):
   if wanted and devices != wanted:
     raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
   mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
-  # Checked by `check` on the mesh it compiles for, not on the config's own.
-  config = run_config.RunConfig.of(_CONFIG.value)
-  report = compile_report.check(config, mesh, name=cli.config_file_name("config"))
+  report = compile_report.check(_CONFIG.value, mesh, name=cli.config_file_name("config"))
   print(report.summary())
   if _JSON.value:
     with open(_JSON.value, "w") as f:

@@ -55,11 +55,12 @@ def _shard_bytes(abstract) -> int:
              for a in jax.tree.leaves(abstract))
 
 
-def check(config: run_config.RunConfig, mesh_shape: tuple[int, int],
-          name: str = "") -> Report:
-  """Lowers and compiles the train step of `config` on a mesh of the current devices."""
-  config = dataclasses.replace(resolver.with_vocab_size(config),
-                               mesh=run_config.MeshSection(*mesh_shape))
+def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
+  """Lowers and compiles the train step of `config` (a ConfigDict or a RunConfig) on a
+  mesh of these sizes of the current devices."""
+  # The mesh first: the config is checked on the mesh it compiles for, not its own.
+  config = resolver.with_vocab_size(dataclasses.replace(
+      run_config.RunConfig.of(config), mesh=run_config.MeshSection(*mesh_shape)))
   setup = resolver.resolve(config)
   mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)

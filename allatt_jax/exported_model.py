@@ -150,7 +150,7 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
   if decision["allowed"] == total:
-    key = config.gates.budget_target
+    key = gates.budget_target
     return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
