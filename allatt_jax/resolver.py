@@ -218,6 +218,13 @@ def _prepared(config, starts_run: bool = True
   `starts_run`: also what a run that trains it starts from (its `init_from`)."""
   run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=starts_run)
   corpus = data_lib.load_run_corpus(run)
+  vocab_size = run.model.vocab_size
+  if vocab_size and corpus.vocab_size != vocab_size:
+    raise ConfigError(
+        f"config.model.vocab_size is {vocab_size} but dataset {run.data.name!r} has "
+        f"{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, "
+        "or 0 to take it from the dataset.")
+  data_lib.warn_if_unk_untrained(corpus)
   return run.completed(corpus.vocab_size), corpus, mesh_shape
 
 

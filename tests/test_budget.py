@@ -17,7 +17,6 @@ from allatt_jax import api
 from allatt_jax import budget
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
@@ -354,7 +353,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
                           data_dir=str(tmp_path / "tfds")))
   with caplog.at_level(logging.WARNING):
-    data_lib.load_run_corpus(config)
+    resolver.prepare(config)
   [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
   assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
           in message and "--config.data.min_count=2" in message)
@@ -362,7 +361,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
   (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
   with caplog.at_level(logging.WARNING):
-    data_lib.load_run_corpus(config)
+    resolver.prepare(config)
   assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
 
 

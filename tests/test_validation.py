@@ -339,3 +339,14 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
       "12), or a config.mesh with a smaller data axis.")
   config.train.batch_size = 16
   check()
+
+
+def test_a_run_whose_vocab_size_is_not_its_datasets_is_refused(tmp_path):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.data_dir = str(tmp_path / "tfds")
+  config.model.vocab_size = 5
+  with pytest.raises(ConfigError, match=r"config.model.vocab_size is 5 but dataset "
+                     r"'wikitext_chars' has 27 types; set --config.model.vocab_size=27"):
+    resolver.prepare(config)
+  # A trained model's dataset is read with the model's own checks (trained_model).
+  assert data_lib.load_run_corpus(config).vocab_size == 27

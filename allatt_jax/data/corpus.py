@@ -21,7 +21,6 @@ from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
-from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
 
 
@@ -67,11 +66,16 @@ class Corpus:
     }
     if self.name == specs.TEXT_FILES_NAME and self.level == 'word':
       result['most_frequent'] = list(self.vocab[:10])
-    if tokenization.UNK in self.vocab:
-      unk = self.vocab.index(tokenization.UNK)
-      result['num_unk'] = {split: int(np.count_nonzero(ids == unk))
-                           for split, ids in self.splits.items()}
+    if (num_unk := self.unk_counts()) is not None:
+      result['num_unk'] = num_unk
     return result
+
+  def unk_counts(self) -> dict[str, int] | None:
+    """{split: occurrences of <unk>}, or None for a vocabulary without it."""
+    if tokenization.UNK not in self.vocab:
+      return None
+    unk = self.vocab.index(tokenization.UNK)
+    return {split: int(np.count_nonzero(ids == unk)) for split, ids in self.splits.items()}
 
 
 def default_data_dir() -> str:
@@ -106,25 +110,14 @@ def load_corpus(name: str, data_dir: str | None = None,
 
 
 def load_run_corpus(config) -> Corpus:
-  """The corpus of a run config's `data` section, checked against its model's
-  vocabulary size and its eval segments.
-
-  Warns when a word-level train split never holds <unk> while valid or test do: the
-  model then scores those tokens with an embedding it never trained.
+  """The corpus of a run config's `data` section, checked against its eval segments.
 
   Raises:
-    ConfigError: `model.vocab_size` is set and is not the dataset's.
     DataError: as load_corpus, or valid/test shorter than one evaluation segment.
   """
   data = config.data
   corpus = load_corpus(data.name, getattr(data, 'data_dir', None),
                        getattr(data, 'manual_dir', None), **_options(data))
-  vocab_size = config.model.vocab_size
-  if vocab_size and corpus.vocab_size != vocab_size:
-    raise ConfigError(
-        f'config.model.vocab_size is {vocab_size} but dataset {data.name!r} has '
-        f'{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, '
-        'or 0 to take it from the dataset.')
   needed = config.eval.seq_len + 1
   for split in specs.SPLITS[1:]:
     if corpus.splits[split].size < needed:
@@ -132,16 +125,14 @@ def load_run_corpus(config) -> Corpus:
           f"Dataset {data.name!r}: the {split} split has {corpus.splits[split].size} "
           f'tokens, fewer than one evaluation segment (config.eval.seq_len + 1 = '
           f'{needed}). Give it more text, or lower --config.eval.seq_len.')
-  _warn_if_unk_untrained(corpus)
   return corpus
 
 
-def _warn_if_unk_untrained(corpus: Corpus) -> None:
-  if corpus.level != 'word' or tokenization.UNK not in corpus.vocab:
-    return
-  unk = corpus.vocab.index(tokenization.UNK)
-  counts = {split: int(np.count_nonzero(ids == unk)) for split, ids in corpus.splits.items()}
-  if counts['train'] or not (counts['valid'] or counts['test']):
+def warn_if_unk_untrained(corpus: Corpus) -> None:
+  """Warns when a word-level train split never holds <unk> while valid or test do: a
+  model trained on it scores those tokens with an embedding it never trained."""
+  counts = corpus.unk_counts() if corpus.level == 'word' else None
+  if counts is None or counts['train'] or not (counts['valid'] or counts['test']):
     return
   logging.warning(
       'Dataset %r: <unk> never occurs in the train split but %d times in valid and %d '
