@@ -76,10 +76,11 @@ class Evaluator:
     self._batch = sharding.batch_sharding(mesh)
     self._memory = sharding.memory_sharding(mesh)
     self._rows = sharding.process_rows(mesh)
+    self._replicated = sharding.replicated(mesh)
     self._step = sharding.on_mesh(mesh, jax.jit(
         functools.partial(eval_step, lm=lm),
         in_shardings=(None, self._memory, self._batch, self._batch, self._batch),
-        out_shardings=(sharding.replicated(mesh), self._memory), donate_argnums=(1,)))
+        out_shardings=(self._replicated, self._memory), donate_argnums=(1,)))
     # Made on the devices, in their shards, rather than copied there from the host.
     self._empty_memory = sharding.on_mesh(mesh, jax.jit(
         functools.partial(model_lib.init_memory, lm.cfg, batch_size, mem_len),
@@ -94,6 +95,11 @@ class Evaluator:
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
+    # Host arrays (a loaded or exported model's) go to the devices once, not with
+    # every batch's step.
+    variables = jax.tree.map(
+        lambda x: jax.device_put(x, self._replicated) if isinstance(x, np.ndarray) else x,
+        variables)
     memory = self._empty_memory()
     shape = (self.batch_size, self.seq_len)
 
