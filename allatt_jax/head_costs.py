@@ -153,8 +153,8 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
   """n*: the most open heads the config's budget allows (`cfg`: the run's model).
 
   Raises:
-    ConfigError: no budget, more than one, or one out of range, or a run without
-      gates.
+    ConfigError: no budget, or one out of range, or a run without gates (more than
+      one is config_checks').
   """
   key = config.gates.budget_target
   if key is None:

@@ -49,18 +49,24 @@ def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, 
   return -nll[weights.ravel() > 0].astype(np.float64)
 
 
-def score_text(model: trained_model.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
-  """(summary, token ids, log-probabilities of ids[1:]) of `text`.
-
-  Raises:
-    DataError: the text has fewer than two tokens of the vocabulary.
-  """
+def _text_ids(model: trained_model.LoadedModel, text: str) -> tuple[np.ndarray, int]:
+  """(the token ids of `text`, the words it skipped); DataError under two tokens."""
   ids, skipped = model.tokenizer.encode(text)
   if len(ids) < 2:
     raise errors.DataError(
         f"The text has {len(ids)} token(s) in the vocabulary of dataset "
         f"{model.tokenizer.dataset!r}; scoring needs at least 2 (the first one is context "
         "only).")
+  return ids, skipped
+
+
+def score_text(model: trained_model.LoadedModel, text: str) -> tuple[dict, np.ndarray, np.ndarray]:
+  """(summary, token ids, log-probabilities of ids[1:]) of `text`.
+
+  Raises:
+    DataError: the text has fewer than two tokens of the vocabulary.
+  """
+  ids, skipped = _text_ids(model, text)
   e = model.config.eval
   log_probs = token_log_probs(model.lm, model.variables, ids, seq_len=e.seq_len,
                               mem_len=e.mem_len)
@@ -84,10 +90,7 @@ def evaluate_model(model: trained_model.LoadedModel, *, split: str | None = None
   """
   e = model.config.eval
   if text is not None:
-    tokens, _ = model.tokenizer.encode(text)
-    if len(tokens) < 2:
-      raise errors.DataError(f"The text has {len(tokens)} token(s) in the vocabulary; "
-                             "evaluation needs at least 2 (the first is context only).")
+    tokens, _ = _text_ids(model, text)
     batch_size = 1
   else:
     corpus = corpus or data_lib.load_run_corpus(model.config)
