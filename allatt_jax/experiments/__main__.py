@@ -67,13 +67,13 @@ def main(argv):
   with preemption.PreemptionWatch() as watch:
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
     config = _CONFIG.value
-    experiment = runs.Experiment(
-        resolver.resolve_config(config, vocab_from_data=True),
-        plan.from_section(config.experiments.to_dict()), _WORKDIR.value, deadline, watch)
+    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+    experiment_plan = plan.from_section(config.experiments.to_dict())
+    suites.check_plan(experiment_plan, names)
+    experiment = runs.Experiment(resolver.resolve_config(config, vocab_from_data=True),
+                                 experiment_plan, _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
-    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
-    suites.check_plan(experiment, names)
     for name in names:
       run_suite(name, experiment)
       if jax.process_index() == 0:

@@ -70,25 +70,25 @@ def _total_heads(exp) -> int:
 FULL_PLAN_SUITES = ("ablation", "heuristics", "budget", "distill")
 
 
-def check_plan(exp, names) -> None:
-  """Raises ConfigError when one of the suites `names` needs keys that the plan lacks:
-  made before the first of them runs (`--suite=all` runs them all, in order, for
-  hours)."""
+def check_plan(plan: plan_lib.Plan, names) -> None:
+  """Raises ConfigError when one of the suites `names` needs keys that `plan` lacks:
+  made before any data is read or run made (`--suite=all` runs them all, in order,
+  for hours)."""
   for name in names:
     if name in FULL_PLAN_SUITES:
-      _full_plan(exp, name)
+      _full_plan(plan, name)
 
 
-def _full_plan(exp, suite: str) -> plan_lib.ExperimentPlan:
+def _full_plan(plan: plan_lib.Plan, suite: str) -> plan_lib.ExperimentPlan:
   """The plan of a suite that needs an ExperimentPlan's keys: checked before the
   suite's first run."""
-  if not isinstance(exp.plan, plan_lib.ExperimentPlan):
+  if not isinstance(plan, plan_lib.ExperimentPlan):
     missing = [f.name for f in dataclasses.fields(plan_lib.ExperimentPlan)
-               if not hasattr(exp.plan, f.name)]
+               if not hasattr(plan, f.name)]
     raise ConfigError(f"--suite={suite} needs experiment keys (as in "
                       "configs/exp_chars.py) that this config's `experiments` section "
                       f"lacks: {', '.join(missing)}.")
-  return exp.plan
+  return plan
 
 
 def lambda_sweep(exp: runs_lib.Experiment) -> Report:
@@ -141,7 +141,7 @@ def _cost_table(curves) -> str:
 
 
 def ablation(exp: runs_lib.Experiment) -> Report:
-  s, total = _full_plan(exp, "ablation"), _total_heads(exp)
+  s, total = _full_plan(exp.plan, "ablation"), _total_heads(exp)
   lam = s.ablation_lambda
   variants = {v: [exp.l0(lam, seed, v) for seed in s.seeds] for v in runs_lib.ABLATIONS}
   full = {r.extra["seed"]: r for r in variants["full"]}
@@ -200,7 +200,7 @@ def txl_widths(exp: runs_lib.Experiment) -> Report:
 
 
 def heuristics(exp: runs_lib.Experiment) -> Report:
-  s, total = _full_plan(exp, "heuristics"), _total_heads(exp)
+  s, total = _full_plan(exp.plan, "heuristics"), _total_heads(exp)
   l0_runs = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.heuristic_lambdas}
   # Each heuristic removes as many heads as the seed-0 L0 run of that λ did.
   removals = sorted({total - rs[0].heads for rs in l0_runs.values()} - {0})
@@ -246,7 +246,7 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 
 def budget(exp: runs_lib.Experiment) -> Report:
   """Each budget's run against the fixed-λ run (seed 0) of the nearest sparsity."""
-  s, total = _full_plan(exp, "budget"), _total_heads(exp)
+  s, total = _full_plan(exp.plan, "budget"), _total_heads(exp)
   base = exp.baseline()
   records = [exp.budget(key, value, seed) for key, value in s.budgets
              for seed in s.budget_seeds]
@@ -285,7 +285,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
 def distill(exp: runs_lib.Experiment) -> Report:
   """At each head sparsity: the plain budget run and each distillation variant, all
   with exactly the same heads allowed, against the unpruned `continued` (seed 0)."""
-  s, total = _full_plan(exp, "distill"), _total_heads(exp)
+  s, total = _full_plan(exp.plan, "distill"), _total_heads(exp)
   base = exp.baseline()
   continued = exp.continued(0)
   variants = ("", *s.distill_variants)
