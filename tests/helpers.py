@@ -6,6 +6,7 @@ import orbax.checkpoint as ocp
 
 from allatt_jax import checkpointing
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import validation
 
@@ -19,8 +20,9 @@ def start_run(config, workdir, vocabulary: dict | None = None):
   if vocabulary is None:
     setup, corpus = resolver.prepare_run(config)
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
-  else:
-    setup = resolver.resolve(config, starts_run=True)
+  else:   # completed as a run completes it (a budget's λ is 0)
+    run = run_config.RunConfig.of(config)
+    setup = resolver.resolve(run.completed(run.model.vocab_size), starts_run=True)
   return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
                                             run_files.run_path(workdir), vocabulary)
 

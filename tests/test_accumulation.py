@@ -31,6 +31,11 @@ def make_config(accum, gated):
   return run_config.RunConfig.of(config)
 
 
+def fixed_lambda(config, lm):
+  """The L0 term of these configs, which set no budget."""
+  return budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None)
+
+
 def make_state(config):
   """A state whose memory holds a previous segment, different in every row."""
   lm = model_lib.TransformerLM.from_config(config)
@@ -38,7 +43,7 @@ def make_state(config):
   # gradients without an optimizer that could amplify or hide their differences.
   optimizer = optax.sgd(1.0)
   settings = train_step.StepConfig.from_config(config, optim.schedules(config))
-  state = train_step.init_state(lm, optimizer, budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None),
+  state = train_step.init_state(lm, optimizer, fixed_lambda(config, lm),
                            settings, jax.random.key(0))
   previous = jax.random.randint(jax.random.key(1), (BATCH, SEQ_LEN), 0, VOCAB)
   _, memory, _ = lm.apply(state.variables, previous, previous, state.memory)
@@ -58,7 +63,7 @@ def run_step(accum, gated, memory=None):
   old = state.variables
   step = jax.jit(functools.partial(
       train_step.train_step, lm=lm, optimizer=optimizer,
-      penalty=budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None),
+      penalty=fixed_lambda(config, lm),
       step_config=train_step.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
   new_state, metrics = step(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)

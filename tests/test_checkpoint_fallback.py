@@ -12,7 +12,6 @@ import logging
 import pathlib
 import shutil
 
-import jax
 import pytest
 
 import data_fixtures
@@ -45,21 +44,7 @@ def damage(step_dir: pathlib.Path, how: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-  """The runs here compile the same steps: JAX's persistent cache saves the repeats."""
-  before = {k: getattr(jax.config, k) for k in _CACHE_SETTINGS}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  yield
-  for key, value in before.items():
-    jax.config.update(key, value)
-
-
-_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, compile_cache):
+def finished_run(tmp_path_factory):
   """(config, workdir) of a finished tiny pruning run with checkpoints 2, 4 and 6."""
   root = tmp_path_factory.mktemp("fallback")
   manual_dir, data_dir = data_fixtures.prepared_text8(root)

@@ -98,10 +98,11 @@ def test_cli_prints_one_json_object():
   assert report["heads_per_layer"] == [2, 2]
 
 
-def test_a_pruning_config_without_init_from_has_costs():
+def test_a_pruning_config_without_init_from_has_costs(tmp_path):
   # Costs build the model without training it: its vocabulary comes from the dataset,
   # and what a run would start from is not asked for.
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.gates.update(dict(enabled=True, freeze_step=10))
+  config.data.data_dir = str(tmp_path / "tfds")
   assert not config.init_from and not config.model.vocab_size
   assert resolver.with_vocab_size(config).model.vocab_size == 27

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 
-import jax
 import pytest
 
 import data_fixtures
@@ -59,17 +58,9 @@ def demo(tmp_path_factory):
   path.write_text(CONFIG_FILE.format(
       demo=str(ROOT / "configs" / "demo.py"), manual_dir=manual_dir,
       data_dir=data_dir, baseline=BASELINE_STEPS, prune=PRUNE_STEPS))
-  # The runs compile the same steps: JAX's persistent cache saves the repeats.
-  cache = {"jax_compilation_cache_dir": str(root / "jax_cache"),
-           "jax_persistent_cache_min_compile_time_secs": 0}
-  before = {key: getattr(jax.config, key) for key in cache}
-  for key, value in cache.items():
-    jax.config.update(key, value)
   config = config_base.load(path)
   pipeline.run(resolver.resolve_pipeline(config), root / "uninterrupted")
-  yield path, config, root / "uninterrupted"
-  for key, value in before.items():
-    jax.config.update(key, value)
+  return path, config, root / "uninterrupted"
 
 
 class Calls:
