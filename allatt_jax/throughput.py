@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import errors
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -44,6 +43,7 @@ from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import sharding
 from allatt_jax import stream_eval
+from allatt_jax import typed_section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +61,9 @@ class BenchmarkPlan:
     """The plan of a config's `benchmark` section (a mapping).
 
     Raises:
-      ConfigError: a key the plan does not have.
+      ConfigError: a key the plan does not have, or a value of another type.
     """
-    values = dict(section.items())
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-      raise errors.ConfigError(f"config.benchmark has no key {unknown[0]!r}; it takes "
-                               f"{', '.join(known)}.")
-    if "heads_kept" in values:
-      values["heads_kept"] = tuple(values["heads_kept"])
-    return cls(**values)
+    return typed_section.read(cls, dict(section.items()), "--config.benchmark")
 
 
 # The distillation the benchmark times for configs that do not turn it on: both terms,

@@ -20,9 +20,11 @@ def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
       train_steps=1, eval_segments=1, rounds=1, heads_kept=(1.0, 0.5), matmul_size=256)
   assert throughput.BenchmarkPlan.from_dict({"rounds": 2}) == throughput.BenchmarkPlan(
       rounds=2)
-  with pytest.raises(ConfigError, match="config.benchmark has no key 'round'; it takes "
+  with pytest.raises(ConfigError, match=r"Unknown key --config\.benchmark\.round; known: "
                      "train_steps, "):
     throughput.BenchmarkPlan.from_dict({"round": 2})
+  with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is '3'; it takes int"):
+    throughput.BenchmarkPlan.from_dict({"rounds": "3"})
 
 
 @pytest.mark.slow   # trains a few steps in a process

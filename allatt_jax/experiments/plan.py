@@ -8,54 +8,17 @@ txl_widths suites); `ExperimentPlan` adds those the other suites need
 (configs/exp_chars.py).
 """
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any
 
 from allatt_jax import run_config
+from allatt_jax import typed_section
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import heuristics
 
 
 def _flag(key: str) -> str:
   return f"--config.experiments.{key}"
-
-
-def _number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _typed(hint, value):
-  """`value` as the type `hint` says: lists become tuples, ints floats where a float
-  is asked for, mappings read-only. Raises TypeError where it is of another type."""
-  origin, args = typing.get_origin(hint), typing.get_args(hint)
-  if hint is Any:
-    return value
-  if hint is float and _number(value):
-    return float(value)
-  if hint in (int, str) and isinstance(value, hint) and not isinstance(value, bool):
-    return value
-  if origin is tuple and isinstance(value, (tuple, list)):
-    if args[-1] is Ellipsis:
-      return tuple(_typed(args[0], v) for v in value)
-    if len(args) == len(value):
-      return tuple(_typed(a, v) for a, v in zip(args, value))
-  if origin is Mapping and isinstance(value, Mapping):
-    return types.MappingProxyType({_typed(str, k): _typed(args[1], v)
-                                   for k, v in value.items()})
-  raise TypeError(value)
-
-
-def _describe(hint) -> str:
-  origin, args = typing.get_origin(hint), typing.get_args(hint)
-  if origin is tuple and args[-1] is Ellipsis:
-    return f"a tuple of {_describe(args[0])}"
-  if origin is tuple:
-    return f"({', '.join(map(_describe, args))})"
-  if origin is Mapping:
-    return "a dict"
-  return getattr(hint, "__name__", str(hint))
 
 
 def _check_keys(key: str, values: Mapping, section: type) -> None:
@@ -85,23 +48,7 @@ class Plan:
       ConfigError: a key this plan does not have or lacks, a value of another type, or
         one no run takes (a key a run's section lacks, an unknown pruner or budget).
     """
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-      if key not in hints:
-        raise ConfigError(f"Unknown key {_flag(key)}; known: {', '.join(names)}.")
-    missing = [key for key in names if key not in values]
-    if missing:
-      raise ConfigError(f"The experiment config has no {_flag(missing[0])}; set it in "
-                        "its `experiments` section.")
-    typed = {}
-    for key in names:
-      try:
-        typed[key] = _typed(hints[key], values[key])
-      except TypeError:
-        raise ConfigError(f"{_flag(key)} is {values[key]!r}; it takes "
-                          f"{_describe(hints[key])}.") from None
-    return cls(**typed)
+    return typed_section.read(cls, values, "--config.experiments")
 
   def __post_init__(self):
     _check_keys("prune_train", self.prune_train, run_config.TrainSection)
