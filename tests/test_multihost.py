@@ -10,9 +10,11 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -66,7 +68,10 @@ def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=
   if process_id is not None:
     args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={process_id}", "--config.mesh.data=2", "--config.mesh.model=2"]
+  # PYTHONFAULTHANDLER: a process that hangs writes its threads' stacks to its log
+  # when _wait stops it with SIGABRT.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+         "PYTHONFAULTHANDLER": "1",
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   log = pathlib.Path(f"{workdir}.{num_steps}.{process_id}.log")
   with open(log, "w") as out:
@@ -75,10 +80,25 @@ def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=
 
 
 def _wait(launched, timeout=300) -> list[str]:
-  """Waits for all processes (killing the rest if one fails); returns their logs."""
+  """Waits for all processes; returns their logs.
+
+  Fails as soon as one process fails (the others may wait for it in a collective
+  forever), with its log; after `timeout` seconds, with every log, each ending in
+  its process's stacks.
+  """
+  deadline = time.monotonic() + timeout
   try:
+    while any(process.poll() is None for process, _ in launched):
+      for process, log in launched:
+        assert process.poll() in (None, 0), log.read_text()[-6000:]
+      if time.monotonic() > deadline:
+        for process, _ in launched:
+          process.send_signal(signal.SIGABRT)
+          process.wait(timeout=30)
+        pytest.fail(f"processes still running after {timeout} s:\n" + "\n".join(
+            f"--- {log.name}\n{log.read_text()[-8000:]}" for _, log in launched))
+      time.sleep(0.2)
     for process, log in launched:
-      process.wait(timeout=timeout)
       assert process.returncode == 0, log.read_text()[-6000:]
   finally:
     for process, _ in launched:
