@@ -9,6 +9,7 @@ the processes and the heads across each process's devices.
 import json
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -52,9 +53,18 @@ _LOSS_LINE = re.compile(r"\] \[(\d+)\] .*\bloss=([-+.\deE]+)")
 
 
 def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A port for the coordinator, free now and below Linux's ephemeral range (from
+  32768), where the kernel would hand it to another process's outgoing connection
+  before the coordinator binds it."""
+  rng = random.Random()
+  while True:
+    port = rng.randrange(20000, 32000)
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return port
 
 
 def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=None,
