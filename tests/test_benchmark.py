@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from allatt_jax import config_base
+from allatt_jax import resolver
 from allatt_jax import throughput
 from allatt_jax.errors import ConfigError
 
@@ -25,6 +26,16 @@ def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
     throughput.BenchmarkPlan.from_dict({"round": 2})
   with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is '3'; it takes int"):
     throughput.BenchmarkPlan.from_dict({"rounds": "3"})
+
+
+
+def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
+  gpu = config_base.load(ROOT / "configs" / "bench_gpu.py")
+  paper = config_base.load(ROOT / "configs" / "wt103_base.py")
+  assert gpu.model == paper.model and gpu.train == paper.train and gpu.mesh == paper.mesh
+  assert throughput.BenchmarkPlan.from_dict(gpu.benchmark) == throughput.BenchmarkPlan(
+      rounds=3, matmul_size=8192)
+  resolver.resolve_config(gpu, vocab_from_data=True)   # its checks pass as it ships
 
 
 @pytest.mark.slow   # trains a few steps in a process

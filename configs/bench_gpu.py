@@ -1,0 +1,21 @@
+r"""The performance benchmark on one accelerator: the paper's WikiText-103 model.
+
+configs/wt103_base.py as it trains (16 layers, d=512, H=8, N=2048, T = S = 192, batch
+96, the 267,735-type adaptive softmax, bf16 compute), timed in 3 rounds against an
+8192³ matmul: a 2048³ one runs in tens of microseconds on a GPU, too short to time.
+docs/performance.md has its figures on an H200. Arguments: wt103_base.py's.
+
+  python -m allatt_jax.benchmark --config=configs/bench_gpu.py --out=/tmp/bench_gpu.json
+"""
+import ml_collections
+
+from allatt_jax import config_base
+
+
+def get_config(arg=None):
+  c = config_base.load_sibling(__file__, "wt103_base.py", arg)
+  # --config.benchmark.rounds=... and the like can override them.
+  c.benchmark = ml_collections.ConfigDict(dict(
+      train_steps=5, eval_segments=5, rounds=3, heads_kept=(1.0, 0.75, 0.5, 0.25),
+      matmul_size=8192))
+  return c
