@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from allatt_jax import errors
+from allatt_jax import vocab_logsumexp
 
 
 # Published cutoffs by dataset: Transformer-XL's for WikiText-103 (of 267,735 types)
@@ -120,48 +121,28 @@ def embedding_param_count(vocab_size: int, d_model: int,
   return tables_and_biases + head + projections
 
 
-def _logits(h_NxK: jax.Array, table_VxK: jax.Array, bias_V: jax.Array,
-            dtype: Any) -> jax.Array:
-  """float32 logits from a matmul in `dtype` (bf16 inputs accumulate in float32)."""
-  logits_NxV = jnp.einsum('nk,vk->nv', h_NxK.astype(dtype), table_VxK.astype(dtype),
-                          preferred_element_type=jnp.float32)
-  return logits_NxV + bias_V.astype(jnp.float32)
+def _project(h_NxD: jax.Array, proj_KxD: jax.Array | None, dtype: Any) -> jax.Array:
+  """Hidden states in a cluster's embedding space (unchanged without a projection)."""
+  h_NxD = h_NxD.astype(dtype)
+  return h_NxD if proj_KxD is None else h_NxD @ proj_KxD.astype(dtype).T
 
 
-def _blocked_logsumexp(h_NxK: jax.Array, table_VxK: jax.Array, bias_V: jax.Array,
-                       block: int, dtype: Any) -> jax.Array:
-  """log sum_v exp(h . table_v + bias_v), never holding more than (N, block) logits.
+def _target_logit(h_NxK: jax.Array, table_VxK: jax.Array, bias_V: jax.Array,
+                  rows_N: jax.Array, dtype: Any) -> jax.Array:
+  """Logit of table row `rows_N[n]` for each position n, float32."""
+  target_emb_NxK = jnp.take(table_VxK, rows_N, axis=0).astype(dtype)
+  dot_N = jnp.einsum('nk,nk->n', h_NxK, target_emb_NxK,
+                     preferred_element_type=jnp.float32)
+  return dot_N + jnp.take(bias_V, rows_N).astype(jnp.float32)
 
-  Scans over vocabulary blocks with an online (max, sum) accumulator. The scan body is
-  rematerialised, so the backward pass recomputes each block's logits instead of
-  storing all of them. When V is not a multiple of `block`, the last block is slid back
-  to end at V and the rows an earlier block already counted are masked out, so the
-  table is never padded (padding would copy it on every call).
-  """
-  vocab_size = table_VxK.shape[0]
-  n_blocks = -(-vocab_size // block)
 
-  @jax.checkpoint
-  def step(carry, b):
-    max_N, sum_N = carry
-    start = jnp.minimum(b * block, vocab_size - block)
-    table_BxK = jax.lax.dynamic_slice_in_dim(table_VxK, start, block)
-    bias_B = jax.lax.dynamic_slice_in_dim(bias_V, start, block)
-    rows_B = start + jnp.arange(block)
-    logits_NxB = _logits(h_NxK, table_BxK, bias_B, dtype)
-    logits_NxB = jnp.where(rows_B >= b * block, logits_NxB, -jnp.inf)
-    # The running max only stabilises exp; the gradient of max + log(sum) does not
-    # depend on it, so stopping its gradient is exact and avoids a useless path.
-    new_max_N = jax.lax.stop_gradient(
-        jnp.maximum(max_N, jnp.max(logits_NxB, axis=-1)))
-    sum_N = (sum_N * jnp.exp(max_N - new_max_N) +
-             jnp.sum(jnp.exp(logits_NxB - new_max_N[:, None]), axis=-1))
-    return (new_max_N, sum_N), None
-
-  n = h_NxK.shape[0]
-  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
-  (max_N, sum_N), _ = jax.lax.scan(step, init, jnp.arange(n_blocks))
-  return max_N + jnp.log(sum_N)
+def _within_cluster_nll(h_NxD, targets_N, lo, table_VxK, bias_V, proj_KxD, block, dtype):
+  """-log p(target | cluster) at each position, float32 (N,); meaningless where the
+  target lies outside the cluster (its row is clipped)."""
+  h_NxK = _project(h_NxD, proj_KxD, dtype)
+  rows_N = jnp.clip(targets_N - lo, 0, table_VxK.shape[0] - 1)
+  return (vocab_logsumexp.logsumexp(h_NxK, table_VxK, bias_V, block, dtype)
+          - _target_logit(h_NxK, table_VxK, bias_V, rows_N, dtype))
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -176,8 +157,16 @@ class AdaptiveEmbedding(nn.Module):
       None ties all. Transformer-XL's WikiText-103 setting is (False, True, True, True).
     dtype: compute dtype of the matmuls; log-sum-exp is always float32.
     param_dtype: dtype of the parameters.
-    vocab_block: clusters larger than this get their log-sum-exp in `nll` computed
-      block by block, bounding activation memory at (B*T, vocab_block).
+    vocab_block: vocabulary rows per block of a cluster's log-sum-exp in `nll`; a
+      cluster with at most this many rows is one matmul. 0 sizes the blocks to the
+      device's memory (`vocab_logsumexp.block_rows`).
+    tail_capacity: with > 0, a tail cluster's log-sum-exp in `nll` runs only for the
+      positions whose target lies in it, up to this factor times its expected share
+      (`cluster_fractions`) per group of rows on one device; a batch with more takes
+      the dense path (every position, as with 0) for that cluster, so `nll` stays
+      exact. 0 = every position pays for every tail.
+    cluster_fractions: each cluster's share of the training tokens (head first), for
+      the tail capacities; () = a Zipf's-law estimate (`vocab_logsumexp.zipf_fractions`).
   """
   vocab_size: int
   d_model: int
@@ -186,14 +175,21 @@ class AdaptiveEmbedding(nn.Module):
   tie_projs: tuple[bool, ...] | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
-  vocab_block: int = 8192
+  vocab_block: int = 0
+  tail_capacity: float = 2.0
+  cluster_fractions: tuple[float, ...] = ()
 
   def setup(self):
     _check_config(self.vocab_size, self.d_model, self.cutoffs, self.div_val,
                   self.tie_projs)
-    if self.vocab_block < 1:
+    if self.vocab_block < 0 or self.tail_capacity < 0:
       raise errors.ConfigError(
-          f'vocab_block must be >= 1, got {self.vocab_block}.')
+          f'vocab_block ({self.vocab_block}) and tail_capacity ({self.tail_capacity}) '
+          'must be >= 0 (0: sized to the device; 0: no tail gathering).')
+    if self.cluster_fractions and len(self.cluster_fractions) != len(self.cutoffs) + 1:
+      raise errors.ConfigError(
+          f'cluster_fractions {tuple(self.cluster_fractions)} needs one entry per '
+          f'cluster ({len(self.cutoffs) + 1} for cutoffs {tuple(self.cutoffs)}).')
     self._bounds = cluster_bounds(self.vocab_size, self.cutoffs)
     self._dims = cluster_dims(self.d_model, len(self._bounds), self.div_val)
     projected = self.div_val > 1
@@ -255,48 +251,38 @@ class AdaptiveEmbedding(nn.Module):
       x_BxTxD = x_BxTxD + jnp.where(in_cluster_BxT[..., None], e_BxTxD, 0)
     return x_BxTxD * jnp.asarray(math.sqrt(self.d_model), self.dtype)
 
+  def _out_proj(self, i: int) -> jax.Array | None:
+    """Cluster i's output projection (None without projections)."""
+    return self._out_projs[i] if self._out_projs else None
+
   def _project_out(self, h_NxD: jax.Array, i: int) -> jax.Array:
     """Hidden states in cluster i's embedding space, in self.dtype."""
-    h_NxD = h_NxD.astype(self.dtype)
-    if not self._out_projs:
-      return h_NxD
-    return h_NxD @ self._out_projs[i].astype(self.dtype).T
+    return _project(h_NxD, self._out_proj(i), self.dtype)
 
   def _cluster_logits(self, head_h_NxK: jax.Array) -> jax.Array:
-    return _logits(head_h_NxK, self._cluster_kernel, self._cluster_bias, self.dtype)
-
-  def _logsumexp(self, h_NxK: jax.Array, i: int) -> jax.Array:
-    """log-sum-exp of cluster i's token logits, blocked for big clusters."""
-    if self._tables[i].shape[0] > self.vocab_block:
-      return _blocked_logsumexp(h_NxK, self._tables[i], self._biases[i],
-                                self.vocab_block, self.dtype)
-    return jax.nn.logsumexp(
-        _logits(h_NxK, self._tables[i], self._biases[i], self.dtype), axis=-1)
-
-  def _target_logit(self, h_NxK: jax.Array, i: int,
-                    targets_N: jax.Array) -> jax.Array:
-    """Logit of each target within cluster i (clipped index if not in cluster i)."""
-    lo, hi = self._bounds[i]
-    rows_N = jnp.clip(targets_N - lo, 0, hi - lo - 1)
-    target_emb_NxK = jnp.take(self._tables[i], rows_N, axis=0).astype(self.dtype)
-    dot_N = jnp.einsum('nk,nk->n', h_NxK, target_emb_NxK,
-                       preferred_element_type=jnp.float32)
-    return dot_N + jnp.take(self._biases[i], rows_N).astype(jnp.float32)
+    return vocab_logsumexp.logits(head_h_NxK, self._cluster_kernel, self._cluster_bias,
+                                  self.dtype)
 
   def nll(self, h_BxTxD: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     """Exact negative log-likelihood over the whole vocabulary, float32 (B, T).
 
-    Every tail cluster's log-sum-exp is computed for every position and then selected
-    for the positions whose target lies in it (static shapes). So each token pays for
-    the full adaptive softmax, sum_i size_i * d_i multiply-adds plus the projections:
-    for WikiText-103 about 18.8M, where the head alone (which every token needs) is
-    about 10.5M; computing a tail only where its targets are would need dynamic shapes.
+    Every position pays for the head: the shortlist's logits and the tail clusters'.
+    With `tail_capacity` a tail cluster's log-sum-exp runs for the positions whose
+    target lies in it (gathered into static shapes, see `_tail_nll`); without, for
+    every position, then selected. For WikiText-103 the head costs about 10.5M
+    multiply-adds a token and the tails 8.3M more a token when every token pays for
+    every tail.
     """
     h_NxD = h_BxTxD.reshape(-1, self.d_model)
     targets_N = targets_BxT.reshape(-1)
+    groups = vocab_logsumexp.batch_shards(h_BxTxD.shape[0])
+    block = vocab_logsumexp.block_rows(self.vocab_block, targets_N.size // groups)
     head_h_NxK = self._project_out(h_NxD, 0)
-    head_lse_N = self._logsumexp(head_h_NxK, 0)
-    target_logit_N = self._target_logit(head_h_NxK, 0, targets_N)
+    head_lse_N = vocab_logsumexp.logsumexp(head_h_NxK, self._tables[0], self._biases[0],
+                                           block, self.dtype)
+    shortlist_rows_N = jnp.clip(targets_N, 0, self._bounds[0][1] - 1)
+    target_logit_N = _target_logit(head_h_NxK, self._tables[0], self._biases[0],
+                                   shortlist_rows_N, self.dtype)
     n_tail = len(self._bounds) - 1
     if n_tail:
       cluster_logits_NxC = self._cluster_logits(head_h_NxK)
@@ -311,11 +297,51 @@ class AdaptiveEmbedding(nn.Module):
       target_logit_N = jnp.where(cluster_N == 0, target_logit_N, cluster_logit_N)
     nll_N = head_lse_N - target_logit_N
     for i in range(1, n_tail + 1):
-      tail_h_NxK = self._project_out(h_NxD, i)
-      tail_nll_N = (self._logsumexp(tail_h_NxK, i) -
-                    self._target_logit(tail_h_NxK, i, targets_N))
-      nll_N = nll_N + jnp.where(cluster_N == i, tail_nll_N, 0.)
+      nll_N = nll_N + self._tail_nll(h_NxD, targets_N, cluster_N == i, i, groups, block)
     return nll_N.reshape(targets_BxT.shape)
+
+  def _tail_nll(self, h_NxD: jax.Array, targets_N: jax.Array, in_tail_N: jax.Array,
+                i: int, groups: int, block: int) -> jax.Array:
+    """Tail cluster i's -log p(target | cluster) where the target lies in it, else 0.
+
+    With `tail_capacity`, the N positions split into `groups` groups of consecutive
+    rows, one per device of the batch axis (so the gather stays on its device), and
+    each group gathers up to `capacity` positions whose target lies in the cluster.
+    Only their hidden states meet the cluster's table: capacity / group size of the
+    dense path's work. A batch in which some group has more such positions runs the
+    dense path instead (a `lax.cond`: that step pays the full cost, its result is the
+    same).
+    """
+    args = (self._bounds[i][0], self._tables[i], self._biases[i], self._out_proj(i))
+
+    def dense():
+      nll_N = _within_cluster_nll(h_NxD, targets_N, *args, block, self.dtype)
+      return jnp.where(in_tail_N, nll_N, 0.)
+
+    size = targets_N.size // groups
+    fractions = self.cluster_fractions or vocab_logsumexp.zipf_fractions(self._bounds)
+    capacity = vocab_logsumexp.tail_capacity(size, fractions[i], self.tail_capacity)
+    if not self.tail_capacity or capacity >= size:
+      return dense()
+    member_GxM = nn.with_logical_constraint(in_tail_N.reshape(groups, size),
+                                            ('batch', None))
+    count_G = member_GxM.sum(axis=1)
+
+    def gathered():
+      rows_GxC = vocab_logsumexp.gathered_rows(member_GxM, capacity)
+      h_GxCxD = jnp.take_along_axis(h_NxD.reshape(groups, size, -1), rows_GxC[..., None],
+                                    axis=1)
+      targets_GxC = jnp.take_along_axis(targets_N.reshape(groups, size), rows_GxC, axis=1)
+      nll_C = _within_cluster_nll(
+          h_GxCxD.reshape(groups * capacity, -1), targets_GxC.reshape(-1), *args,
+          vocab_logsumexp.block_rows(self.vocab_block, capacity), self.dtype)
+      valid_GxC = jnp.arange(capacity) < count_G[:, None]
+      nll_GxC = jnp.where(valid_GxC, nll_C.reshape(groups, capacity), 0.)
+      nll_GxM = jnp.zeros((groups, size), jnp.float32).at[
+          jnp.arange(groups)[:, None], rows_GxC].add(nll_GxC)
+      return nll_GxM.reshape(-1)
+
+    return jax.lax.cond(jnp.any(count_G > capacity), dense, gathered)
 
   def clusters(self, h_BxTxD: jax.Array) -> list[list[tuple[jax.Array, ...]]]:
     """The output distribution's clusters, for a loss that compares two models'
@@ -338,8 +364,8 @@ class AdaptiveEmbedding(nn.Module):
     """Full-vocabulary log-probabilities, float32 (B, T, V); materialises all logits."""
     h_NxD = h_BxTxD.reshape(-1, self.d_model)
     head_h_NxK = self._project_out(h_NxD, 0)
-    head_logits_NxH = _logits(head_h_NxK, self._tables[0], self._biases[0],
-                              self.dtype)
+    head_logits_NxH = vocab_logsumexp.logits(head_h_NxK, self._tables[0],
+                                             self._biases[0], self.dtype)
     n_tail = len(self._bounds) - 1
     if n_tail:
       head_logits_NxH = jnp.concatenate(
@@ -348,8 +374,8 @@ class AdaptiveEmbedding(nn.Module):
     shortlist = self._bounds[0][1]
     parts = [head_logp_NxH[:, :shortlist]]
     for i in range(1, n_tail + 1):
-      tail_logits_NxS = _logits(self._project_out(h_NxD, i), self._tables[i],
-                                self._biases[i], self.dtype)
+      tail_logits_NxS = vocab_logsumexp.logits(self._project_out(h_NxD, i),
+                                               self._tables[i], self._biases[i], self.dtype)
       parts.append(jax.nn.log_softmax(tail_logits_NxS, axis=-1) +
                    head_logp_NxH[:, shortlist + i - 1, None])
     logp_NxV = jnp.concatenate(parts, axis=-1)

@@ -67,6 +67,21 @@ def base_config() -> ml_collections.ConfigDict:
       div_val=1,
       tie_projs=ml_collections.FieldReference(None, field_type=tuple),
       dtype="float32",             # compute dtype ('bfloat16' on accelerators)
+      # Attention scores and softmax weights kept in memory in the compute dtype
+      # ('compute'; max and sum accumulate in float32) or in 'float32' (ours: with a
+      # float32 model both are the same; in bfloat16 'compute' halves their traffic).
+      score_dtype="compute",
+      # The output layer at matmul speed (ours; vocab_logsumexp.py): vocabulary rows per
+      # block of a softmax's log-sum-exp (0 = sized to the device's memory: one matmul
+      # where the logits fit), and an adaptive softmax's tail clusters run only for
+      # the positions whose target is theirs, up to tail_capacity x their share of the
+      # training tokens (0 = every position pays for every tail, as in Transformer-XL
+      # and the official code, which gathers with dynamic shapes instead).
+      vocab_block=0,
+      tail_capacity=2.0,
+      # Each cluster's share of the training tokens, head first; () = counted from the
+      # dataset when a run reads it, else a Zipf's-law estimate.
+      cluster_fractions=(),
   ))
 
   # Head gates (pruning). Disabled = baseline training.

@@ -18,13 +18,14 @@ from allatt_jax import sharding
 from allatt_jax.errors import ConfigError
 
 REL_POS = ("learned", "sinusoidal")
+SCORE_DTYPES = ("compute", "float32")
 KL_CLUSTERS = ("all", "head")
 
 # Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
 _MINIMUM = {
     "model.vocab_size": 0, "model.num_layers": 1, "model.d_model": 1,
     "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
-    "model.max_relative_len": 0,
+    "model.max_relative_len": 0, "model.vocab_block": 0, "model.tail_capacity": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
     "gates.freeze_step": 0, "gates.lr_multiplier": 0, "gates.budget_sharpness": 1,
     "gates.budget_warmup_steps": 0,
@@ -130,6 +131,7 @@ def _check_names(config):
   for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
                        ("model.rel_pos", REL_POS),
                        ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
+                       ("model.score_dtype", SCORE_DTYPES),
                        ("train.optimizer", optim.OPTIMIZERS),
                        ("distill.kl_clusters", KL_CLUSTERS)):
     if _value(config, key) not in choices:
@@ -164,6 +166,13 @@ def _check_model(config, vocab_from_data: bool):
     raise ConfigError(
         f"config.model.heads_per_layer={tuple(m.heads_per_layer)} needs one count in "
         f"[0, num_heads={m.num_heads}] per layer (num_layers={m.num_layers}).")
+  if m.cluster_fractions and (
+      (m.cutoffs and len(m.cluster_fractions) != len(m.cutoffs) + 1)
+      or not all(0 <= f <= 1 for f in m.cluster_fractions)):
+    raise ConfigError(
+        f"config.model.cluster_fractions={tuple(m.cluster_fractions)} needs one share in "
+        f"[0, 1] per cluster of the adaptive softmax (cutoffs {tuple(m.cutoffs)}: "
+        f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
   if m.kind == "txl" and m.d_ff < 1:
     raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")

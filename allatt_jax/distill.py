@@ -19,29 +19,31 @@ cluster, so by the chain rule of the KL
 `kl_clusters='all'` computes both terms, which is the exact full-vocabulary KL at
 τ = 1 (at other τ each softmax, head and tails, is tempered by τ). 'head' keeps the
 first term only: a lower bound of the KL that skips the tail clusters' logits. With a
-plain softmax both are the same exact KL. Every cluster's KL streams over blocks of at
-most `BLOCK` vocabulary rows with an online accumulator, so no (tokens × vocabulary)
-logits are ever held, and the backward pass recomputes each block. Per token, 'all'
+plain softmax both are the same exact KL. A cluster's KL runs over blocks of vocabulary
+rows sized to the device as the NLL's log-sum-exp is (vocab_logsumexp.block_rows: the
+whole cluster at once where both models' logits fit), with an online accumulator and
+the backward pass recomputing each block where there are several. Per token, 'all'
 costs the logits of every cluster for both models, Σ_i size_i·d_i multiply-adds each
-(the same as the NLL's log-sum-exp), forward, and the student's again backward.
+(every position pays for every tail: the KL needs the whole distribution), forward,
+and the student's again backward.
 """
 import jax
 import jax.numpy as jnp
 
 from allatt_jax import run_config
-
-BLOCK = 8192   # vocabulary rows per step of a cluster's KL (as the NLL's log-sum-exp)
+from allatt_jax import vocab_logsumexp
 
 
 def loss(d: run_config.DistillSection, nll, student_clusters, teacher_clusters,
-         student_layers, teacher_layers) -> tuple[jax.Array, dict[str, jax.Array]]:
+         student_layers, teacher_layers, vocab_block: int = 0
+         ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(the loss under distillation settings `d`, its distillation terms by name). A
   term of weight 0 is not computed, so α = β = 0 leaves the loss the plain
-  cross-entropy, bit for bit."""
+  cross-entropy, bit for bit. `vocab_block`: as `model.vocab_block`."""
   total, terms = nll, {}
   if d.weight:
     terms["distill_kl"] = kl_divergence(student_clusters, teacher_clusters, d.temperature,
-                                        d.kl_clusters == "all").mean()
+                                        d.kl_clusters == "all", vocab_block).mean()
     total = (1 - d.weight) * total + d.weight * d.temperature**2 * terms["distill_kl"]
   if d.hidden_weight:
     terms["distill_hidden"] = hidden_mse(student_layers, teacher_layers)
@@ -72,52 +74,57 @@ def _accumulate(carry, student_NxB, teacher_NxB, valid_B):
           + jnp.exp(masked(student_NxB) - new_s_max[:, None]).sum(-1))
 
 
-def _part(carry, student_part, teacher_part, temperature):
-  """`carry` after all rows of one part (a table and its bias) of both models."""
+def _part(carry, student_part, teacher_part, temperature, block):
+  """`carry` after all rows of one part (a table and its bias) of both models, in
+  blocks of at most `block` rows."""
   (h_s, table_s, bias_s), (h_t, table_t, bias_t) = student_part, teacher_part
   rows = table_s.shape[0]
-  if rows <= BLOCK:
+  if rows <= block:
     return _accumulate(carry, _logits(h_s, table_s, bias_s, temperature),
                        _logits(h_t, table_t, bias_t, temperature), jnp.ones((rows,), bool))
 
   @jax.checkpoint
-  def block(carry, b):
+  def step(carry, b):
     # The last block slides back to end at the last row (no padded copy of the
     # tables); the rows an earlier block counted are masked out.
-    start = jnp.minimum(b * BLOCK, rows - BLOCK)
-    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, BLOCK)
-    valid_B = start + jnp.arange(BLOCK) >= b * BLOCK
+    start = jnp.minimum(b * block, rows - block)
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block)
+    valid_B = start + jnp.arange(block) >= b * block
     return _accumulate(carry, _logits(h_s, cut(table_s), cut(bias_s), temperature),
                        _logits(h_t, cut(table_t), cut(bias_t), temperature), valid_B), None
 
-  carry, _ = jax.lax.scan(block, carry, jnp.arange(-(-rows // BLOCK)))
+  carry, _ = jax.lax.scan(step, carry, jnp.arange(-(-rows // block)))
   return carry
 
 
-def _cluster_kl(student_parts, teacher_parts, temperature):
+def _cluster_kl(student_parts, teacher_parts, temperature, block):
   """(KL per token over one cluster's softmax, the teacher's log-normaliser)."""
   n = student_parts[0][0].shape[0]
   carry = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)),
            jnp.full((n,), -jnp.inf), jnp.zeros((n,)))
   for student_part, teacher_part in zip(student_parts, teacher_parts):
-    carry = _part(carry, student_part, teacher_part, temperature)
+    carry = _part(carry, student_part, teacher_part, temperature, block)
   t_max, t_sum, weighted, s_max, s_sum = carry
   teacher_lse, student_lse = t_max + jnp.log(t_sum), s_max + jnp.log(s_sum)
   return weighted / t_sum - teacher_lse + student_lse, teacher_lse
 
 
 def kl_divergence(student_clusters, teacher_clusters, temperature: float,
-                  all_clusters: bool = True) -> jax.Array:
+                  all_clusters: bool = True, vocab_block: int = 0) -> jax.Array:
   """KL(teacher_τ ‖ student_τ) per token, float32 (N,), from both models'
-  `AdaptiveEmbedding.clusters` (the module docstring says what 'all' and 'head' are)."""
-  kl_N, teacher_lse_N = _cluster_kl(student_clusters[0], teacher_clusters[0], temperature)
+  `AdaptiveEmbedding.clusters` (the module docstring says what 'all' and 'head' are);
+  `vocab_block` as `model.vocab_block` (0: sized to the device)."""
+  n = student_clusters[0][0][0].shape[0]
+  block = vocab_logsumexp.block_rows(vocab_block, n // vocab_logsumexp.batch_shards(n))
+  kl_N, teacher_lse_N = _cluster_kl(student_clusters[0], teacher_clusters[0], temperature,
+                                    block)
   if not all_clusters or len(teacher_clusters) == 1:
     return kl_N
   # p_head(cluster i): the head softmax at the tail clusters' rows (its second part).
   log_p_cluster_NxC = _logits(*teacher_clusters[0][1], temperature) - teacher_lse_N[:, None]
   for i, (student_parts, teacher_parts) in enumerate(zip(student_clusters[1:],
                                                          teacher_clusters[1:])):
-    tail_kl_N, _ = _cluster_kl(student_parts, teacher_parts, temperature)
+    tail_kl_N, _ = _cluster_kl(student_parts, teacher_parts, temperature, block)
     kl_N = kl_N + jnp.exp(log_p_cluster_NxC[:, i]) * tail_kl_N
   return kl_N
 

@@ -15,8 +15,12 @@ batch of B segments of length T with memory S (K = S + T keys), divided by B·T:
     context values                  K·h·dh
     output projection               h·dh·d
     feed-forward                  2·d·d_ff       (TXL)
-  output layer: d·V (plain softmax) or the adaptive softmax's head and every tail
-  cluster (projection and logits) evaluated at every position.
+  output layer: d·V (plain softmax), or the adaptive softmax's head at every position
+  and each tail cluster (projection and logits) at the positions it runs for: with
+  `model.tail_capacity` its capacity (vocab_logsumexp.tail_capacity) of each step's
+  B·T positions, else every position (also reported, as `macs_per_token_every_tail`).
+  These are the MACs that run, so that a throughput's model FLOP/s is honest; the
+  positions whose target lies in a tail are fewer still (`cluster_fractions`).
 
 Elementwise work (softmax, LayerNorm, rel_shift) is left out: it is a few percent of
 the total at the sizes that matter, which the XLA cross-check bounds.
@@ -28,8 +32,10 @@ import math
 
 import jax
 
+from allatt_jax import adaptive
 from allatt_jax import model as model_lib
 from allatt_jax import run_config
+from allatt_jax import vocab_logsumexp
 from allatt_jax.errors import ConfigError
 
 EMBEDDING_PARAMS = ("embedding", "relative_table")
@@ -62,18 +68,26 @@ def layer_macs_per_token(cfg: model_lib.ModelConfig, heads: int, seq_len: int,
   return macs
 
 
-def output_macs_per_token(cfg: model_lib.ModelConfig) -> float:
+def output_macs_per_token(cfg: model_lib.ModelConfig,
+                          positions: int | None = None) -> float:
+  """The output layer's forward MACs per position, when a step scores `positions`
+  positions on a device (its tail clusters then run at their capacity; None: every
+  position pays for every tail)."""
   d, v = cfg.d_model, cfg.vocab_size
   if not cfg.cutoffs:
     return d * v
-  bounds = (0, *cfg.cutoffs, v)
+  bounds = adaptive.cluster_bounds(v, cfg.cutoffs)
+  fractions = cfg.cluster_fractions or vocab_logsumexp.zipf_fractions(bounds)
   macs = d * (cfg.cutoffs[0] + len(cfg.cutoffs))        # head: shortlist + cluster logits
-  for i in range(len(bounds) - 1):
-    d_i = d // cfg.div_val ** i
-    if cfg.div_val > 1:
-      macs += d * d_i                                     # projection to the cluster's width
+  for i, ((lo, hi), d_i) in enumerate(zip(bounds, adaptive.cluster_dims(
+      d, len(bounds), cfg.div_val))):
+    cluster = (d * d_i if cfg.div_val > 1 else 0)        # projection to the cluster's width
     if i:
-      macs += d_i * (bounds[i + 1] - bounds[i])
+      cluster += d_i * (hi - lo)
+      if positions and cfg.tail_capacity:
+        cluster *= vocab_logsumexp.tail_capacity(positions, fractions[i],
+                                                 cfg.tail_capacity) / positions
+    macs += cluster
   return macs
 
 
@@ -89,10 +103,17 @@ def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
 
 def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
                    batch_size: int) -> dict[str, float]:
+  """Forward MACs per token of a step on B = `batch_size` segments: the attention
+  stack's, and with the output layer's as it runs; where tail capacities make that
+  less than every position paying for every tail, that count too."""
   layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size)
                for h in cfg.layer_heads)
-  return {"macs_per_token_non_embedding": layers,
-          "macs_per_token": layers + output_macs_per_token(cfg)}
+  macs = {"macs_per_token_non_embedding": layers,
+          "macs_per_token": layers + output_macs_per_token(cfg, batch_size * seq_len)}
+  every_tail = layers + output_macs_per_token(cfg)
+  if every_tail != macs["macs_per_token"]:
+    macs["macs_per_token_every_tail"] = every_tail
+  return macs
 
 
 def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: int,

@@ -70,6 +70,14 @@ class ModelConfig:
   div_val: int = 1
   tie_projs: tuple[bool, ...] | None = None
   dtype: str = "float32"             # compute dtype; parameters stay float32
+  # Attention scores and weights in memory: 'compute' (dtype) or 'float32'.
+  score_dtype: str = "compute"
+  # The output layer (adaptive.AdaptiveEmbedding): vocabulary rows per block of its
+  # log-sum-exp (0 = sized to the device), tail clusters' capacity factor (0 = every
+  # position pays for every tail) and each cluster's share of the training tokens.
+  vocab_block: int = 0
+  tail_capacity: float = 2.0
+  cluster_fractions: tuple[float, ...] = ()
   gated: bool = False                # create head gates at init
   gate: gates_lib.GateConfig = gates_lib.GateConfig()
 
@@ -88,7 +96,7 @@ class ModelConfig:
     config = run_config.RunConfig.of(config)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in config.model.to_dict().items() if k in fields}
-    for key in ("heads_per_layer", "cutoffs", "tie_projs"):
+    for key in ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions"):
       if values.get(key) is not None:
         values[key] = tuple(values[key])
     values["max_relative_len"] = config.relative_table_len
@@ -150,6 +158,7 @@ class Layer(nn.Module):
           num_heads=self.num_heads, head_dim=cfg.head_dim,
           num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
           dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
+          score_dtype=cfg.score_dtype,
           persistent_content_bias=cfg.persistent_content_bias, out_bias=cfg.out_bias,
           gated=cfg.gated, gate=cfg.gate, dtype=dtype, name="attention")(
               norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,
@@ -187,7 +196,9 @@ class TransformerLM(nn.Module):
       raise ValueError(f"Unknown model kind {cfg.kind!r}; expected one of {KINDS}.")
     self.embedding = adaptive.AdaptiveEmbedding(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, cutoffs=cfg.cutoffs,
-        div_val=cfg.div_val, tie_projs=cfg.tie_projs, dtype=jnp.dtype(cfg.dtype))
+        div_val=cfg.div_val, tie_projs=cfg.tie_projs, dtype=jnp.dtype(cfg.dtype),
+        vocab_block=cfg.vocab_block, tail_capacity=cfg.tail_capacity,
+        cluster_fractions=cfg.cluster_fractions)
     if cfg.rel_pos == "learned":
       self.relative_table = self.param(
           "relative_table", nn.with_logical_partitioning(

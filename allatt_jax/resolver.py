@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from allatt_jax import adaptive
 from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import config_checks
@@ -30,6 +31,7 @@ from allatt_jax import run_config
 from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax import train_step
+from allatt_jax import vocab_logsumexp
 from allatt_jax.errors import ConfigError
 from allatt_jax.run_config import RunConfig
 
@@ -225,7 +227,19 @@ def _prepared(config, starts_run: bool = True
         f"{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, "
         "or 0 to take it from the dataset.")
   data_lib.warn_if_unk_untrained(corpus)
-  return run.completed(corpus.vocab_size), corpus, mesh_shape
+  return _completed(run, corpus), corpus, mesh_shape
+
+
+def _completed(run: RunConfig, corpus: data_lib.Corpus) -> RunConfig:
+  """`run.completed` from the dataset, and with an adaptive softmax each cluster's
+  share of the training tokens (unless set), which sizes its tail capacities."""
+  run = run.completed(corpus.vocab_size)
+  cfg = model_lib.ModelConfig.from_config(run)
+  if not cfg.cutoffs or run.model.cluster_fractions:
+    return run
+  bounds = adaptive.cluster_bounds(cfg.vocab_size, cfg.cutoffs)
+  fractions = vocab_logsumexp.cluster_fractions(corpus.splits["train"], bounds)
+  return run_config.derived_run(run, model=dict(cluster_fractions=fractions))
 
 
 def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
@@ -235,7 +249,7 @@ def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
   baseline's folder, which is also its teacher when it distills."""
   baseline, corpus = prepare(config.baseline)
   pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
-  return baseline, pruning.completed(corpus.vocab_size), corpus
+  return baseline, _completed(pruning, corpus), corpus
 
 
 def vocab_size(config) -> int:

@@ -67,8 +67,13 @@ class ModelSection(_Section):
   div_val: int
   tie_projs: tuple[bool, ...] | None
   dtype: str
+  # Keys newer than some saved config.json files, which then read as these defaults.
+  score_dtype: str = "compute"
+  vocab_block: int = 0
+  tail_capacity: float = 2.0
+  cluster_fractions: tuple[float, ...] = ()
 
-  _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs")
+  _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -176,7 +176,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       loss, distilled = distill_lib.loss(
           step_config.distill, nll, clusters, teacher_clusters,
           hidden["intermediates"]["layer_outputs"],
-          teacher_hidden["intermediates"]["layer_outputs"])
+          teacher_hidden["intermediates"]["layer_outputs"], lm.cfg.vocab_block)
     l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
     return loss + penalty(variables, l0, state.step), (nll, l0, new_memory, teacher_memory,
                                                        stats, distilled)

@@ -28,7 +28,8 @@ _PARAMS_PREFIX = "variables/params/"
 # where its data and devices are, and two ways of computing the same attention.
 RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
-             "model.remat")
+             "model.remat", "model.score_dtype", "model.vocab_block",
+             "model.tail_capacity", "model.cluster_fractions")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 

@@ -11,6 +11,7 @@ import pytest
 
 from allatt_jax import adaptive
 from allatt_jax import errors
+from allatt_jax import vocab_logsumexp
 
 D = 16
 # Name -> (vocab_size, cutoffs, div_val, tie_projs).
@@ -305,8 +306,112 @@ def test_bad_config_raises_config_error(kwargs):
     adaptive.embedding_param_count(50, D, **kwargs)
 
 
-def test_bad_vocab_block_raises_config_error():
-  module = adaptive.AdaptiveEmbedding(50, D, vocab_block=0)
+@pytest.mark.parametrize('kwargs', [
+    dict(vocab_block=-1), dict(tail_capacity=-1.0),
+    dict(cutoffs=(10, 20), cluster_fractions=(0.5, 0.5)),
+])
+def test_bad_output_layer_settings_raise_config_error(kwargs):
+  module = adaptive.AdaptiveEmbedding(50, D, **kwargs)
   with pytest.raises(errors.ConfigError):
     module.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
                 method=module.embed)
+
+
+# --- The output layer at matmul speed: one matmul per cluster where the device's memory
+# allows, and a tail cluster's log-sum-exp only for the positions whose target is in it.
+
+# Today's path before these: a scan of small rematerialised blocks, and every position
+# through every tail cluster.
+SCANNED_DENSE = dict(vocab_block=4, tail_capacity=0.0)
+
+
+def zipf_inputs(vocab_size, b, t, seed=3):
+  """Hidden states and targets of Zipfian frequencies (rank r ∝ 1/r), as real text."""
+  rng = np.random.default_rng(seed)
+  p_V = 1.0 / np.arange(1, vocab_size + 1)
+  targets_BxT = rng.choice(vocab_size, size=(b, t), p=p_V / p_V.sum())
+  h_BxTxD = rng.normal(size=(b, t, D))
+  return jnp.asarray(h_BxTxD, jnp.float32), jnp.asarray(targets_BxT, jnp.int32)
+
+
+def tails_gathered(module, targets_BxT, groups):
+  """Whether every tail cluster takes the gathered path for these targets: its
+  capacity is below a group's size and no group overflows it."""
+  bounds = adaptive.cluster_bounds(module.vocab_size, module.cutoffs)
+  fractions = vocab_logsumexp.zipf_fractions(bounds)
+  targets_GxM = np.asarray(targets_BxT).reshape(groups, -1)
+  size = targets_GxM.shape[1]
+  for (lo, hi), fraction in list(zip(bounds, fractions))[1:]:
+    capacity = vocab_logsumexp.tail_capacity(size, fraction, module.tail_capacity)
+    counts_G = ((targets_GxM >= lo) & (targets_GxM < hi)).sum(1)
+    if capacity >= size or counts_G.max() > capacity:
+      return False
+  return True
+
+
+def weighted_nll_and_grads(module, params, h_BxTxD, targets_BxT):
+  def f(params, h_BxTxD):
+    nll_BxT = module.apply(params, h_BxTxD, targets_BxT, method=module.nll)
+    # Distinct weights per position so that per-position errors cannot cancel.
+    return jnp.sum(nll_BxT * jnp.arange(1., 1. + nll_BxT.size).reshape(nll_BxT.shape))
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, h_BxTxD)
+
+
+def assert_equal_to_1e6(tree, reference):
+  """Each array equal to 1e-6 of its reference's largest magnitude."""
+  def check(a, b):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+  jax.tree.map(check, tree, reference)
+
+
+@pytest.mark.parametrize('name', list(SETTINGS))
+@pytest.mark.parametrize('groups', [1, 3])
+def test_output_layer_matches_scanned_dense_path(name, groups, monkeypatch):
+  # groups=3: each of the batch's three rows is its own group, as on three devices.
+  monkeypatch.setattr(vocab_logsumexp, 'batch_shards', lambda batch_size: groups)
+  fast, scanned = make(name), make(name, **SCANNED_DENSE)
+  params = random_params(fast)
+  h_BxTxD, targets_BxT = zipf_inputs(fast.vocab_size, 3, 64)
+  if fast.cutoffs:
+    assert tails_gathered(fast, targets_BxT, groups)
+  assert_equal_to_1e6(weighted_nll_and_grads(fast, params, h_BxTxD, targets_BxT),
+                      weighted_nll_and_grads(scanned, params, h_BxTxD, targets_BxT))
+
+
+def test_overflowing_batch_takes_the_exact_dense_path():
+  fast, scanned = make('adaptive'), make('adaptive', **SCANNED_DENSE)
+  params = random_params(fast)
+  h_BxTxD, targets_BxT = zipf_inputs(fast.vocab_size, 3, 64)
+  targets_BxT = targets_BxT.at[0, :40].set(36)   # far more of the last tail than usual
+  assert not tails_gathered(fast, targets_BxT, 1)
+  assert_equal_to_1e6(weighted_nll_and_grads(fast, params, h_BxTxD, targets_BxT),
+                      weighted_nll_and_grads(scanned, params, h_BxTxD, targets_BxT))
+
+
+def test_gathered_rows_take_each_groups_first_members_in_order():
+  member_GxM = jnp.asarray([[0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 1]], bool)
+  np.testing.assert_array_equal(vocab_logsumexp.gathered_rows(member_GxM, 3),
+                                [[1, 2, 4], [5, 0, 0]])
+
+
+def test_tail_capacity_rounds_up_to_eight_rows_within_the_group():
+  assert vocab_logsumexp.tail_capacity(18_432, 0.05, 2.0) == 1848
+  assert vocab_logsumexp.tail_capacity(18_432, 0.0, 2.0) == 8
+  assert vocab_logsumexp.tail_capacity(20, 0.6, 2.0) == 20
+
+
+def test_cluster_fractions_count_and_zipf_estimate():
+  bounds = adaptive.cluster_bounds(10, (2, 5))
+  assert vocab_logsumexp.cluster_fractions(np.asarray([0, 1, 1, 3, 9]), bounds) == (
+      0.6, 0.2, 0.2)
+  harmonic = [sum(1 / r for r in range(1, n + 1)) for n in (2, 5, 10)]
+  np.testing.assert_allclose(
+      vocab_logsumexp.zipf_fractions(bounds),
+      np.diff([0.0, *harmonic]) / harmonic[-1], rtol=1e-12)
+
+
+def test_block_rows_from_the_device_unless_set():
+  assert vocab_logsumexp.block_rows(8192, 10**6) == 8192
+  rows = vocab_logsumexp.block_rows(0, 18_432)
+  budget = vocab_logsumexp.LOGITS_MEMORY_SHARE * vocab_logsumexp.device_memory_bytes()
+  assert rows >= 1024 and (rows == 1024 or rows * 18_432 * 4 <= budget)

@@ -55,32 +55,31 @@ def _exact_kl(student, teacher, temperature=1.0):
   return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
-@pytest.mark.parametrize("block", [distill.BLOCK, 4])   # 4: the blocked scan, slid back
+# 0: each cluster at once (sized to the device); 4: the blocked scan, slid back.
+@pytest.mark.parametrize("block", [0, 4])
 @pytest.mark.parametrize("cutoffs,div_val", [((), 1), ((10, 20, 35), 2)])
-def test_kl_is_the_full_vocabulary_kl(monkeypatch, cutoffs, div_val, block):
-  monkeypatch.setattr(distill, "BLOCK", block)
+def test_kl_is_the_full_vocabulary_kl(cutoffs, div_val, block):
   student, teacher = _two_output_layers(cutoffs, div_val)
-  kl = distill.kl_divergence(_clusters(student), _clusters(teacher), 1.0)
+  kl = distill.kl_divergence(_clusters(student), _clusters(teacher), 1.0, vocab_block=block)
   np.testing.assert_allclose(kl, _exact_kl(student, teacher), rtol=1e-5, atol=1e-6)
   head_only = distill.kl_divergence(_clusters(student), _clusters(teacher), 1.0,
-                                    all_clusters=False)
+                                    all_clusters=False, vocab_block=block)
   if cutoffs:   # the head's KL alone is a strict lower bound
     assert np.all(head_only < kl) and np.all(head_only > 0)
   else:
     np.testing.assert_array_equal(head_only, kl)
 
 
-@pytest.mark.parametrize("block", [distill.BLOCK, 7])
-def test_kl_with_temperature_and_its_gradient(monkeypatch, block):
+@pytest.mark.parametrize("block", [0, 7])
+def test_kl_with_temperature_and_its_gradient(block):
   """Plain softmax: KL of the tempered softmaxes; the student's gradient is the exact
   formula's, through the blocked, rematerialised accumulator."""
-  monkeypatch.setattr(distill, "BLOCK", block)
   student, teacher = _two_output_layers(())
   emb, params_s, h_s = student
 
   def blocked(params):
     return distill.kl_divergence(_clusters((emb, params, h_s)), _clusters(teacher),
-                                 2.5).mean()
+                                 2.5, vocab_block=block).mean()
 
   def exact(params):
     return _exact_kl((emb, params, h_s), teacher, 2.5).mean()
@@ -89,6 +88,31 @@ def test_kl_with_temperature_and_its_gradient(monkeypatch, block):
   for g, want in zip(jax.tree.leaves(jax.grad(blocked)(params_s)),
                      jax.tree.leaves(jax.grad(exact)(params_s))):
     np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("cutoffs,div_val", [((), 1), ((10, 20, 35), 2)])
+def test_kl_at_once_equals_the_blocked_scan_values_and_grads(cutoffs, div_val):
+  """Each cluster in one matmul (the device-sized default) gives the blocked scan's KL
+  and student gradient to 1e-6 of their scale."""
+  student, teacher = _two_output_layers(cutoffs, div_val)
+  emb, params_s, h_s = student
+
+  def kl(params, block):
+    return distill.kl_divergence(_clusters((emb, params, h_s)), _clusters(teacher), 2.0,
+                                 vocab_block=block)
+
+  def weighted(params, block):
+    kl_N = kl(params, block)
+    return jnp.sum(kl_N * jnp.arange(1.0, 1.0 + kl_N.size))
+
+  for block in (0, 4):
+    assert (block == 0) == all(table.shape[0] <= distill.vocab_logsumexp.block_rows(
+        block, h_s.size // h_s.shape[-1]) for cluster in _clusters(student)
+                               for _, table, _ in cluster)
+  at_once = (kl(params_s, 0), jax.grad(weighted)(params_s, 0))
+  scanned = (kl(params_s, 4), jax.grad(weighted)(params_s, 4))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max())), at_once, scanned)
 
 
 def test_identical_models_have_no_kl_and_no_hidden_difference():
