@@ -94,6 +94,7 @@ class RelativeAttention(nn.Module):
   dropout_attn: float = 0.0
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
+  score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
   gated: bool = False
@@ -135,8 +136,10 @@ class RelativeAttention(nn.Module):
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
     block = attention_kernel.divisor_at_most(h, self.head_block or h)
-    out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, qu, qv, qp, head_major(k),
-                                           head_major(v), r_pad, pk, pv, mask_TxK, keys_2x2)
+    score_dtype = jnp.dtype(self.dtype if self.score_dtype == "compute" else self.score_dtype)
+    out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, score_dtype, qu, qv, qp,
+                                           head_major(k), head_major(v), r_pad, pk, pv,
+                                           mask_TxK, keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.

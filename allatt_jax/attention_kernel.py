@@ -92,15 +92,22 @@ def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
           None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
 
 
-def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK):
-  """Softmax over [context keys, persistent slots] without concatenating the two."""
+def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype=jnp.float32):
+  """Softmax over [context keys, persistent slots] without concatenating the two.
+
+  The scores leave their matmuls, and the weights their softmax, in `score_dtype`
+  (matmuls accumulate in float32 either way); mask, max, exponentials and sums run in
+  float32 inside the elementwise passes, which read and write only `score_dtype`.
+  """
   f32 = jnp.float32
-  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=f32)
-  position = rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad, preferred_element_type=f32))
-  ctx_HxBxTxK = jnp.where(mask_TxK, content + position, _NEG_INF)
+  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=score_dtype)
+  position = rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad,
+                                  preferred_element_type=score_dtype))
+  ctx_HxBxTxK = jnp.where(mask_TxK, content.astype(f32) + position.astype(f32), _NEG_INF)
   top = ctx_HxBxTxK.max(-1, keepdims=True)
   if pk is not None:
-    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk, preferred_element_type=f32)
+    pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk,
+                              preferred_element_type=score_dtype).astype(f32)
     top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
   e_ctx = jnp.exp(ctx_HxBxTxK - top)
   norm = e_ctx.sum(-1, keepdims=True)
@@ -108,12 +115,14 @@ def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK):
     e_pers = jnp.exp(pers_HxBxTxN - top)
     norm = norm + e_pers.sum(-1, keepdims=True)
   inv_norm = 1.0 / norm
-  return e_ctx * inv_norm, None if pk is None else e_pers * inv_norm
+  return ((e_ctx * inv_norm).astype(score_dtype),
+          None if pk is None else (e_pers * inv_norm).astype(score_dtype))
 
 
-def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv):
+def _block_forward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
+                   r_pad, pk, pv):
   """Outputs and softmax weights of one block of heads."""
-  p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
+  p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype)
   keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   dtype = v.dtype
   out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
@@ -122,11 +131,13 @@ def _block_forward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad
   return out, p_ctx, p_pers
 
 
-def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pad, pk, pv,
-                    p_ctx, p_pers, out, dout):
+def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
+                    r_pad, pk, pv, p_ctx, p_pers, out, dout):
   """Gradients of one block of heads' inputs (see `attend`).
 
-  p_ctx and p_pers are the saved softmax weights, or None to recompute them.
+  p_ctx and p_pers are the saved softmax weights, or None to recompute them. The
+  weights' gradients are computed in float32 and stored, as the weights are, in
+  `score_dtype`.
   """
   f32, dtype = jnp.float32, dout.dtype
   if p_ctx is None:
@@ -134,7 +145,7 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pa
     # nor be scheduled before the backward pass reaches this layer.
     qu, qv, qp, k, r_pad, pk, dout = jax.lax.optimization_barrier(
         (qu, qv, qp, k, r_pad, pk, dout))
-    p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK)
+    p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype)
   keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
@@ -147,12 +158,14 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pa
     the value gradient needs anyway (XLA:CPU still recomputes the hash in both fusions).
     """
     p_dropped = _dropped(p, keep, rate)
-    return p_dropped.astype(dtype), (p_dropped * dp - p * delta).astype(dtype)
+    dlogits = p_dropped.astype(f32) * dp.astype(f32) - p.astype(f32) * delta
+    return p_dropped.astype(dtype), dlogits.astype(dtype)
 
   # Each product contracts a large weights array over its natural row-major axes;
   # the (.., dh, X) results are transposed afterwards, being small.
   pd_ctx, dlog_ctx = weight_grads(
-      p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v, preferred_element_type=f32), keep_ctx)
+      p_ctx, jnp.einsum("hbtd,hbkd->hbtk", dout, v, preferred_element_type=score_dtype),
+      keep_ctx)
   dv = jnp.einsum("hbtd,hbtk->hbdk", dout, pd_ctx).swapaxes(-1, -2)
   dqu = jnp.einsum("hbtk,hbkd->hbtd", dlog_ctx, k, preferred_element_type=f32)
   dk = jnp.einsum("hbtd,hbtk->hbdk", qu, dlog_ctx).swapaxes(-1, -2)
@@ -162,7 +175,8 @@ def _block_backward(rate, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v, r_pa
   dqp = dpk = dpv = None
   if pk is not None:
     pd_pers, dlog_pers = weight_grads(
-        p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=f32), keep_pers)
+        p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype),
+        keep_pers)
     dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
     dqp = jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk,
                      preferred_element_type=f32).astype(dtype)
@@ -187,14 +201,16 @@ def _over_head_blocks(fn, block: int, *arrays_H):
   return jax.tree.map(merge, outputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def attend(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
+           keys_2x2):
   """Relative attention with persistent slots on head-major arrays.
 
   Args:
     rate: attention dropout rate (0 = none).
     head_block: heads per step of the loop over heads (it must divide H).
     remat: recompute the softmax weights in the backward pass instead of keeping them.
+    score_dtype: dtype of the scores and softmax weights in memory (`attention_weights`).
     qu, qv: (H, B, T, dh) queries plus the content / position bias, pre-scaled.
     qp: (H, B, T, dh) the queries of the persistent logits, pre-scaled (qp may be qu).
     k, v: (H, B, K, dh) context keys and values.
@@ -213,13 +229,13 @@ def attend(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, k
   the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
   softmax weights (or nothing, with remat) are kept for the backward pass.
   """
-  return _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
-                     keys_2x2)[0]
+  return _attend_fwd(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
+                     mask_TxK, keys_2x2)[0]
 
 
-def _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
-                keys_2x2):
-  block_fn = functools.partial(_block_forward, rate, mask_TxK, keys_2x2)
+def _attend_fwd(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
+                mask_TxK, keys_2x2):
+  block_fn = functools.partial(_block_forward, rate, score_dtype, mask_TxK, keys_2x2)
   if remat:   # Only the outputs leave the loop.
     out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
                             v, r_pad, pk, pv)
@@ -230,10 +246,10 @@ def _attend_fwd(rate, head_block, remat, qu, qv, qp, k, v, r_pad, pk, pv, mask_T
   return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
 
 
-def _attend_bwd(rate, head_block, remat, residuals, dout):
+def _attend_bwd(rate, head_block, remat, score_dtype, residuals, dout):
   del remat   # The residuals say whether the weights were kept.
   *inputs, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
-  block_fn = functools.partial(_block_backward, rate, mask_TxK, keys_2x2)
+  block_fn = functools.partial(_block_backward, rate, score_dtype, mask_TxK, keys_2x2)
   grads = _over_head_blocks(block_fn, head_block, *inputs, p_ctx, p_pers, out, dout)
   return (*grads, None, None)
 

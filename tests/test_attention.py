@@ -58,6 +58,7 @@ def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
 
 
 KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
+F32 = jnp.float32
 
 
 @pytest.mark.parametrize("num_persistent", [0, 6])
@@ -69,8 +70,8 @@ def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, rema
   """Values and gradients equal autodiff of the all-heads forward, whatever the options."""
   args, mask, dout = _inputs(num_persistent)
   keys = KEYS if rate else None
-  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, *a, mask, keys)
-  plain = lambda *a: attention_kernel._attend_fwd(rate, 4, False, *a, mask, keys)[0]
+  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, F32, *a, mask, keys)
+  plain = lambda *a: attention_kernel._attend_fwd(rate, 4, False, F32, *a, mask, keys)[0]
   out, custom_vjp = jax.vjp(custom, *args)
   expected_out, plain_vjp = jax.vjp(plain, *args)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
@@ -92,8 +93,8 @@ def test_dropout_zeroes_weights_and_rescales():
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
   inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask)
-  dropped = np.asarray(attention_kernel.attend(0.5, 1, False, *inputs, KEYS))
-  full = np.asarray(attention_kernel.attend(0.0, 1, False, *inputs, None))
+  dropped = np.asarray(attention_kernel.attend(0.5, 1, False, F32, *inputs, KEYS))
+  full = np.asarray(attention_kernel.attend(0.0, 1, False, F32, *inputs, None))
   np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
   kept = dropped != 0
   assert 0.4 < kept[full != 0].mean() < 0.6
@@ -101,17 +102,37 @@ def test_dropout_zeroes_weights_and_rescales():
 
 
 @pytest.mark.slow
-def test_bfloat16_core_close_to_float32():
+@pytest.mark.parametrize("score_dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_core_close_to_float32(score_dtype):
+  """bf16 compute, with scores and weights in float32 or in bf16 (the 'compute'
+  setting), stays within bf16 rounding of the float32 core."""
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)
-  loss = lambda *a: jnp.sum(attention_kernel.attend(0.0, 2, False, *a, mask, None).astype(jnp.float32)
-                            * dout)
-  grads32 = jax.grad(loss, argnums=range(8))(*args32)
-  grads16 = jax.grad(loss, argnums=range(8))(*args16)
+  loss = lambda dtype: lambda *a: jnp.sum(attention_kernel.attend(
+      0.0, 2, False, dtype, *a, mask, None).astype(jnp.float32) * dout)
+  grads32 = jax.grad(loss(F32), argnums=range(8))(*args32)
+  grads16 = jax.grad(loss(score_dtype), argnums=range(8))(*args16)
   for g16, g32 in zip(grads16, grads32):
     assert g16.dtype == jnp.bfloat16
     scale = float(jnp.abs(g32).max())
     np.testing.assert_allclose(g16.astype(jnp.float32), g32, atol=0.05 * scale)
+
+
+@pytest.mark.parametrize("score_dtype", [jnp.float32, jnp.bfloat16])
+def test_scores_and_kept_weights_in_the_score_dtype(score_dtype):
+  """The weights kept for the backward pass, and every (.., T, K) and (.., T, N) array
+  the core writes, are in the score dtype: bf16 halves their memory and traffic."""
+  args, mask, _ = _inputs(6, jnp.bfloat16)
+  _, residuals = attention_kernel._attend_fwd(0.3, 4, False, score_dtype, *args, mask, KEYS)
+  p_ctx, p_pers = residuals[-3:-1]
+  assert p_ctx.dtype == p_pers.dtype == score_dtype
+  t, k, n = args[0].shape[2], args[3].shape[2], args[6].shape[1]
+  jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(
+      lambda *x: attention_kernel.attend(0.3, 4, False, score_dtype, *x, mask, KEYS),
+      *a)[1](a[0]))(*args)
+  big = [v.aval for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"
+         for v in e.outvars if v.aval.shape[-2:] in ((t, k + 1), (t, k), (t, n))]
+  assert big and all(a.dtype == score_dtype for a in big)
 
 
 def test_head_block_divides_any_head_count():
