@@ -114,6 +114,8 @@ class _Walk:
 
   def __init__(self, module: hlo_text.Module, pick):
     self.module, self.pick = module, pick
+    self.parts = {name: scopes.part(scope)
+                  for name, (scope, _) in scopes.of_instructions(module).items()}
     self.loops, self.conditionals = set(), set()
     self.unknown_trip_counts, self.unmodelled = set(), collections.Counter()
     self._executed, self._fused = {}, {}
@@ -203,8 +205,7 @@ class _Walk:
       moved = self._fusion_bytes(computation, instruction)
     else:
       moved = operands_bytes(0) + instruction.bytes
-    part = scopes.part(scopes.fold(self.module.op_name(instruction)))
-    return {part: self._flops(computation, instruction) + Cost(bytes_accessed=moved)}
+    return {self.parts[instruction.name]: self._flops(computation, instruction) + Cost(bytes_accessed=moved)}
 
   def _fusion_bytes(self, computation: hlo_text.Computation,
                     fusion: hlo_text.Instruction) -> float:

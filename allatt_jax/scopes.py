@@ -9,6 +9,8 @@ folded: `backward TransformerLM.hidden/layer_*/attention/convert_element_type`.
 import functools
 import re
 
+from allatt_jax import hlo_text
+
 # The model's parts whose shares are reported, by a pattern of their folded path: the
 # output layer (the adaptive or tied softmax's loss, `*.nll`, with the log-sum-exp and
 # target logits below it) and the attention (every layer's `attention` module).
@@ -44,3 +46,39 @@ def part(folded: str) -> str:
   """The model part (a key of PARTS, or REST) of a folded scope."""
   path = folded.partition(" ")[2]
   return next((name for name, pattern in PARTS.items() if pattern.search(path)), REST)
+
+
+def of_instructions(module: hlo_text.Module) -> dict[str, tuple[str, bool]]:
+  """(folded scope, whether it is not the instruction's own) of every instruction of
+  the module, by name.
+
+  XLA leaves some instructions without an op_name (on CPU, the dots of a custom
+  VJP's backward pass among them): such an instruction takes the scope of the first
+  operand that has one (producers come first in the printed order), else of its
+  first user that has one, else none ('step (unnamed)'); the last component of a
+  scope so found says what the instruction is, in brackets: '.../attention/[dot]'.
+  """
+  named = {}
+  for computation in module.computations.values():
+    own = {n: module.op_name(i) for n, i in computation.instructions.items()}
+    found = {n: name for n, name in own.items() if name}
+    operands = lambda n: computation.instructions[n].operands
+    users = lambda n: [u.name for u in computation.users(n)]
+    for order, neighbours in ((computation.instructions, operands),
+                              (reversed(computation.instructions), users)):
+      for name in order:
+        source = next((o for o in neighbours(name) if o in found), None)
+        if name not in found and source:
+          found[name] = (f"{found[source].rpartition('/')[0]}/"
+                         f"[{_what(module, computation.instructions[name])}]")
+    named.update({n: (fold(found.get(n, "")), not own[n])
+                  for n in computation.instructions})
+  return named
+
+
+def _what(module: hlo_text.Module, instruction: hlo_text.Instruction) -> str:
+  """An instruction's opcode, a fusion's root's."""
+  if instruction.opcode != "fusion":
+    return instruction.opcode
+  body = module.computations[instruction.called[0]]
+  return body.instructions[body.root].opcode
