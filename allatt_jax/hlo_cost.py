@@ -7,7 +7,8 @@ matmuls reports one matmul's flops), and a model whose attention loops over head
 whose output layer scans vocabulary blocks does most of its work in loop bodies. This
 walk counts the same things XLA's analysis counts, per executed instruction:
 
-  * flops: a dot's 2 · output elements · contracted size (also `matmul_flops`); one
+  * flops: a dot's 2 · output elements · contracted size (also `matmul_flops`; a
+    GPU library matmul, a custom call with dot dimension numbers, counts so too); one
     per output element of an elementwise op (compare, select, convert and
     bitcast-convert included, as XLA counts them); a reduction's combiner once per
     reduced element (a reduce-window's once per window element but one), a
@@ -141,12 +142,11 @@ class _Walk:
   def _flops(self, computation: hlo_text.Computation,
              instruction: hlo_text.Instruction) -> Cost:
     op = instruction.opcode
-    if op == "dot":
+    gemm_dims = instruction.gemm_contracting_dims if op == "custom-call" else None
+    if op == "dot" or gemm_dims is not None:
       lhs = computation.instructions[instruction.operands[0]].arrays[0]
-      contracted = 1
-      for d in instruction.dims("lhs_contracting_dims"):
-        contracted *= lhs.dims[d]
-      flops = 2.0 * instruction.elements * contracted
+      dims = instruction.dims("lhs_contracting_dims") if op == "dot" else gemm_dims
+      flops = 2.0 * instruction.elements * math.prod(lhs.dims[d] for d in dims)
       return Cost(flops=flops, matmul_flops=flops)
     if op in _TRANSCENDENTAL:
       return Cost(transcendentals=instruction.elements)

@@ -9,7 +9,6 @@ same on every backend; names may or may not carry a leading '%'.
 """
 import dataclasses
 import functools
-import json
 import math
 import re
 
@@ -103,22 +102,19 @@ class Instruction:
 
   @property
   def trip_count(self) -> int | None:
-    """A while loop's trip count as XLA's optimizer knows it, or None."""
-    config = self.backend_config
-    try:
-      return int(config["known_trip_count"]["n"])
-    except (KeyError, TypeError, ValueError):
-      return None
+    """A while loop's trip count as XLA's optimizer knows it (its backend_config's
+    known_trip_count), or None."""
+    match = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', self.attributes)
+    return int(match.group(1)) if match else None
 
   @property
-  def backend_config(self) -> dict:
-    match = re.search(r"backend_config=(\{.*\})\s*$", self.attributes)
+  def gemm_contracting_dims(self) -> tuple[int, ...] | None:
+    """The lhs contracting dimensions of a GPU library matmul (a custom call whose
+    backend_config has dot dimension numbers), or None."""
+    match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', self.attributes)
     if not match:
-      return {}
-    try:
-      return json.loads(match.group(1))
-    except json.JSONDecodeError:
-      return {}
+      return None
+    return tuple(int(d.strip().strip('"')) for d in match.group(1).split(",") if d.strip())
 
   @property
   def op_name(self) -> str:

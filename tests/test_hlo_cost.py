@@ -110,6 +110,51 @@ def test_a_conditional_counts_its_cheapest_branch_and_reports_the_costliest():
   assert proxy["costliest_branches"]["matmul_flops"] == MATMUL_FLOPS / B
 
 
+# A GPU compile's loop as XLA prints it: a cuBLAS matmul is a custom call, operands
+# carry their shapes, and the backend configs are JSON.
+_GPU_LOOP = """HloModule jit_f, entry_computation_layout={(f32[64,128]{1,0})->f32[64,128]{1,0}}
+
+%body (arg: (s32[], f32[64,128], f32[128,128])) -> (s32[], f32[64,128], f32[128,128]) {
+  %arg = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=0
+  %x = f32[64,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=1
+  %w = f32[128,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=2
+  %gemm = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(f32[64,128]{1,0} %x, f32[128,128]{1,0} %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/while/body/dot_general"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %y = f32[64,128]{1,0} get-tuple-element((f32[64,128]{1,0}, s8[1024]{0}) %gemm), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(s32[] %i, s32[] %one)
+  ROOT %out = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(s32[] %next, f32[64,128]{1,0} %y, f32[128,128]{1,0} %w)
+}
+
+%cond (arg.1: (s32[], f32[64,128], f32[128,128])) -> pred[] {
+  %arg.1 = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg.1), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(s32[] %i.1, s32[] %n), direction=LT
+}
+
+ENTRY %main (p: f32[64,128], q: f32[128,128]) -> f32[64,128] {
+  %p = f32[64,128]{1,0} parameter(0)
+  %q = f32[128,128]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(s32[] %zero, f32[64,128]{1,0} %p, f32[128,128]{1,0} %q)
+  %loop = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) while((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  ROOT %r = f32[64,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %loop), index=1
+}
+"""
+
+
+def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
+  analysis = hlo_cost.analyse(_GPU_LOOP)
+  assert analysis.loops == 1 and not analysis.unmodelled
+  assert analysis.cost.matmul_flops == 6 * MATMUL_FLOPS
+  assert analysis.cost.flops == 6 * MATMUL_FLOPS + 6 + 7   # the adds, the compares
+  # Each matmul reads x and w and writes its result and workspace; each add and
+  # compare reads two int32 and writes one int32 or one pred.
+  gemm = 4 * (64 * 128 + 128 * 128 + 64 * 128) + 1024
+  assert analysis.cost.bytes_accessed == 6 * (gemm + 12) + 7 * 9
+
+
 @pytest.fixture(scope="module")
 def tiny_train_step():
   """(the compiled baseline train step of configs/bench_cpu.py:tiny, its tokens)."""
