@@ -58,6 +58,9 @@ class Report:
             *(self.proxy[k] / 1e6 for k in ("flops", "matmul_flops", "other_flops",
                                              "bytes"))),
     ]
+    lines.append("  ... by part           " + "; ".join(
+        f"{part.replace('_', ' ')} {p['flops'] / 1e6:.4g} MFLOP, {p['bytes'] / 1e6:.4g} MB"
+        for part, p in self.proxy["parts"].items()))
     if "costliest_branches" in self.proxy:
       worst = self.proxy["costliest_branches"]
       lines.append("  ... costliest branches {:.4g} MFLOP, {:.4g} MB".format(

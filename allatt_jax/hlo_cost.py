@@ -32,6 +32,9 @@ rare expensive path (an exact fallback) is not needed; `Analysis.costliest` coun
 most expensive branch instead. Ops whose flops are not modelled (custom calls,
 convolutions, sorts, ...) are counted in `Analysis.unmodelled` and add bytes only.
 
+Every count is also kept by the scope of the instruction (scopes.py: the JAX scope
+of its metadata, layer indices folded), and so by model part.
+
 The counts are a proxy of a step's work and memory traffic that a CPU can compute
 for any config: XLA:CPU fuses differently from a GPU compiler, so the bytes are
 XLA:CPU's plan, not an accelerator's.
@@ -62,6 +65,7 @@ _UNMODELLED = frozenset({"custom-call", "convolution", "fft", "sort", "triangula
                          "cholesky", "rng", "rng-bit-generator",
                          "select-and-scatter", "all-reduce", "reduce-scatter",
                          "async-start", "top-k"})
+_TOP = 12   # scopes listed by the proxy
 # Instructions through which a fusion parameter is read only in part.
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 
@@ -89,34 +93,38 @@ class Analysis:
   """A module's counts (see the module docstring for what is counted how)."""
   cost: Cost                      # cheapest branch of every conditional
   costliest: Cost                 # most expensive branch of every conditional
-  parts: dict[str, Cost]          # `cost` by model part (scopes.PARTS, or 'rest')
+  by_scope: dict[str, Cost]       # `cost` by folded scope (scopes.of_instructions)
   loops: int                      # while instructions walked
   conditionals: int               # conditional instructions walked
   unknown_trip_counts: tuple[str, ...]   # loops counted once: no known trip count
   unmodelled: dict[str, int]      # opcode -> instructions whose flops are not counted
 
+  @property
+  def parts(self) -> dict[str, Cost]:
+    """`cost` by model part: scopes.PARTS' and scopes.REST."""
+    return _combined(({scopes.part(s): cost}, 1) for s, cost in self.by_scope.items())
 
-def _total(parts: dict[str, Cost]) -> Cost:
-  return sum(parts.values(), Cost())
+
+def _total(by_scope: dict[str, Cost]) -> Cost:
+  return sum(by_scope.values(), Cost())
 
 
-def _combined(*terms: tuple[dict[str, Cost], float]) -> dict[str, Cost]:
-  """The sum of (counts by part) x times."""
+def _combined(terms) -> dict[str, Cost]:
+  """The sum of (counts by scope) x times over `terms`, pairs of them."""
   combined = {}
-  for parts, times in terms:
-    for part, cost in parts.items():
-      combined[part] = combined.get(part, Cost()) + cost * times
+  for by_scope, times in terms:
+    for scope, cost in by_scope.items():
+      combined[scope] = combined.get(scope, Cost()) + cost * times
   return combined
 
 
 class _Walk:
-  """Counts executed computations by model part, memoised by computation, picking
+  """Counts executed computations by scope, memoised by computation, picking
   conditional branches with `pick` (min or max)."""
 
   def __init__(self, module: hlo_text.Module, pick):
     self.module, self.pick = module, pick
-    self.parts = {name: scopes.part(scope)
-                  for name, (scope, _) in scopes.of_instructions(module).items()}
+    self.scopes = {name: scope for name, (scope, _) in scopes.of_instructions(module).items()}
     self.loops, self.conditionals = set(), set()
     self.unknown_trip_counts, self.unmodelled = set(), collections.Counter()
     self._executed, self._fused = {}, {}
@@ -125,8 +133,8 @@ class _Walk:
     """One execution of a computation whose instructions run one by one."""
     if name not in self._executed:
       computation = self.module.computations[name]
-      self._executed[name] = _combined(*((self._top_level(computation, i), 1)
-                                         for i in computation.instructions.values()))
+      self._executed[name] = _combined((self._top_level(computation, i), 1)
+                                       for i in computation.instructions.values())
     return self._executed[name]
 
   def fused(self, name: str) -> Cost:
@@ -182,13 +190,15 @@ class _Walk:
       if trips is None:
         self.unknown_trip_counts.add(instruction.name)
         trips = 1
-      return _combined((self.executed(body), trips), (self.executed(condition), trips + 1))
+      return _combined([(self.executed(body), trips),
+                        (self.executed(condition), trips + 1)])
     if op == "call":
       return self.executed(instruction.called[0])
     if op == "conditional":
       self.conditionals.add(instruction.name)
       return self.pick((self.executed(b) for b in instruction.branches),
-                       key=lambda parts: (_total(parts).flops, _total(parts).bytes_accessed))
+                       key=lambda by_scope: (_total(by_scope).flops,
+                                             _total(by_scope).bytes_accessed))
     operand = lambda i: computation.instructions[instruction.operands[i]]
     operands_bytes = lambda first: sum(operand(i).bytes
                                        for i in range(first, len(instruction.operands)))
@@ -205,7 +215,8 @@ class _Walk:
       moved = self._fusion_bytes(computation, instruction)
     else:
       moved = operands_bytes(0) + instruction.bytes
-    return {self.parts[instruction.name]: self._flops(computation, instruction) + Cost(bytes_accessed=moved)}
+    return {self.scopes[instruction.name]:
+            self._flops(computation, instruction) + Cost(bytes_accessed=moved)}
 
   def _fusion_bytes(self, computation: hlo_text.Computation,
                     fusion: hlo_text.Instruction) -> float:
@@ -251,11 +262,12 @@ def analyse(hlo) -> Analysis:
   parsed `hlo_text.Module`)."""
   module = hlo if isinstance(hlo, hlo_text.Module) else hlo_text.parse(hlo)
   cheapest = _Walk(module, min)
-  parts = cheapest.executed(module.entry)
-  cost = _total(parts)
+  by_scope = cheapest.executed(module.entry)
+  cost = _total(by_scope)
   costliest = (_total(_Walk(module, max).executed(module.entry)) if cheapest.conditionals
                else cost)
-  return Analysis(cost=cost, costliest=costliest, parts=parts, loops=len(cheapest.loops),
+  return Analysis(cost=cost, costliest=costliest, by_scope=by_scope,
+                  loops=len(cheapest.loops),
                   conditionals=len(cheapest.conditionals),
                   unknown_trip_counts=tuple(sorted(cheapest.unknown_trip_counts)),
                   unmodelled=dict(sorted(cheapest.unmodelled.items())))
@@ -271,15 +283,20 @@ def _per_token(cost: Cost, tokens: int) -> dict:
 def step_proxy(compiled, tokens: int) -> dict:
   """The proxy figures of a compiled step (`jax.stages.Compiled`) that processes
   `tokens` tokens: per token, flops (matmul and other), transcendentals and bytes
-  accessed, loops counted by their trip counts, in all and by model part (the output
-  layer, the attention, the rest: scopes.py); XLA's own per-token figures (loop
-  bodies counted once) for comparison; and what the walk could not count."""
+  accessed, loops counted by their trip counts, in all, by model part (the output
+  layer, the attention, the rest: scopes.py) and for the scopes that access the most
+  bytes; XLA's own per-token figures (loop bodies counted once) for comparison; and
+  what the walk could not count."""
   analysis = analyse(compiled.as_text())
+  parts = analysis.parts
   xla = compiled.cost_analysis()
   xla = (xla[0] if isinstance(xla, (list, tuple)) else xla) or {}
   proxy = {"tokens": tokens, **_per_token(analysis.cost, tokens),
-           "parts": {part: _per_token(analysis.parts.get(part, Cost()), tokens)
+           "parts": {part: _per_token(parts.get(part, Cost()), tokens)
                      for part in (*scopes.PARTS, scopes.REST)},
+           "top_scopes_by_bytes": [
+               {"name": name, **_per_token(cost, tokens)} for name, cost in sorted(
+                   analysis.by_scope.items(), key=lambda kv: -kv[1].bytes_accessed)[:_TOP]],
            "xla_loops_once": {"flops": xla.get("flops", 0.0) / tokens,
                               "bytes": xla.get("bytes accessed", 0.0) / tokens},
            "loops": analysis.loops, "conditionals": analysis.conditionals,

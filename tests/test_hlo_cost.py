@@ -192,3 +192,7 @@ def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
   assert proxy["flops"] == proxy["matmul_flops"] + proxy["other_flops"]
   assert proxy["xla_loops_once"]["flops"] < proxy["flops"]
   assert "costliest_branches" not in proxy and proxy["conditionals"] == 0
+  top = proxy["top_scopes_by_bytes"]
+  assert [s["bytes"] for s in top] == sorted((s["bytes"] for s in top), reverse=True)
+  assert all(s["name"].split()[0] in ("forward", "backward", "step") for s in top)
+  assert "layer_*/attention" in " ".join(s["name"] for s in top)
