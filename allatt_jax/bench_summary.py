@@ -23,8 +23,9 @@ def summary(report: dict) -> str:
                f"XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
   for r in report["inference"]:
     lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
-                 f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "
-                 f"{r['ideal_speedup']:.2f} ({r['speedup_fraction_of_ideal']:.0%})")
+                 f"MACs x{r['mac_ratio']:.2f} (bytes x{r['proxy_bytes_ratio']:.2f})  "
+                 f"speed-up {r['speedup']:.2f} of ideal {r['ideal_speedup']:.2f} "
+                 f"({r['speedup_fraction_of_ideal']:.0%})")
   lines += _variants(report)
   lines.append(f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB")
   if report["platform"] == "cpu" and "hugetlb" not in (env["GLIBC_TUNABLES"] or ""):

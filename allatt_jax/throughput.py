@@ -13,14 +13,11 @@ matmul peak.
     the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
     model and their speed-up against the ideal 1 / MAC ratio;
   * GFLOP/s of one large float32 matmul, the device's practical peak;
-  * compile times, XLA's temporary buffer sizes and the process's peak memory;
-  * each train step's proxy figures (`hlo_cost.step_proxy`: flops, matmul flops and
-    bytes accessed per token of its compiled HLO, loops counted by trip count);
-  * with the plan's `profile`, where the baseline step's time goes
-    (`step_profile.profile`, traced after the timed rounds);
+  * compile times, XLA's temporary buffer sizes, the process's peak memory, and each
+    step's proxy figures (`hlo_cost.step_proxy`: flops and bytes accessed per token);
+  * with the plan's `profile`, where the baseline step's time goes (step_profile.py);
   * the plan's `variants` (bench_variants.py): the config with overrides, each one's
-    baseline train step and evaluation with all heads timed in the same rounds, as
-    ratios to the config's.
+    baseline train step and evaluation with all heads timed in the same rounds.
 Variants are timed in interleaved rounds (the matmul in every round too) and the
 medians reported, so that a busy machine slows all of them alike; the train steps'
 fraction of the peak is also given per process CPU second, which other processes on
@@ -257,6 +254,15 @@ class Inference:
   def compile_s(self) -> float:
     return self._first_s - min(self.seconds)
 
+  def figures(self) -> dict:
+    """Tokens/s (median of the timed rounds), compile time, and the compiled step's
+    XLA temporaries and proxy figures (`hlo_cost.step_proxy`)."""
+    compiled = self._evaluator.compiled_step(self._variables)   # compiled already
+    return {"tokens_per_s": self.tokens_per_segment / _median(self.seconds[1:]),
+            "compile_s": self.compile_s,
+            "xla_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
+            "proxy": hlo_cost.step_proxy(compiled, self.tokens_per_segment)}
+
 
 def _rss_peak_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
@@ -353,27 +359,24 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
     train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
 
   full_macs = head_costs.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
-  inference, full_tokens_per_s = [], None
+  inference = []
   for model in models:
     macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
-    tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
-    full_tokens_per_s = full_tokens_per_s or tokens_per_s
+    figures = model.figures()
+    first = inference[0] if inference else figures   # the first fraction's, all heads
     mac_ratio = macs["macs_per_token"] / full_macs
-    speedup = tokens_per_s / full_tokens_per_s
+    speedup = figures["tokens_per_s"] / first["tokens_per_s"]
     inference.append({
         "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
-        "tokens_per_s": tokens_per_s, "compile_s": model.compile_s,
-        "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        **figures, "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        "proxy_bytes_ratio": figures["proxy"]["bytes"] / first["proxy"]["bytes"],
         "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
         "speedup_fraction_of_ideal": speedup * mac_ratio})
   full = next((r for r in inference if r["heads_kept"] == 1.0), None)
-  variant_report = {}
-  for name, (step, evaluation) in variants.items():
-    tokens_per_s = evaluation.tokens_per_segment / _median(evaluation.seconds[1:])
-    variant_report[name] = bench_variants.entry(
-        plan.variants[name], entry(step),
-        {"tokens_per_s": tokens_per_s, "compile_s": evaluation.compile_s},
-        train_report["baseline"], full)
+  variant_report = {
+      name: bench_variants.entry(plan.variants[name], entry(step), evaluation.figures(),
+                                 train_report["baseline"], full)
+      for name, (step, evaluation) in variants.items()}
 
   return {
       "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),

@@ -147,5 +147,8 @@ def test_benchmark_cli_writes_a_complete_report(tmp_path):
   assert variant["eval_tokens_per_s_ratio"] == pytest.approx(
       variant["eval"]["tokens_per_s"] / full["tokens_per_s"])
   assert variant["train"]["xla_temp_bytes"] > 0 and variant["train"]["profile"]["attributed"]
+  assert variant["eval"]["proxy"]["matmul_flops"] == pytest.approx(
+      full["proxy"]["matmul_flops"])   # the same model, its heads in blocks of 2
+  assert full["proxy_bytes_ratio"] == 1 and 0.5 < half["proxy_bytes_ratio"] < 1
   assert len(variant["train"]["step_s_rounds"]) == 1   # timed in the config's round
   assert "variant two_heads: train" in done.stdout and "profile (cpu" in done.stdout

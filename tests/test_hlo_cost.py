@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 from allatt_jax import config_base
+from allatt_jax import head_costs
 from allatt_jax import hlo_cost
 from allatt_jax import hlo_text
 from allatt_jax import resolver
 from allatt_jax import sharding
+from allatt_jax import throughput
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, D = 64, 128
@@ -196,3 +198,16 @@ def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
   assert [s["bytes"] for s in top] == sorted((s["bytes"] for s in top), reverse=True)
   assert all(s["name"].split()[0] in ("forward", "backward", "step") for s in top)
   assert "layer_*/attention" in " ".join(s["name"] for s in top)
+
+
+@pytest.mark.parametrize("heads_kept", [1.0, 0.5])
+def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept):
+  """The cost model counts a forward pass's MACs by formula; the walk counts the
+  compiled evaluation step's dots (pruned models included): they agree."""
+  config = resolver.with_vocab_size(resolver.resolve_config(
+      config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
+  model = throughput.Inference(config, throughput.random_model(config), heads_kept, 1)
+  model.seconds.append(model.run())
+  proxy, e = model.figures()["proxy"], config.eval
+  macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+  assert proxy["matmul_flops"] == pytest.approx(2 * macs["macs_per_token"], rel=0.005)
