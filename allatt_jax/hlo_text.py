@@ -35,7 +35,7 @@ class Array:
 
   @property
   def bytes(self) -> int:
-    if self.dtype.startswith("f8"):   # f8e4m3fn, f8e5m2, ...
+    if self.dtype[:2] in ("f8", "f6", "f4", "s2", "u2"):   # f8e4m3fn, ...: a byte each
       return self.elements
     return self.elements * _DTYPE_BYTES[self.dtype]
 
@@ -147,11 +147,6 @@ class Module:
   name: str
   computations: dict[str, Computation]
   entry: str
-
-  @property
-  def instructions(self) -> dict[str, Instruction]:
-    """Every instruction of every computation, by name (names are module-unique)."""
-    return {n: i for c in self.computations.values() for n, i in c.instructions.items()}
 
   def op_name(self, instruction: Instruction) -> str:
     """The instruction's op_name; a fusion without one (XLA:CPU's custom fusions) takes
