@@ -67,7 +67,8 @@ def from_flags(flags: Sequence[str], variants: Mapping[str, Any] | None = None
   Raises:
     ConfigError: a flag that is not NAME:section.key=value[,...].
   """
-  merged = {name: {s: dict(keys) for s, keys in sections.items()}
+  merged = {name: {s: dict(keys) if isinstance(keys, Mapping) else keys
+                   for s, keys in sections.items()}
             for name, sections in (variants or {}).items()}
   for flag in flags:
     name, _, overrides = flag.partition(":")
@@ -110,10 +111,13 @@ def _overridden(run: run_config.RunConfig, name: str,
                 sections: Mapping[str, Any]) -> run_config.RunConfig:
   replaced = {}
   for section, keys in sections.items():
-    if section not in SECTIONS or not isinstance(keys, Mapping):
+    if section not in SECTIONS:
       raise ConfigError(f"Variant {name!r}: {section!r} is no section of a run config; a "
                         "variant overrides {section: {key: value}} of "
                         f"{', '.join(SECTIONS)}.")
+    if not isinstance(keys, Mapping):
+      raise ConfigError(f"Variant {name!r}: its {section} is {keys!r}; give the keys it "
+                        f"overrides, e.g. {section}=dict(KEY=VALUE).")
     current = getattr(run, section)
     known = [f.name for f in dataclasses.fields(current)]
     for key in keys:

@@ -46,6 +46,7 @@ def test_variant_flags_add_to_the_configs_variants():
       "before": {"model": {"head_block": 2, "dropout": 0.0, "remat": False,
                            "dtype": "bfloat16"}, "train": {"batch_size": 4}},
       "cut": {"model": {"cutoffs": (10, 20), "heads_per_layer": [2, 2]}}}
+  assert bench_variants.from_flags([], {"v": {"model": 3}}) == {"v": {"model": 3}}
   for bad in ("model.head_block=2", "before:head_block=2", "before:model.remat"):
     with pytest.raises(ConfigError, match=r"expected NAME:SECTION\.KEY=VALUE"):
       bench_variants.from_flags([bad])
@@ -75,6 +76,8 @@ def test_a_variant_is_the_config_with_its_overrides(tiny_run):
      r"A variant overrides keys the config has\.$"),
     ({"benchmark": {"rounds": 1}}, r"^Variant 'v': 'benchmark' is no section of a run "
      r"config; a variant overrides \{section: \{key: value\}\} of model, gates, data"),
+    ({"model": 3}, r"^Variant 'v': its model is 3; give the keys it overrides, e\.g\. "
+     r"model=dict\(KEY=VALUE\)\.$"),
     ({"model": {"remat": "yes"}},
      r"^Variant 'v': model\.remat='yes', but the config's value is True: give a bool\.$"),
     ({"model": {"head_block": 1.5}}, r"model\.head_block=1\.5, but .* give a int"),
