@@ -3,6 +3,9 @@ abstract shapes only (`jax.eval_shape`: no parameter is materialised).
 
 `python -m allatt_jax.compile_check` prints a `Report` for a mesh of fake CPU devices;
 its figures are XLA:CPU's, a sanity check of the sharding rather than an HBM budget.
+The report also gives the step's work and memory traffic per token (hlo_cost.py:
+flops, matmul flops, bytes accessed, every loop body counted by its trip count), a
+proxy of an accelerator's step that a CPU computes for any config.
 """
 import dataclasses
 import math
@@ -11,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from allatt_jax import hlo_cost
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import sharding
@@ -30,7 +34,9 @@ class Report:
   lower_s: float
   compile_s: float
   memory: dict[str, int]            # XLA's per-device plan (memory_analysis)
-  flops_per_device: float
+  flops_per_device: float           # XLA's cost analysis: loop bodies counted once
+  # hlo_cost.step_proxy per token: one device's counts over its share of the tokens
+  proxy: dict
 
   def summary(self) -> str:
     m = self.memory
@@ -45,8 +51,20 @@ class Report:
             *(m[k] / _GIB for k in ("argument", "output", "temp", "alias"))),
         "  total per device      {:.3f} GiB (arguments + outputs + temporaries - "
         "aliased)".format((m["argument"] + m["output"] + m["temp"] - m["alias"]) / _GIB),
-        f"  FLOPs per device      {self.flops_per_device:.3e} per step",
+        f"  FLOPs per device      {self.flops_per_device:.3e} per step (XLA's cost "
+        "analysis: loop bodies once)",
+        "  per token             {:.4g} MFLOP (matmul {:.4g}, other {:.4g}), {:.4g} MB "
+        "accessed (loops by trip count)".format(
+            *(self.proxy[k] / 1e6 for k in ("flops", "matmul_flops", "other_flops",
+                                             "bytes"))),
     ]
+    lines.append("  ... by part           " + "; ".join(
+        f"{part.replace('_', ' ')} {p['flops'] / 1e6:.4g} MFLOP, {p['bytes'] / 1e6:.4g} MB"
+        for part, p in self.proxy["parts"].items()))
+    if "costliest_branches" in self.proxy:
+      worst = self.proxy["costliest_branches"]
+      lines.append("  ... costliest branches {:.4g} MFLOP, {:.4g} MB".format(
+          worst["flops"] / 1e6, worst["bytes"] / 1e6))
     return "\n".join(lines)
 
 
@@ -86,4 +104,5 @@ def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
       memory={key: int(getattr(stats, f"{key}_size_in_bytes"))
               for key in ("argument", "output", "temp", "alias")}
       | {"peak": int(getattr(stats, "peak_memory_in_bytes", 0))},
-      flops_per_device=float((cost or {}).get("flops", 0.0)))
+      flops_per_device=float((cost or {}).get("flops", 0.0)),
+      proxy=hlo_cost.step_proxy(compiled, t.batch_size * t.seq_len / mesh.size))

@@ -77,10 +77,11 @@ class Evaluator:
     self._memory = sharding.memory_sharding(mesh)
     self._rows = sharding.process_rows(mesh)
     self._replicated = sharding.replicated(mesh)
-    self._step = sharding.on_mesh(mesh, jax.jit(
+    self._jitted = jax.jit(
         functools.partial(eval_step, lm=lm),
         in_shardings=(None, self._memory, self._batch, self._batch, self._batch),
-        out_shardings=(self._replicated, self._memory), donate_argnums=(1,)))
+        out_shardings=(self._replicated, self._memory), donate_argnums=(1,))
+    self._step = sharding.on_mesh(mesh, self._jitted)
     # Made on the devices, in their shards, rather than copied there from the host.
     self._empty_memory = sharding.on_mesh(mesh, jax.jit(
         functools.partial(model_lib.init_memory, lm.cfg, batch_size, mem_len),
@@ -92,6 +93,16 @@ class Evaluator:
     """The evaluator of `lm` at the run config's eval batch and lengths."""
     e = config.eval
     return cls(lm, mesh, batch_size=e.batch_size, seq_len=e.seq_len, mem_len=e.mem_len)
+
+  def compiled_step(self, variables) -> jax.stages.Compiled:
+    """The step compiled for `variables` (placed as `score` places them): its
+    optimized HLO and XLA's cost and memory analyses."""
+    tokens = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32,
+                                  sharding=self._batch)
+    weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=self._batch)
+    with sharding.activate(self.mesh):
+      return self._jitted.lower(variables, self._empty_memory(), tokens, tokens,
+                                weights).compile()
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""

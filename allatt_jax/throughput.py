@@ -13,7 +13,11 @@ matmul peak.
     the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
     model and their speed-up against the ideal 1 / MAC ratio;
   * GFLOP/s of one large float32 matmul, the device's practical peak;
-  * compile times, XLA's temporary buffer sizes and the process's peak memory.
+  * compile times, XLA's temporary buffer sizes, the process's peak memory, and each
+    step's proxy figures (`hlo_cost.step_proxy`: flops and bytes accessed per token);
+  * with the plan's `profile`, where the baseline step's time goes (step_profile.py);
+  * the plan's `variants` (bench_variants.py): the config with overrides, each one's
+    baseline train step and evaluation with all heads timed in the same rounds.
 Variants are timed in interleaved rounds (the matmul in every round too) and the
 medians reported, so that a busy machine slows all of them alike; the train steps'
 fraction of the peak is also given per process CPU second, which other processes on
@@ -21,27 +25,34 @@ the same cores stretch less than wall time. Parameters are
 random: the figures are throughputs, not model quality. A `BenchmarkPlan` (a config's
 `benchmark` section, see configs/bench_cpu.py) sets steps, segments, rounds and
 fractions; any run config works, with the plan's defaults (e.g. configs/wt103_base.py
-on an accelerator). `python -m allatt_jax.benchmark` prints the report.
+on an accelerator). `python -m allatt_jax.benchmark` prints the report
+(bench_summary.py).
 The matmul runs in the model's compute dtype (float32 on CPU, bfloat16 for the
 accelerator configs), so its rate is the peak that dtype reaches on the device.
 """
+from collections.abc import Mapping
 import dataclasses
 import os
 import resource
 import statistics
 import time
+import types
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax import bench_variants
 from allatt_jax import head_costs
+from allatt_jax import hlo_cost
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import sharding
+from allatt_jax import step_profile
 from allatt_jax import stream_eval
 from allatt_jax import typed_section
 
@@ -55,15 +66,21 @@ class BenchmarkPlan:
   rounds: int = 5                  # variants alternate within a round; medians reported
   heads_kept: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
   matmul_size: int = 2048          # n of the n x n x n matmul taken as the peak
+  profile: bool = False            # trace baseline steps after the rounds (step_profile)
+  profile_steps: int = 3           # steps per trace
+  # name -> {section: {key: value}}: configs timed beside this one (bench_variants.py)
+  variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+      default_factory=lambda: types.MappingProxyType({}))
 
   @classmethod
   def from_dict(cls, section) -> "BenchmarkPlan":
-    """The plan of a config's `benchmark` section (a mapping).
+    """The plan of a config's `benchmark` section (a mapping, or a ConfigDict).
 
     Raises:
       ConfigError: a key the plan does not have, or a value of another type.
     """
-    return typed_section.read(cls, dict(section.items()), "--config.benchmark")
+    values = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    return typed_section.read(cls, values, "--config.benchmark")
 
 
 # The distillation the benchmark times for configs that do not turn it on: both terms,
@@ -159,6 +176,11 @@ class TrainStep:
   def tokens_per_step(self) -> int:
     return self.config.train.batch_size * self.config.train.seq_len
 
+  @property
+  def compiled(self) -> jax.stages.Compiled:
+    """The compiled step: its optimized HLO, XLA's cost and memory analyses."""
+    return self._compiled
+
   def run(self, num_steps: int) -> _Usage:
     """Usage of `num_steps` consecutive steps."""
     with sharding.activate(self._mesh), _Usage() as usage:
@@ -232,6 +254,15 @@ class Inference:
   def compile_s(self) -> float:
     return self._first_s - min(self.seconds)
 
+  def figures(self) -> dict:
+    """Tokens/s (median of the timed rounds), compile time, and the compiled step's
+    XLA temporaries and proxy figures (`hlo_cost.step_proxy`)."""
+    compiled = self._evaluator.compiled_step(self._variables)   # compiled already
+    return {"tokens_per_s": self.tokens_per_segment / _median(self.seconds[1:]),
+            "compile_s": self.compile_s,
+            "xla_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
+            "proxy": hlo_cost.step_proxy(compiled, self.tokens_per_segment)}
+
 
 def _rss_peak_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
@@ -244,10 +275,40 @@ def _device_memory() -> dict | None:
   return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
+def _train_entry(step: TrainStep, usages, first_steps, plan: BenchmarkPlan,
+                 peaks: tuple[float, float]) -> dict:
+  """A train step's figures: medians of its rounds, model GFLOP/s against the matmul
+  `peaks` (per wall and per CPU second), and its compiled form's proxy figures."""
+  train, cfg = step.config.train, step.lm.cfg
+  flops_per_token = 6 * head_costs.macs_per_token(
+      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
+  per_step = lambda attr: _median(getattr(u, attr) / plan.train_steps for u in usages)
+  seconds, cpu_seconds = per_step("wall"), per_step("cpu")
+  gflops = flops_per_token * step.tokens_per_step / seconds / 1e9
+  gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
+  return {
+      "step_s": seconds, "tokens_per_s": step.tokens_per_step / seconds,
+      "compile_s": step.compile_s, "first_step_in_round_s": _median(first_steps),
+      "model_flops_per_token": flops_per_token,
+      "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peaks[0],
+      "cpu_s_per_step": cpu_seconds,
+      "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peaks[1],
+      "minor_page_faults_per_step": per_step("faults"),
+      "step_s_rounds": [u.wall / plan.train_steps for u in usages],
+      "xla_temp_bytes": step.temp_bytes(),
+      "proxy": hlo_cost.step_proxy(step.compiled, step.tokens_per_step)}
+
+
 def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   """The benchmark report of `config`'s model, timed as `plan` says (see the module
-  docstring)."""
+  docstring), with its variants' (bench_variants.py) beside it.
+
+  Raises:
+    ConfigError: a variant overrides a key the config lacks, or fails the config's
+      checks (before anything compiles).
+  """
   config = resolver.with_vocab_size(config)
+  variant_configs = bench_variants.resolve(config, plan.variants)
   train, e = config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
@@ -256,43 +317,39 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
                  "distill": TrainStep(config, gated=True, distill=True)}
   model = random_model(config)
   models = [Inference(config, model, f, plan.eval_segments) for f in plan.heads_kept]
+  # Each variant's baseline step and its evaluation with all heads.
+  variants = {name: (TrainStep(c, gated=False),
+                     Inference(c, random_model(c), 1.0, plan.eval_segments))
+              for name, c in variant_configs.items()}
+  steps = [*train_steps.values(), *(step for step, _ in variants.values())]
+  evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
 
-  # Each variant's first step in a round runs untimed: after another executable has
+  # Each step's first step in a round runs untimed: after another executable has
   # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
   # `first_step_in_round_s`), which back-to-back training steps never do.
-  peaks, usages = [], {name: [] for name in train_steps}
-  first_steps = {name: [] for name in train_steps}
+  peaks, usages, first_steps = [], {s: [] for s in steps}, {s: [] for s in steps}
   for i in range(plan.rounds):
-    order = lambda variants: variants[::-1] if i % 2 else variants   # no variant goes first
+    order = lambda items: items[::-1] if i % 2 else items   # none goes first every round
     peaks.append(matmul.gflops())
-    for name, step in order(list(train_steps.items())):
-      first_steps[name].append(step.run(1).wall)
-      usages[name].append(step.run(plan.train_steps))
-    for model in order(models):
+    for step in order(steps):
+      first_steps[step].append(step.run(1).wall)
+      usages[step].append(step.run(plan.train_steps))
+    for model in order(evaluations):
       model.warm()
       model.seconds.append(model.run())
 
+  # Traced after the rounds, so that tracing slows none of them.
+  profiled = (train_steps["baseline"], *(step for step, _ in variants.values()))
+  profiles = {step: step_profile.profile(step.run, step.compiled.as_text(),
+                                         plan.profile_steps)
+              for step in (profiled if plan.profile else ())}
   cfg = train_steps["baseline"].lm.cfg
   peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
-  flops_per_token = 6 * head_costs.macs_per_token(
-      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
-  train_report = {"flops_per_token": flops_per_token}
-  for name, step in train_steps.items():
-    per_step = lambda attr: _median(getattr(u, attr) / plan.train_steps
-                                    for u in usages[name])
-    seconds, cpu_seconds = per_step("wall"), per_step("cpu")
-    tokens_per_s = step.tokens_per_step / seconds
-    gflops = flops_per_token * tokens_per_s / 1e9
-    gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
-    train_report[name] = {
-        "step_s": seconds, "tokens_per_s": tokens_per_s, "compile_s": step.compile_s,
-        "first_step_in_round_s": _median(first_steps[name]),
-        "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peak,
-        "cpu_s_per_step": cpu_seconds,
-        "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peak_cpu,
-        "minor_page_faults_per_step": per_step("faults"),
-        "step_s_rounds": [u.wall / plan.train_steps for u in usages[name]],
-        "xla_temp_bytes": step.temp_bytes()}
+  entry = lambda step: (_train_entry(step, usages[step], first_steps[step], plan,
+                                     (peak, peak_cpu))
+                        | ({"profile": profiles[step]} if step in profiles else {}))
+  train_report = {name: entry(step) for name, step in train_steps.items()}
+  train_report["flops_per_token"] = train_report["baseline"]["model_flops_per_token"]
   train_report["gated_overhead"] = (train_report["gated"]["step_s"]
                                     / train_report["baseline"]["step_s"] - 1)
   distilled, gated = train_report["distill"], train_report["gated"]
@@ -302,19 +359,24 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
     train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
 
   full_macs = head_costs.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
-  inference, full_tokens_per_s = [], None
+  inference = []
   for model in models:
     macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
-    tokens_per_s = model.tokens_per_segment / _median(model.seconds[1:])
-    full_tokens_per_s = full_tokens_per_s or tokens_per_s
+    figures = model.figures()
+    first = inference[0] if inference else figures   # the first fraction's, all heads
     mac_ratio = macs["macs_per_token"] / full_macs
-    speedup = tokens_per_s / full_tokens_per_s
+    speedup = figures["tokens_per_s"] / first["tokens_per_s"]
     inference.append({
         "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
-        "tokens_per_s": tokens_per_s, "compile_s": model.compile_s,
-        "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        **figures, "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        "proxy_bytes_ratio": figures["proxy"]["bytes"] / first["proxy"]["bytes"],
         "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
         "speedup_fraction_of_ideal": speedup * mac_ratio})
+  full = next((r for r in inference if r["heads_kept"] == 1.0), None)
+  variant_report = {
+      name: bench_variants.entry(plan.variants[name], entry(step), evaluation.figures(),
+                                 train_report["baseline"], full)
+      for name, (step, evaluation) in variants.items()}
 
   return {
       "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
@@ -330,38 +392,10 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
                  "gflops_per_s_rounds": [p[0] for p in peaks]},
       "train": train_report,
       "inference": inference,
+      "variants": variant_report,
       "memory": {"peak_rss_bytes": _rss_peak_bytes(), "device": _device_memory()},
       "environment": {"load_average_before": load_before,
                       "load_average_after": os.getloadavg(),
                       "cpu_count": os.cpu_count(),
                       **{k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "XLA_FLAGS")}},
   }
-
-
-def summary(report: dict) -> str:
-  """A few human-readable lines of the report."""
-  t = report["train"]
-  env = report["environment"]
-  lines = [f"matmul peak {report['matmul']['gflops_per_s']:.0f} GFLOP/s "
-           f"({report['platform']}, load {env['load_average_before'][0]:.1f} before, "
-           f"{env['load_average_after'][0]:.1f} after)"]
-  for name in ("baseline", "gated", "distill"):
-    r = t[name]
-    lines.append(f"train {name:8s} {r['tokens_per_s']:9.0f} tokens/s  {r['step_s']:.3f} s/step"
-                 f"  {r['model_gflops_per_s']:.0f} GFLOP/s = "
-                 f"{r['fraction_of_matmul_peak']:.0%} of peak "
-                 f"({r['fraction_of_matmul_peak_per_cpu_s']:.0%} per CPU second)  "
-                 f"compile {r['compile_s']:.1f} s")
-  lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
-  lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} time, "
-               f"XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
-  for r in report["inference"]:
-    lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
-                 f"MACs x{r['mac_ratio']:.2f}  speed-up {r['speedup']:.2f} of ideal "
-                 f"{r['ideal_speedup']:.2f} ({r['speedup_fraction_of_ideal']:.0%})")
-  lines.append(f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB")
-  if report["platform"] == "cpu" and "hugetlb" not in (env["GLIBC_TUNABLES"] or ""):
-    lines.append(f"({t['baseline']['minor_page_faults_per_step']:,.0f} page faults per train "
-                 "step: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 backs XLA's buffers with huge "
-                 "pages, see docs/performance.md)")
-  return "\n".join(lines)

@@ -53,6 +53,8 @@ def _typed(hint, value):
   origin, args = typing.get_origin(hint), typing.get_args(hint)
   if hint is Any:
     return value
+  if hint is bool and isinstance(value, bool):
+    return value
   if hint is float and _number(value):
     return float(value)
   if hint in (int, str) and isinstance(value, hint) and not isinstance(value, bool):

@@ -1,5 +1,7 @@
 """The benchmark CLI runs end to end at a tiny size (a smoke test: no timing asserted);
-a config's benchmark section becomes its plan."""
+a config's benchmark section becomes its plan; variants are read from a config or
+from flags, and a variant that overrides a key the config lacks fails before
+anything compiles."""
 import json
 import pathlib
 import subprocess
@@ -7,6 +9,7 @@ import sys
 
 import pytest
 
+from allatt_jax import bench_variants
 from allatt_jax import config_base
 from allatt_jax import resolver
 from allatt_jax import throughput
@@ -26,6 +29,76 @@ def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
     throughput.BenchmarkPlan.from_dict({"round": 2})
   with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is '3'; it takes int"):
     throughput.BenchmarkPlan.from_dict({"rounds": "3"})
+  plan = throughput.BenchmarkPlan.from_dict(
+      {"profile": True, "variants": {"two": {"model": {"head_block": 2}}}})
+  assert plan.profile and plan.variants == {"two": {"model": {"head_block": 2}}}
+  with pytest.raises(ConfigError, match=r"--config\.benchmark\.variants is \{'two': 2\}; it "
+                     "takes a dict"):
+    throughput.BenchmarkPlan.from_dict({"variants": {"two": 2}})
+
+
+def test_variant_flags_add_to_the_configs_variants():
+  variants = bench_variants.from_flags(
+      ["before:model.head_block=2,model.remat=False,model.dtype=bfloat16",
+       "before:train.batch_size=4", "cut:model.cutoffs=(10, 20),model.heads_per_layer=[2,2]"],
+      {"before": {"model": {"head_block": 4, "dropout": 0.0}}})
+  assert variants == {
+      "before": {"model": {"head_block": 2, "dropout": 0.0, "remat": False,
+                           "dtype": "bfloat16"}, "train": {"batch_size": 4}},
+      "cut": {"model": {"cutoffs": (10, 20), "heads_per_layer": [2, 2]}}}
+  assert bench_variants.from_flags([], {"v": {"model": 3}}) == {"v": {"model": 3}}
+  for bad in ("model.head_block=2", "before:head_block=2", "before:model.remat"):
+    with pytest.raises(ConfigError, match=r"expected NAME:SECTION\.KEY=VALUE"):
+      bench_variants.from_flags([bad])
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+  return resolver.with_vocab_size(resolver.resolve_config(
+      config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
+
+
+def test_a_variant_is_the_config_with_its_overrides(tiny_run):
+  variants = bench_variants.resolve(tiny_run, {
+      "two": {"model": {"head_block": 2, "remat": False, "dropout": 0}},
+      "cut": {"model": {"heads_per_layer": [2, 4]}, "train": {"batch_size": 4}}})
+  two, cut = variants["two"], variants["cut"]
+  assert (two.model.head_block, two.model.remat, two.model.dropout) == (2, False, 0.0)
+  assert isinstance(two.model.dropout, float)
+  assert two.train == tiny_run.train and two.eval == tiny_run.eval
+  assert cut.model.heads_per_layer == (2, 4) and cut.train.batch_size == 4
+  assert cut.model.head_block == tiny_run.model.head_block
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model": {"vocab_block": 8192}},
+     r"^Variant 'v': the config has no model\.vocab_block; did you mean model\.head_block\? "
+     r"A variant overrides keys the config has\.$"),
+    ({"benchmark": {"rounds": 1}}, r"^Variant 'v': 'benchmark' is no section of a run "
+     r"config; a variant overrides \{section: \{key: value\}\} of model, gates, data"),
+    ({"model": 3}, r"^Variant 'v': its model is 3; give the keys it overrides, e\.g\. "
+     r"model=dict\(KEY=VALUE\)\.$"),
+    ({"model": {"remat": "yes"}},
+     r"^Variant 'v': model\.remat='yes', but the config's value is True: give a bool\.$"),
+    ({"model": {"head_block": 1.5}}, r"model\.head_block=1\.5, but .* give a int"),
+    ({"model": {"kind": "lstm"}},
+     r"^Variant 'v': config\.model\.kind='lstm' is unknown; choose one of"),
+])
+def test_a_bad_variant_is_a_one_line_config_error(tiny_run, overrides, message):
+  with pytest.raises(ConfigError, match=message) as error:
+    bench_variants.resolve(tiny_run, {"v": overrides})
+  assert "\n" not in str(error.value)
+
+
+def test_the_benchmark_refuses_an_unknown_override_before_compiling():
+  done = subprocess.run([sys.executable, "-m", "allatt_jax.benchmark",
+                         "--config=configs/bench_cpu.py:tiny",
+                         "--variant=before:model.vocab_block=8192"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2
+  assert done.stderr == ("error: Variant 'before': the config has no model.vocab_block; "
+                         "did you mean model.head_block? A variant overrides keys the "
+                         "config has.\n")
 
 
 
@@ -41,9 +114,10 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
 @pytest.mark.slow   # trains a few steps in a process
 def test_benchmark_cli_writes_a_complete_report(tmp_path):
   out = tmp_path / "bench.json"
-  subprocess.run([sys.executable, "-m", "allatt_jax.benchmark",
-                  "--config=configs/bench_cpu.py:tiny", f"--out={out}"],
-                 cwd=ROOT, check=True, capture_output=True, text=True)
+  done = subprocess.run([sys.executable, "-m", "allatt_jax.benchmark",
+                         "--config=configs/bench_cpu.py:tiny", f"--out={out}", "--profile",
+                         "--variant=two_heads:model.head_block=2,model.remat=False"],
+                        cwd=ROOT, check=True, capture_output=True, text=True)
   report = json.loads(out.read_text())
   for name in ("baseline", "gated", "distill"):
     step = report["train"][name]
@@ -60,3 +134,24 @@ def test_benchmark_cli_writes_a_complete_report(tmp_path):
   assert half["heads_per_layer"] == [2, 2] and 0.5 < half["mac_ratio"] < 1.0
   assert all(r["tokens_per_s"] > 0 for r in report["inference"])
   assert report["memory"]["peak_rss_bytes"] > 0
+  # Proxy figures of every train step; the baseline's profile; the variant beside it.
+  for name in ("baseline", "gated", "distill"):
+    proxy = report["train"][name]["proxy"]
+    assert proxy["flops"] > proxy["matmul_flops"] > 0 and proxy["bytes"] > 0
+    assert proxy["tokens"] == 2 * 8 and proxy["loops"] > 0
+  profile = report["train"]["baseline"]["profile"]
+  assert profile["attributed"] and profile["kernel_ms_per_step"] > 0
+  assert profile["parts"]["attention"]["ms_per_step"] > 0
+  variant = report["variants"]["two_heads"]
+  assert variant["overrides"] == {"model": {"head_block": 2, "remat": False}}
+  assert variant["train"]["tokens_per_s"] > 0 and variant["eval"]["tokens_per_s"] > 0
+  assert variant["train_tokens_per_s_ratio"] == pytest.approx(
+      variant["train"]["tokens_per_s"] / report["train"]["baseline"]["tokens_per_s"])
+  assert variant["eval_tokens_per_s_ratio"] == pytest.approx(
+      variant["eval"]["tokens_per_s"] / full["tokens_per_s"])
+  assert variant["train"]["xla_temp_bytes"] > 0 and variant["train"]["profile"]["attributed"]
+  assert variant["eval"]["proxy"]["matmul_flops"] == pytest.approx(
+      full["proxy"]["matmul_flops"])   # the same model, its heads in blocks of 2
+  assert full["proxy_bytes_ratio"] == 1 and 0.5 < half["proxy_bytes_ratio"] < 1
+  assert len(variant["train"]["step_s_rounds"]) == 1   # timed in the config's round
+  assert "variant two_heads: train" in done.stdout and "profile (cpu" in done.stdout

@@ -40,3 +40,8 @@ def test_gated_step_compiles_for_eight_devices(tmp_path, distill):
   # The state is donated: its buffers are reused for the new state.
   assert report["memory"]["alias"] >= report["state_bytes_per_device"] * 0.99
   assert report["compile_s"] > 0 and report["flops_per_device"] > 0
+  # The proxy per token: one device's counts over its share of the 4 x 16 tokens.
+  proxy = report["proxy"]
+  assert proxy["tokens"] == 4 * 16 / 8
+  assert proxy["flops"] > proxy["matmul_flops"] > 0 and proxy["bytes"] > 0
+  assert "per token" in done.stdout

@@ -1,0 +1,307 @@
+"""What a compiled step executes, counted from its optimized HLO: flops (of which
+matmul flops), transcendentals and bytes accessed, with every loop body counted as
+many times as the loop runs.
+
+XLA's own `compiled.cost_analysis()` counts a while loop's body once (a scan of 10
+matmuls reports one matmul's flops), and a model whose attention loops over heads or
+whose output layer scans vocabulary blocks does most of its work in loop bodies. This
+walk counts the same things XLA's analysis counts, per executed instruction:
+
+  * flops: a dot's 2 · output elements · contracted size (also `matmul_flops`; a
+    GPU library matmul, a custom call with dot dimension numbers, counts so too); one
+    per output element of an elementwise op (compare, select, convert and
+    bitcast-convert included, as XLA counts them); a reduction's combiner once per
+    reduced element (a reduce-window's once per window element but one), a
+    scatter's once per update;
+  * transcendentals: one per output element of exp, log, tanh, sqrt, power, ...;
+  * bytes accessed: the operands read plus the output written by every top-level
+    instruction (a fusion is one: what stays inside it is not memory traffic). A
+    slice, dynamic-slice or gather reads what it outputs, a dynamic-update-slice
+    writes its update in place; a fusion parameter read only through such
+    instructions (through bitcasts too) counts their bytes, and a fusion whose root
+    updates a slice in place writes the update. Parameters, constants, tuples,
+    get-tuple-element and bitcasts move nothing. Where this differs from XLA's
+    analysis it is on purpose: XLA counts a whole table for a gather fused with its
+    use (an embedding lookup would read the whole embedding), and a tuple's pointers.
+
+A while loop counts its body `known_trip_count` times (the optimizer's annotation) and
+its condition once more; a loop without one counts once and is listed in
+`Analysis.unknown_trip_counts`. A call counts its computation. A conditional counts
+its CHEAPEST branch (fewest flops, then fewest bytes), the one a step takes when a
+rare expensive path (an exact fallback) is not needed; `Analysis.costliest` counts the
+most expensive branch instead. Ops whose flops are not modelled (custom calls,
+convolutions, sorts, ...) are counted in `Analysis.unmodelled` and add bytes only.
+
+Every count is also kept by the scope of the instruction (scopes.py: the JAX scope
+of its metadata, layer indices folded), and so by model part.
+
+The counts are a proxy of a step's work and memory traffic that a CPU can compute
+for any config: XLA:CPU fuses differently from a GPU compiler, so the bytes are
+XLA:CPU's plan, not an accelerator's.
+"""
+import collections
+import dataclasses
+import math
+import re
+
+from allatt_jax import hlo_text
+from allatt_jax import scopes
+
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                   "after-all", "add-dependency", "opt-barrier", "partition-id",
+                   "replica-id", "domain"})
+_TRANSCENDENTAL = frozenset({
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "power",
+    "sqrt", "cbrt", "rsqrt", "tanh", "sine", "cosine", "tan", "atan2", "erf"})
+_ELEMENTWISE = frozenset({
+    "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "and",
+    "or", "xor", "not", "negate", "abs", "sign", "compare", "select", "clamp", "convert",
+    "shift-left", "shift-right-logical", "shift-right-arithmetic", "floor", "ceil",
+    "round-nearest-afz", "round-nearest-even", "is-finite", "popcnt",
+    "count-leading-zeros", "real", "imag", "complex", "reduce-precision",
+    "stochastic-convert", "bitcast-convert"}) | _TRANSCENDENTAL
+# Ops that do work this walk does not count as flops (their bytes still count).
+_UNMODELLED = frozenset({"custom-call", "convolution", "fft", "sort", "triangular-solve",
+                         "cholesky", "rng", "rng-bit-generator",
+                         "select-and-scatter", "all-reduce", "reduce-scatter",
+                         "async-start", "top-k"})
+_TOP = 12   # scopes listed by the proxy
+# Instructions through which a fusion parameter is read only in part.
+_SLICING = frozenset({"slice", "dynamic-slice", "gather"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """Counts of one execution of a computation (or of a whole step)."""
+  flops: float = 0.0              # all flops, matmul flops included
+  matmul_flops: float = 0.0
+  transcendentals: float = 0.0
+  bytes_accessed: float = 0.0
+
+  def __add__(self, other: "Cost") -> "Cost":
+    return Cost(self.flops + other.flops, self.matmul_flops + other.matmul_flops,
+                self.transcendentals + other.transcendentals,
+                self.bytes_accessed + other.bytes_accessed)
+
+  def __mul__(self, times: float) -> "Cost":
+    return Cost(self.flops * times, self.matmul_flops * times,
+                self.transcendentals * times, self.bytes_accessed * times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+  """A module's counts (see the module docstring for what is counted how)."""
+  cost: Cost                      # cheapest branch of every conditional
+  costliest: Cost                 # most expensive branch of every conditional
+  by_scope: dict[str, Cost]       # `cost` by folded scope (scopes.of_instructions)
+  loops: int                      # while instructions walked
+  conditionals: int               # conditional instructions walked
+  unknown_trip_counts: tuple[str, ...]   # loops counted once: no known trip count
+  unmodelled: dict[str, int]      # opcode -> instructions whose flops are not counted
+
+  @property
+  def parts(self) -> dict[str, Cost]:
+    """`cost` by model part: scopes.PARTS' and scopes.REST."""
+    return _combined(({scopes.part(s): cost}, 1) for s, cost in self.by_scope.items())
+
+
+def _total(by_scope: dict[str, Cost]) -> Cost:
+  return sum(by_scope.values(), Cost())
+
+
+def _combined(terms) -> dict[str, Cost]:
+  """The sum of (counts by scope) x times over `terms`, pairs of them."""
+  combined = {}
+  for by_scope, times in terms:
+    for scope, cost in by_scope.items():
+      combined[scope] = combined.get(scope, Cost()) + cost * times
+  return combined
+
+
+class _Walk:
+  """Counts executed computations by scope, memoised by computation, picking
+  conditional branches with `pick` (min or max)."""
+
+  def __init__(self, module: hlo_text.Module, pick):
+    self.module, self.pick = module, pick
+    self.scopes = {name: scope for name, (scope, _) in scopes.of_instructions(module).items()}
+    self.loops, self.conditionals = set(), set()
+    self.unknown_trip_counts, self.unmodelled = set(), collections.Counter()
+    self._executed, self._fused = {}, {}
+
+  def executed(self, name: str) -> dict[str, Cost]:
+    """One execution of a computation whose instructions run one by one."""
+    if name not in self._executed:
+      computation = self.module.computations[name]
+      self._executed[name] = _combined((self._top_level(computation, i), 1)
+                                       for i in computation.instructions.values())
+    return self._executed[name]
+
+  def fused(self, name: str) -> Cost:
+    """Flops of one execution of a fused (or combiner) computation: no bytes."""
+    if name not in self._fused:
+      computation = self.module.computations[name]
+      total = Cost()
+      for instruction in computation.instructions.values():
+        total += self._flops(computation, instruction)
+      self._fused[name] = total
+    return self._fused[name]
+
+  def _flops(self, computation: hlo_text.Computation,
+             instruction: hlo_text.Instruction) -> Cost:
+    op = instruction.opcode
+    gemm_dims = instruction.gemm_contracting_dims if op == "custom-call" else None
+    if op == "dot" or gemm_dims is not None:
+      lhs = computation.instructions[instruction.operands[0]].arrays[0]
+      dims = instruction.dims("lhs_contracting_dims") if op == "dot" else gemm_dims
+      flops = 2.0 * instruction.elements * math.prod(lhs.dims[d] for d in dims)
+      return Cost(flops=flops, matmul_flops=flops)
+    if op in _TRANSCENDENTAL:
+      return Cost(transcendentals=instruction.elements)
+    if op in _ELEMENTWISE:
+      return Cost(flops=instruction.elements)
+    if op == "fusion":
+      return self.fused(instruction.called[0])
+    if op == "reduce":
+      reduced = computation.instructions[instruction.operands[0]].elements
+      return self.fused(instruction.called[0]) * (reduced - instruction.elements)
+    if op == "reduce-window":
+      size = re.search(r"size=([\dx]+)", instruction.attribute("window") or "")
+      window = math.prod(int(n) for n in size.group(1).split("x")) if size else 1
+      return self.fused(instruction.called[0]) * (instruction.elements * (window - 1))
+    if op == "scatter":
+      updates = computation.instructions[instruction.operands[-1]].elements
+      return self.fused(instruction.called[0]) * updates
+    if op == "map":
+      return self.fused(instruction.called[0]) * instruction.elements
+    if op in _UNMODELLED:
+      self.unmodelled[op] += 1
+    return Cost()
+
+  def _top_level(self, computation: hlo_text.Computation,
+                 instruction: hlo_text.Instruction) -> dict[str, Cost]:
+    op = instruction.opcode
+    if op in _FREE:
+      return {}
+    if op == "while":
+      self.loops.add(instruction.name)
+      condition, body = (instruction.attribute(k).lstrip("%") for k in ("condition", "body"))
+      trips = instruction.trip_count
+      if trips is None:
+        self.unknown_trip_counts.add(instruction.name)
+        trips = 1
+      return _combined([(self.executed(body), trips),
+                        (self.executed(condition), trips + 1)])
+    if op == "call":
+      return self.executed(instruction.called[0])
+    if op == "conditional":
+      self.conditionals.add(instruction.name)
+      return self.pick((self.executed(b) for b in instruction.branches),
+                       key=lambda by_scope: (_total(by_scope).flops,
+                                             _total(by_scope).bytes_accessed))
+    operand = lambda i: computation.instructions[instruction.operands[i]]
+    operands_bytes = lambda first: sum(operand(i).bytes
+                                       for i in range(first, len(instruction.operands)))
+    if op in ("slice", "dynamic-slice"):
+      moved = 2 * instruction.bytes + operands_bytes(1)
+    elif op == "gather":
+      moved = 2 * instruction.bytes + operand(1).bytes
+    elif op == "dynamic-update-slice":
+      moved = 2 * operand(1).bytes + operands_bytes(2)
+    elif op == "scatter":
+      updates = operand(len(instruction.operands) - 1).bytes
+      moved = 3 * updates + operand(1).bytes
+    elif op == "fusion":
+      moved = self._fusion_bytes(computation, instruction)
+    else:
+      moved = operands_bytes(0) + instruction.bytes
+    return {self.scopes[instruction.name]:
+            self._flops(computation, instruction) + Cost(bytes_accessed=moved)}
+
+  def _fusion_bytes(self, computation: hlo_text.Computation,
+                    fusion: hlo_text.Instruction) -> float:
+    body = self.module.computations[fusion.called[0]]
+    root = body.instructions[body.root]
+    outputs = ([body.instructions[n] for n in root.operands] if root.opcode == "tuple"
+               else [root])
+    written = sum(body.instructions[o.operands[1]].bytes
+                  if o.opcode == "dynamic-update-slice" else o.bytes for o in outputs)
+    read = 0
+    for parameter in body.instructions.values():
+      if parameter.opcode != "parameter":
+        continue
+      argument_bytes = computation.instructions[
+          fusion.operands[int(parameter.operands[0])]].bytes
+      read += _parameter_read(body, parameter, argument_bytes)
+    return written + read
+
+
+def _parameter_read(body: hlo_text.Computation, parameter: hlo_text.Instruction,
+                    whole: int) -> int:
+  """Bytes a fusion reads of one parameter: what its slicing users take, plus the
+  whole argument once if anything else reads it (bitcasts looked through)."""
+  sliced, read_whole = 0, False
+  pending = [parameter.name]
+  while pending:
+    name = pending.pop()
+    for user in body.users(name):
+      first = user.operands[0] == name
+      if user.opcode == "bitcast":
+        pending.append(user.name)
+      elif user.opcode in _SLICING and (first or user.opcode == "slice"):
+        sliced += user.bytes
+      elif user.opcode == "dynamic-update-slice" and first:
+        continue   # updated in place: the fusion's output aliases it
+      else:
+        read_whole = True
+  return sliced + (whole if read_whole else 0)
+
+
+def analyse(hlo) -> Analysis:
+  """The counts of a compiled step's optimized HLO (`compiled.as_text()`, or its
+  parsed `hlo_text.Module`)."""
+  module = hlo if isinstance(hlo, hlo_text.Module) else hlo_text.parse(hlo)
+  cheapest = _Walk(module, min)
+  by_scope = cheapest.executed(module.entry)
+  cost = _total(by_scope)
+  costliest = (_total(_Walk(module, max).executed(module.entry)) if cheapest.conditionals
+               else cost)
+  return Analysis(cost=cost, costliest=costliest, by_scope=by_scope,
+                  loops=len(cheapest.loops),
+                  conditionals=len(cheapest.conditionals),
+                  unknown_trip_counts=tuple(sorted(cheapest.unknown_trip_counts)),
+                  unmodelled=dict(sorted(cheapest.unmodelled.items())))
+
+
+def _per_token(cost: Cost, tokens: int) -> dict:
+  return {"flops": cost.flops / tokens, "matmul_flops": cost.matmul_flops / tokens,
+          "other_flops": (cost.flops - cost.matmul_flops) / tokens,
+          "transcendentals": cost.transcendentals / tokens,
+          "bytes": cost.bytes_accessed / tokens}
+
+
+def step_proxy(compiled, tokens: int) -> dict:
+  """The proxy figures of a compiled step (`jax.stages.Compiled`) that processes
+  `tokens` tokens: per token, flops (matmul and other), transcendentals and bytes
+  accessed, loops counted by their trip counts, in all, by model part (the output
+  layer, the attention, the rest: scopes.py) and for the scopes that access the most
+  bytes; XLA's own per-token figures (loop bodies counted once) for comparison; and
+  what the walk could not count."""
+  analysis = analyse(compiled.as_text())
+  parts = analysis.parts
+  xla = compiled.cost_analysis()
+  xla = (xla[0] if isinstance(xla, (list, tuple)) else xla) or {}
+  proxy = {"tokens": tokens, **_per_token(analysis.cost, tokens),
+           "parts": {part: _per_token(parts.get(part, Cost()), tokens)
+                     for part in (*scopes.PARTS, scopes.REST)},
+           "top_scopes_by_bytes": [
+               {"name": name, **_per_token(cost, tokens)} for name, cost in sorted(
+                   analysis.by_scope.items(), key=lambda kv: -kv[1].bytes_accessed)[:_TOP]],
+           "xla_loops_once": {"flops": xla.get("flops", 0.0) / tokens,
+                              "bytes": xla.get("bytes accessed", 0.0) / tokens},
+           "loops": analysis.loops, "conditionals": analysis.conditionals,
+           "unknown_trip_counts": list(analysis.unknown_trip_counts),
+           "unmodelled": analysis.unmodelled}
+  if analysis.costliest != analysis.cost:
+    proxy["costliest_branches"] = _per_token(analysis.costliest, tokens)
+  return proxy

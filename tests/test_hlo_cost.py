@@ -1,0 +1,213 @@
+"""The HLO cost walk: on loop-free functions it counts what XLA's cost analysis counts;
+loop bodies count by their trip counts, nested loops multiply, a conditional counts
+its cheapest branch; on a real train step it agrees with XLA once loops count once."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from allatt_jax import config_base
+from allatt_jax import head_costs
+from allatt_jax import hlo_cost
+from allatt_jax import hlo_text
+from allatt_jax import resolver
+from allatt_jax import sharding
+from allatt_jax import throughput
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+B, D = 64, 128
+MATMUL_FLOPS = 2 * B * D * D     # one (B, D) x (D, D) matmul
+
+
+def _compiled(fn, *args):
+  return jax.jit(fn).lower(*args).compile()
+
+
+def _xla(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  return cost[0] if isinstance(cost, (list, tuple)) else cost
+
+
+def _arrays(*shapes):
+  return [jax.random.normal(jax.random.key(i), s) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("matmul", lambda x, w: x @ w, [(B, D), (D, 256)]),
+    ("mlp", lambda x, w, v: jax.nn.gelu(x @ w) @ v, [(B, D), (D, 256), (256, 32)]),
+    ("log_softmax", lambda x, w: jax.nn.log_softmax(x @ w, axis=-1), [(B, D), (D, 256)]),
+    ("gradient", jax.grad(lambda w, x, v: jnp.sum(jnp.tanh(x @ w) @ v)),
+     [(D, 256), (B, D), (256, 32)]),
+    ("batched einsum", lambda a, b: jnp.einsum("bhtd,bhsd->bhts", a, b),
+     [(2, 4, 16, 8), (2, 4, 32, 8)]),
+    ("slices", lambda x: x[3:7] * 2 + x[10:14], [(B, D)]),
+])
+def test_loop_free_functions_count_what_xla_counts(name, fn, shapes):
+  compiled = _compiled(fn, *_arrays(*shapes))
+  analysis, xla = hlo_cost.analyse(compiled.as_text()), _xla(compiled)
+  assert analysis.loops == 0, name
+  assert analysis.cost.flops == xla["flops"]
+  assert analysis.cost.transcendentals == xla.get("transcendentals", 0.0)
+  # Observed equal on these; the walk's rules for bytes are XLA's (tuples aside).
+  assert analysis.cost.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.01)
+  if name == "matmul":
+    assert analysis.cost.matmul_flops == 2 * B * D * 256
+
+
+def test_a_gather_reads_the_rows_it_gathers_not_the_table():
+  table, ids = jnp.ones((1000, D)), jnp.array([1, 5, 9])
+  analysis = hlo_cost.analyse(_compiled(lambda t, i: t[i] * 2, table, ids).as_text())
+  rows = 3 * D * 4
+  # XLA's analysis reads the whole table (512 KB) of a gather fused with its use.
+  assert analysis.cost.bytes_accessed < 4 * rows + 1000
+
+
+def _scan(n):
+  return lambda x, w: jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None,
+                                   length=n)[0]
+
+
+@pytest.mark.parametrize("n", [4, 10])
+def test_a_scan_counts_its_body_once_per_step(n):
+  compiled = _compiled(_scan(n), *_arrays((B, D), (D, D)))
+  analysis = hlo_cost.analyse(compiled.as_text())
+  assert analysis.loops == 1 and not analysis.unknown_trip_counts
+  assert analysis.cost.matmul_flops == n * MATMUL_FLOPS
+  assert analysis.cost.transcendentals == n * B * D
+  # What the walk is for: XLA counts the loop's body once.
+  assert _xla(compiled)["flops"] < 1.01 * MATMUL_FLOPS
+
+
+def test_nested_loops_multiply():
+  def nested(x, w):
+    inner = lambda c: jax.lax.scan(lambda c2, _: (c2 @ w, None), c, None, length=3)[0]
+    return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=4)[0]
+  analysis = hlo_cost.analyse(_compiled(nested, *_arrays((B, D), (D, D))).as_text())
+  assert analysis.loops == 2
+  assert analysis.cost.matmul_flops == 12 * MATMUL_FLOPS
+
+
+def test_a_loop_of_unknown_length_counts_once_and_is_listed():
+  def until(x, w, limit):
+    return jax.lax.while_loop(lambda c: c[1] < limit, lambda c: (c[0] @ w, c[1] + 1),
+                              (x, 0))[0]
+  x, w = _arrays((B, D), (D, D))
+  analysis = hlo_cost.analyse(_compiled(until, x, w, 5).as_text())
+  assert len(analysis.unknown_trip_counts) == 1
+  assert analysis.cost.matmul_flops == MATMUL_FLOPS
+
+
+def test_a_conditional_counts_its_cheapest_branch_and_reports_the_costliest():
+  def rare_fallback(x, w, p):
+    return jax.lax.cond(p > 0, lambda x: x * 2, lambda x: jnp.exp(x) @ w, x)
+  compiled = _compiled(rare_fallback, *_arrays((B, D), (D, D)), 1.0)
+  analysis = hlo_cost.analyse(compiled.as_text())
+  assert analysis.conditionals == 1
+  assert analysis.cost.matmul_flops == 0 and analysis.cost.flops < 2 * B * D
+  assert analysis.costliest.matmul_flops == MATMUL_FLOPS
+  # XLA takes each count's maximum over the branches: here the costly branch's.
+  assert analysis.costliest.flops == _xla(compiled)["flops"]
+  proxy = hlo_cost.step_proxy(compiled, tokens=B)
+  assert proxy["costliest_branches"]["matmul_flops"] == MATMUL_FLOPS / B
+
+
+# A GPU compile's loop as XLA prints it: a cuBLAS matmul is a custom call, operands
+# carry their shapes, and the backend configs are JSON.
+_GPU_LOOP = """HloModule jit_f, entry_computation_layout={(f32[64,128]{1,0})->f32[64,128]{1,0}}
+
+%body (arg: (s32[], f32[64,128], f32[128,128])) -> (s32[], f32[64,128], f32[128,128]) {
+  %arg = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=0
+  %x = f32[64,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=1
+  %w = f32[128,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg), index=2
+  %gemm = (f32[64,128]{1,0}, s8[1024]{0}) custom-call(f32[64,128]{1,0} %x, f32[128,128]{1,0} %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/while/body/dot_general"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %y = f32[64,128]{1,0} get-tuple-element((f32[64,128]{1,0}, s8[1024]{0}) %gemm), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(s32[] %i, s32[] %one)
+  ROOT %out = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(s32[] %next, f32[64,128]{1,0} %y, f32[128,128]{1,0} %w)
+}
+
+%cond (arg.1: (s32[], f32[64,128], f32[128,128])) -> pred[] {
+  %arg.1 = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %arg.1), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(s32[] %i.1, s32[] %n), direction=LT
+}
+
+ENTRY %main (p: f32[64,128], q: f32[128,128]) -> f32[64,128] {
+  %p = f32[64,128]{1,0} parameter(0)
+  %q = f32[128,128]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(s32[] %zero, f32[64,128]{1,0} %p, f32[128,128]{1,0} %q)
+  %loop = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) while((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  ROOT %r = f32[64,128]{1,0} get-tuple-element((s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) %loop), index=1
+}
+"""
+
+
+def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
+  analysis = hlo_cost.analyse(_GPU_LOOP)
+  assert analysis.loops == 1 and not analysis.unmodelled
+  assert analysis.cost.matmul_flops == 6 * MATMUL_FLOPS
+  assert analysis.cost.flops == 6 * MATMUL_FLOPS + 6 + 7   # the adds, the compares
+  # Each matmul reads x and w and writes its result and workspace; each add and
+  # compare reads two int32 and writes one int32 or one pred.
+  gemm = 4 * (64 * 128 + 128 * 128 + 64 * 128) + 1024
+  assert analysis.cost.bytes_accessed == 6 * (gemm + 12) + 7 * 9
+
+
+@pytest.fixture(scope="module")
+def tiny_train_step():
+  """(the compiled baseline train step of configs/bench_cpu.py:tiny, its tokens)."""
+  config = resolver.with_vocab_size(resolver.resolve_config(
+      config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
+  setup, t = resolver.resolve(config), config.train
+  tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
+                                sharding=sharding.batch_sharding(setup.mesh))
+  with sharding.activate(setup.mesh):
+    step = setup.train_step(sample_gates=False)
+    return step.lower(setup.abstract_state, tokens, tokens).compile(), t.batch_size * t.seq_len
+
+
+def test_a_train_step_counted_with_loops_once_is_xlas_count(tiny_train_step, monkeypatch):
+  compiled, _ = tiny_train_step
+  xla = _xla(compiled)
+  counted = hlo_cost.analyse(compiled.as_text())
+  monkeypatch.setattr(hlo_text.Instruction, "trip_count", property(lambda self: 1))
+  once = hlo_cost.analyse(compiled.as_text())
+  assert once.loops == counted.loops > 0 and not counted.unmodelled
+  # Each loop's condition (one compare) runs twice for one trip; XLA counts it once.
+  assert 0 <= once.cost.flops - xla["flops"] <= once.loops
+  assert once.cost.transcendentals == xla["transcendentals"]
+  assert once.cost.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.03)
+  assert counted.cost.matmul_flops > 1.1 * once.cost.matmul_flops   # the head loop
+
+
+def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
+  proxy = hlo_cost.step_proxy(*tiny_train_step)
+  parts = proxy["parts"]
+  assert set(parts) == {"output_layer", "attention", "rest"}
+  for key in ("flops", "matmul_flops", "bytes"):
+    assert sum(p[key] for p in parts.values()) == pytest.approx(proxy[key])
+  assert parts["attention"]["matmul_flops"] > parts["output_layer"]["matmul_flops"] > 0
+  assert proxy["flops"] == proxy["matmul_flops"] + proxy["other_flops"]
+  assert proxy["xla_loops_once"]["flops"] < proxy["flops"]
+  assert "costliest_branches" not in proxy and proxy["conditionals"] == 0
+  top = proxy["top_scopes_by_bytes"]
+  assert [s["bytes"] for s in top] == sorted((s["bytes"] for s in top), reverse=True)
+  assert all(s["name"].split()[0] in ("forward", "backward", "step") for s in top)
+  assert "layer_*/attention" in " ".join(s["name"] for s in top)
+
+
+@pytest.mark.parametrize("heads_kept", [1.0, 0.5])
+def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept):
+  """The cost model counts a forward pass's MACs by formula; the walk counts the
+  compiled evaluation step's dots (pruned models included): they agree."""
+  config = resolver.with_vocab_size(resolver.resolve_config(
+      config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
+  model = throughput.Inference(config, throughput.random_model(config), heads_kept, 1)
+  model.seconds.append(model.run())
+  proxy, e = model.figures()["proxy"], config.eval
+  macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+  assert proxy["matmul_flops"] == pytest.approx(2 * macs["macs_per_token"], rel=0.005)
