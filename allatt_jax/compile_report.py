@@ -91,7 +91,7 @@ def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
     start = time.perf_counter()
     lowered = step.lower(abstract, tokens, tokens)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=hlo_cost.COMPILER_OPTIONS)
     compiled_at = time.perf_counter()
   stats = compiled.memory_analysis()
   cost = compiled.cost_analysis()

@@ -24,6 +24,16 @@ walk counts the same things XLA's analysis counts, per executed instruction:
     analysis it is on purpose: XLA counts a whole table for a gather fused with its
     use (an embedding lookup would read the whole embedding), and a tuple's pointers.
 
+A matmul reads and writes the dtypes the program gives it, as an accelerator's does:
+XLA:CPU computes a bfloat16 matmul in float32 between conversions, a widening one of
+each narrow operand and a narrowing one of the result, and the walk folds those back
+into the matmul (a conversion alone, or fused with bitcasts only, that widens a
+matmul's operands for matmuls only, or narrows a matmul's result that nothing else
+reads). For the same reason a bf16 step's proxy is compiled with
+`COMPILER_OPTIONS`: XLA:CPU would otherwise drop the program's bf16 roundings between
+float32 ops ("excess precision") and keep float32 arrays where an accelerator keeps
+bf16 ones.
+
 A while loop counts its body `known_trip_count` times (the optimizer's annotation) and
 its condition once more; a loop without one counts once and is listed in
 `Analysis.unknown_trip_counts`. A call counts its computation. A conditional counts
@@ -66,6 +76,8 @@ _UNMODELLED = frozenset({"custom-call", "convolution", "fft", "sort", "triangula
                          "select-and-scatter", "all-reduce", "reduce-scatter",
                          "async-start", "top-k"})
 _TOP = 12   # scopes listed by the proxy
+# Options of a compile whose HLO the walk reads as an accelerator's (see above).
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 # Instructions through which a fusion parameter is read only in part.
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 
@@ -133,8 +145,12 @@ class _Walk:
     """One execution of a computation whose instructions run one by one."""
     if name not in self._executed:
       computation = self.module.computations[name]
-      self._executed[name] = _combined((self._top_level(computation, i), 1)
-                                       for i in computation.instructions.values())
+      folded, moved = _matmul_conversions(self.module, computation)
+      self._executed[name] = _combined(
+          (self._top_level(computation, i) if i.name not in folded else {}, 1)
+          for i in computation.instructions.values())
+      self._executed[name] = _combined([(self._executed[name], 1), (
+          {self.scopes[n]: Cost(bytes_accessed=b) for n, b in moved.items()}, 1)])
     return self._executed[name]
 
   def fused(self, name: str) -> Cost:
@@ -234,6 +250,95 @@ class _Walk:
           fusion.operands[int(parameter.operands[0])]].bytes
       read += _parameter_read(body, parameter, argument_bytes)
     return written + read
+
+
+def _float_bits(instruction: hlo_text.Instruction) -> int | None:
+  arrays = instruction.arrays
+  if len(arrays) != 1 or not arrays[0].dtype.startswith(("f", "bf")):
+    return None
+  return arrays[0].bytes * 8 // max(arrays[0].elements, 1)
+
+
+def _is_conversion(module: hlo_text.Module, instruction: hlo_text.Instruction) -> bool:
+  """A float conversion alone: a convert, or a fusion of one with bitcasts only."""
+  if instruction.opcode == "convert":
+    return True
+  if instruction.opcode != "fusion" or len(instruction.operands) != 1:
+    return False
+  ops = [i.opcode for i in module.computations[instruction.called[0]].instructions.values()]
+  return ops.count("convert") == 1 and set(ops) <= {"parameter", "convert", "bitcast"}
+
+
+def _is_matmul(module: hlo_text.Module, instruction: hlo_text.Instruction) -> bool:
+  """A dot, a library matmul, or a fusion around a dot (XLA:CPU's matmul fusions)."""
+  if instruction.opcode == "dot" or (instruction.opcode == "custom-call"
+                                     and instruction.gemm_contracting_dims is not None):
+    return True
+  return instruction.opcode == "fusion" and any(
+      i.opcode == "dot" for i in module.computations[instruction.called[0]].instructions.values())
+
+
+def _narrow_read(module: hlo_text.Module, source: hlo_text.Instruction,
+                 user: hlo_text.Instruction) -> tuple[str, int] | None:
+  """(dtype, bits) of the narrower float `user` reads a matmul's result `source` as,
+  when it reads it only through a conversion to it (alone, or inside a fusion)."""
+  source_bits = _float_bits(source)
+  if _is_conversion(module, user):
+    bits = _float_bits(user)
+    return (user.arrays[0].dtype, bits) if bits and bits < source_bits else None
+  if user.opcode != "fusion":
+    return None
+  body = module.computations[user.called[0]]
+  reads = set()
+  for parameter in body.instructions.values():
+    if (parameter.opcode != "parameter"
+        or user.operands[int(parameter.operands[0])] != source.name):
+      continue
+    pending = [parameter.name]
+    while pending:
+      for inner in body.users(pending.pop()):
+        if inner.opcode == "bitcast":
+          pending.append(inner.name)
+        elif inner.opcode == "convert" and (_float_bits(inner) or 64) < source_bits:
+          reads.add((inner.arrays[0].dtype, _float_bits(inner)))
+        else:
+          return None
+  return reads.pop() if len(reads) == 1 else None
+
+
+def _matmul_conversions(module: hlo_text.Module, computation: hlo_text.Computation
+                        ) -> tuple[set[str], dict[str, int]]:
+  """(conversions folded into the matmuls they serve, bytes each instruction moves
+  less): a widening conversion read only by matmuls, which then read the narrow
+  operand; and a matmul's result read only through conversions to one narrower
+  float, which the matmul then writes narrow (a conversion alone is folded, a fusion
+  around one reads the narrow result)."""
+  folded, moved = set(), collections.Counter()
+  for instruction in computation.instructions.values():
+    if _is_conversion(module, instruction):
+      source = computation.instructions[instruction.operands[0]]
+      bits, source_bits = _float_bits(instruction), _float_bits(source)
+      users = computation.users(instruction.name)
+      if (bits and source_bits and bits > source_bits and users
+          and all(_is_matmul(module, u) for u in users)):
+        folded.add(instruction.name)
+        for user in users:
+          moved[user.name] -= instruction.bytes - source.bytes
+    if not (_is_matmul(module, instruction) and _float_bits(instruction)):
+      continue
+    users = computation.users(instruction.name)
+    reads = {_narrow_read(module, instruction, user) for user in users}
+    if not users or len(reads) != 1 or None in reads:
+      continue
+    (_, bits), = reads
+    saved = instruction.bytes - instruction.elements * bits // 8
+    moved[instruction.name] -= saved
+    for user in users:
+      if _is_conversion(module, user):
+        folded.add(user.name)
+      else:
+        moved[user.name] -= saved
+  return folded, moved
 
 
 def _parameter_read(body: hlo_text.Computation, parameter: hlo_text.Instruction,
