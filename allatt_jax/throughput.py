@@ -22,7 +22,9 @@ Variants are timed in interleaved rounds (the matmul in every round too) and the
 medians reported, so that a busy machine slows all of them alike; the train steps'
 fraction of the peak is also given per process CPU second, which other processes on
 the same cores stretch less than wall time. Parameters are
-random: the figures are throughputs, not model quality. A `BenchmarkPlan` (a config's
+random, and tokens random with the frequencies of text (`vocab_logsumexp.zipf_tokens`,
+so that an adaptive softmax's tail clusters see their usual shares): the figures are
+throughputs, not model quality. A `BenchmarkPlan` (a config's
 `benchmark` section, see configs/bench_cpu.py) sets steps, segments, rounds and
 fractions; any run config works, with the plan's defaults (e.g. configs/wt103_base.py
 on an accelerator). `python -m allatt_jax.benchmark` prints the report
@@ -55,6 +57,7 @@ from allatt_jax import sharding
 from allatt_jax import step_profile
 from allatt_jax import stream_eval
 from allatt_jax import typed_section
+from allatt_jax import vocab_logsumexp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +164,8 @@ class TrainStep:
     self._state = setup.new_state()
     batch = sharding.batch_sharding(mesh)
     train = config.train
-    tokens = np.random.default_rng(0).integers(
-        0, config.model.vocab_size, (train.batch_size, train.seq_len + 1), dtype=np.int32)
+    tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(0), config.model.vocab_size,
+                                         (train.batch_size, train.seq_len + 1))
     self._batch = tuple(jax.device_put(a, batch) for a in (tokens[:, :-1], tokens[:, 1:]))
     step = setup.train_step(sample_gates=gated)
     self._mesh = mesh
@@ -232,8 +235,8 @@ class Inference:
                                                        config)
     self._variables = jax.device_put({"params": params})
     length = e.batch_size * e.seq_len * self.segments + 1
-    self._tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, length,
-                                                     dtype=np.int32)
+    self._tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(1), cfg.vocab_size,
+                                               (length,))
     self.tokens_per_segment = e.batch_size * e.seq_len
     # The first segment compiles the step; its time less a steady segment's is the
     # compile time.

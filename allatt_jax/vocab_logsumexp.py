@@ -126,6 +126,15 @@ def zipf_fractions(bounds: Sequence[tuple[int, int]]) -> tuple[float, ...]:
                for lo, hi in bounds)
 
 
+def zipf_tokens(rng: np.random.Generator, vocab_size: int, shape) -> np.ndarray:
+  """int32 token ids of `shape` drawn as `zipf_fractions` assumes (id r, the (r+1)-th
+  most frequent, with probability ∝ 1/(r+1)): random text whose tail clusters get the
+  shares a capacity is sized for, where uniform ids would put most tokens in the
+  largest tail (and time every step's dense fallback)."""
+  p_V = 1.0 / np.arange(1, vocab_size + 1)
+  return rng.choice(vocab_size, size=shape, p=p_V / p_V.sum()).astype(np.int32)
+
+
 def cluster_fractions(ids: np.ndarray, bounds: Sequence[tuple[int, int]]
                       ) -> tuple[float, ...]:
   """Each cluster's share of the tokens `ids` (a corpus's training split), for

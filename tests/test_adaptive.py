@@ -415,3 +415,11 @@ def test_block_rows_from_the_device_unless_set():
   rows = vocab_logsumexp.block_rows(0, 18_432)
   budget = vocab_logsumexp.LOGITS_MEMORY_SHARE * vocab_logsumexp.device_memory_bytes()
   assert rows >= 1024 and (rows == 1024 or rows * 18_432 * 4 <= budget)
+
+
+def test_zipf_tokens_have_the_clusters_zipf_shares():
+  bounds = adaptive.cluster_bounds(1000, (100, 400))
+  tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(0), 1000, (50, 200))
+  assert tokens.dtype == np.int32 and tokens.shape == (50, 200)
+  np.testing.assert_allclose(vocab_logsumexp.cluster_fractions(tokens, bounds),
+                             vocab_logsumexp.zipf_fractions(bounds), atol=0.01)
