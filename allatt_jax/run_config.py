@@ -67,6 +67,8 @@ class ModelSection(_Section):
   div_val: int
   tie_projs: tuple[bool, ...] | None
   dtype: str
+  # After the fields every config.json has: one saved before it existed reads 'auto'.
+  attention_impl: str = "auto"
 
   _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs")
 

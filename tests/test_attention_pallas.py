@@ -2,8 +2,9 @@
 
 Outputs and every gradient to 1e-5 in float32, with the same dropout masks, on shapes
 that are not multiples of the tiles and span several of them in every direction; the
-model's log-probabilities and train-step updates with either core; the kernels'
-lowering for the GPU; the choice of core and its errors.
+model's log-probabilities and accumulated train-step updates with either core; the
+kernels' lowering for the GPU; sharded over a mesh; the choice of core, its errors
+and the trial behind 'auto'.
 """
 import functools
 import json
@@ -20,6 +21,11 @@ import pytest
 from allatt_jax import attention
 from allatt_jax import attention_kernel
 from allatt_jax import attention_pallas
+from allatt_jax import config_base
+from allatt_jax import config_checks
+from allatt_jax import model as model_lib
+from allatt_jax import run_config
+from allatt_jax.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -27,17 +33,24 @@ KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
 SMALL_TILES = attention_pallas.Blocks(rows=16, slots=16, batch=2)
 
 
+@pytest.fixture
+def kernels_run_here(monkeypatch):
+  """The kernels count as runnable here (in interpret mode, on the CPU)."""
+  monkeypatch.setattr(attention_pallas, "_why_not_here", lambda: None)
+
+
 def core_inputs(h=2, b=4, t=20, s=13, n=40, dh=12, mem_valid=5, same_length=True):
   """(qu, qv, qp, k, v, r_pad, pk, pv), the mask and an output cotangent."""
   k = s + t
-  rng = iter(jax.random.split(jax.random.key(0), 10))
-  normal = lambda *shape: jax.random.normal(next(rng), shape)
+  rng = np.random.default_rng(0)   # NumPy: no compiles for the inputs
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
   args = (normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh) if n else None,
           normal(h, b, k, dh), normal(h, b, k, dh),
-          jnp.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
+          jnp.asarray(np.pad(rng.standard_normal((h, k, dh)), [(0, 0), (1, 0), (0, 0)]),
+                      jnp.float32),
           normal(h, n, dh) if n else None, normal(h, n, dh) if n else None)
-  mask = attention.attention_mask(t, s, jnp.int32(mem_valid), same_length)
-  return args, mask, normal(h, b, t, dh)
+  mask = np.asarray(attention.attention_mask(t, s, jnp.int32(mem_valid), same_length))
+  return args, jnp.asarray(mask), normal(h, b, t, dh)
 
 
 def outputs_and_grads(core, args, mask, dout, rate):
@@ -124,6 +137,27 @@ def test_kernels_lower_for_the_gpu():
   assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+def test_choice_of_core_and_its_errors():
+  assert attention_pallas.use_kernel("xla") is False
+  assert attention_pallas.use_kernel("auto") is False   # a CPU: the XLA path
+  with pytest.raises(ConfigError, match=r"attention_impl='pallas'.*runs on cpu.*=auto.*=xla"):
+    attention_pallas.use_kernel("pallas")
+  config = config_base.base_config()
+  config.model.vocab_size = 11
+  config_checks.check_config(run_config.RunConfig.of(config), 1)   # 'auto' is fine
+  config.model.attention_impl = "pallas"
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(run_config.RunConfig.of(config), 1)
+  assert "\n" not in str(error.value)
+  config.model.attention_impl = "triton"
+  with pytest.raises(ConfigError, match="attention_impl='triton' is unknown"):
+    config_checks.check_config(run_config.RunConfig.of(config), 1)
+  # A config.json saved before the key existed reads 'auto'.
+  saved = run_config.RunConfig.of(config_base.base_config()).to_dict()
+  del saved["model"]["attention_impl"]
+  assert run_config.RunConfig.from_dict(saved).model.attention_impl == "auto"
+
+
 @pytest.mark.slow
 def test_trial_runs_while_a_model_traces():
   """'auto' decides at the first trace: the trial problem runs eagerly from inside it
@@ -136,6 +170,89 @@ def test_trial_runs_while_a_model_traces():
 
   jax.jit(traced)(1.0)
   assert result["mismatch"] is None
+
+
+def tiny_model(**model):
+  """An All-att model with its second layer pruned away and the first at 3 of 4 heads
+  (head size 4, padded to 16 in the kernels), persistent slots and dropout."""
+  config = config_base.base_config()
+  config.model.update(dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
+                           heads_per_layer=(3, 0), num_persistent=9, dropout=0.1,
+                           dropout_attn=0.3, dropout_emb=0.1))
+  config.model.update(model)
+  config.train.update(dict(batch_size=4, seq_len=6, mem_len=5, grad_accum_steps=2))
+  return run_config.RunConfig.of(config)
+
+
+def test_model_log_probs_match(kernels_run_here):
+  config = tiny_model()
+  tokens = np.random.default_rng(1).integers(0, 11, (2, 12))
+  results = {}
+  for impl in ("pallas", "xla"):
+    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
+    memory = model_lib.init_memory(lm.cfg, 2, 5)
+    variables = jax.jit(lm.init)(jax.random.key(0), tokens[:, :6], tokens[:, :6], memory)
+    log_probs = jax.jit(functools.partial(lm.apply, method=lm.log_probs))
+    first, memory = log_probs(variables, tokens[:, :6], memory)    # a stream's start
+    second, _ = log_probs(variables, tokens[:, 6:], memory)        # with memory
+    results[impl] = (first, second)
+  for got, expected in zip(results["pallas"], results["xla"]):
+    np.testing.assert_allclose(got, expected, **TOLERANCE)
+
+
+def test_inference_paths_match(kernels_run_here):
+  """Scoring a stream in segments (evaluation, the API, export's scores), greedy
+  generation (one token at a time against the memory) and the layer outputs that
+  distillation reads: the same with either core."""
+  from allatt_jax import likelihood, sampler   # pylint: disable=import-outside-toplevel
+  config = tiny_model(dropout=0.0, dropout_attn=0.0, dropout_emb=0.0)
+  tokens = np.random.default_rng(3).integers(0, 11, 20)
+  results = {}
+  for impl in ("pallas", "xla"):
+    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
+    memory = model_lib.init_memory(lm.cfg, 1, 5)
+    variables = jax.jit(lm.init)(jax.random.key(0), tokens[None, :6], tokens[None, :6],
+                                 memory)
+    log_probs = likelihood.token_log_probs(lm, variables, tokens, seq_len=6, mem_len=5)
+    generated = sampler.Sampler(lm, seq_len=6, mem_len=5, temperature=0.0).generate(
+        variables, tokens[:7], 4)
+    _, layers = jax.jit(functools.partial(lm.apply, method=lm.distill_outputs,
+                                          mutable=["intermediates"]))(
+        variables, tokens[None, :6], tokens[None, 1:7], memory)
+    results[impl] = (log_probs, generated, layers)
+  np.testing.assert_allclose(results["pallas"][0], results["xla"][0], **TOLERANCE)
+  np.testing.assert_array_equal(results["pallas"][1], results["xla"][1])
+  for got, expected in zip(*(jax.tree.leaves(results[i][2]) for i in ("pallas", "xla"))):
+    np.testing.assert_allclose(got, expected, **TOLERANCE)
+
+
+def test_train_step_updates_match(kernels_run_here):
+  """One accumulated train step (2 micro-batches) with dropout from a state with
+  memory: every parameter's update (minus its gradient) is the same."""
+  import optax   # pylint: disable=import-outside-toplevel
+  from allatt_jax import budget, optim, train_step   # pylint: disable=import-outside-toplevel
+  tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
+  updates, metrics = {}, {}
+  for impl in ("pallas", "xla"):
+    config = tiny_model(attention_impl=impl)
+    lm = model_lib.TransformerLM.from_config(config)
+    penalty = budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None)
+    settings = train_step.StepConfig.from_config(config, optim.schedules(config))
+    state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
+                                      settings))(jax.random.key(0))
+    _, memory, _ = jax.jit(lm.apply)(state.variables, tokens[:, :6], tokens[:, 1:7],
+                                     state.memory)
+    step = jax.jit(functools.partial(train_step.train_step, lm=lm, optimizer=optax.sgd(1.0),
+                                     penalty=penalty, step_config=settings,
+                                     sample_gates=False))
+    new_state, metrics[impl] = step(state.replace(memory=memory), tokens[:, 6:12],
+                                    tokens[:, 7:13])
+    updates[impl] = jax.tree.map(jnp.subtract, new_state.variables, state.variables)
+  np.testing.assert_allclose(metrics["pallas"]["loss"], metrics["xla"]["loss"], **TOLERANCE)
+  paths = jax.tree_util.tree_flatten_with_path(updates["xla"])[0]
+  assert any("position_bias" in jax.tree_util.keystr(p) for p, _ in paths)
+  for (path, expected), got in zip(paths, jax.tree.leaves(updates["pallas"])):
+    np.testing.assert_allclose(got, expected, **TOLERANCE, err_msg=jax.tree_util.keystr(path))
 
 
 _SHARDED = """
