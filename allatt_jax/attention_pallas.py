@@ -21,8 +21,8 @@ is how the CPU tests check them against the XLA path.
 """
 import dataclasses
 import functools
-import logging
 
+from absl import logging
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
