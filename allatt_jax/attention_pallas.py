@@ -331,17 +331,23 @@ def attend(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, *,
 
 
 def use_kernel(impl: str) -> bool:
-  """Whether a layer with `model.attention_impl=impl` runs the kernels here.
+  """Whether a layer with `model.attention_impl=impl` runs the kernels: 'auto' and
+  'pallas' where they run (`runs_here`), else the XLA path, with a warning for
+  'pallas' (a model read from disk, trained where the kernels ran: a command's own
+  config asking for them where they cannot run is refused by `check_runs_here`).
 
   Raises:
-    ConfigError: 'pallas' where the kernels do not run (`runs_here`).
+    ConfigError: an unknown `impl`.
   """
   if impl not in IMPLS:
     raise ConfigError(f"config.model.attention_impl={impl!r} is unknown; choose one of "
                       f"{', '.join(map(repr, IMPLS))}.")
-  if impl == "pallas":
-    check_runs_here(impl)
-  return impl == "pallas" or (impl == "auto" and runs_here())
+  if impl == "xla":
+    return False
+  why_not = _why_not_here()
+  if why_not and (impl == "pallas" or jax.default_backend() == "gpu"):
+    _warn_once(impl, why_not)
+  return why_not is None
 
 
 def check_runs_here(impl: str) -> None:
@@ -357,16 +363,13 @@ def check_runs_here(impl: str) -> None:
 def runs_here() -> bool:
   """Whether the kernels compile on this process's default device and agree with the
   XLA path on a small problem (checked once per process, on a GPU only)."""
-  why_not = _why_not_here()
-  if why_not and jax.default_backend() == "gpu":
-    _warn_once(why_not)
-  return why_not is None
+  return _why_not_here() is None
 
 
 @functools.cache
-def _warn_once(why_not: str) -> None:
-  logging.warning("The fused attention kernels do not run here (%s); attention_impl='auto' "
-                  "uses the XLA path.", why_not)
+def _warn_once(impl: str, why_not: str) -> None:
+  logging.warning("attention_impl=%r: the fused attention kernels do not run here (%s); "
+                  "using the XLA path.", impl, why_not)
 
 
 @functools.cache
@@ -384,8 +387,9 @@ def _why_not_here() -> str | None:
 
 def trial_mismatch(interpret: bool) -> str | None:
   """Runs the kernels forward and backward on a small bf16 problem that reaches every
-  part of them (two query blocks, three key blocks, two slot blocks, memory partly
-  empty, the same-length window, dropout) against the XLA path; returns what differs
+  part of them (two query blocks, three key blocks, two slot blocks, two batch rows
+  per slot-gradient program, memory partly empty, the same-length window, dropout)
+  against the XLA path; returns what differs
   by more than bf16 round-off, or None. Callable while another function traces."""
   h, b, t, s, n, dh = 2, 2, 128, 64, 128, 64
   k = s + t
@@ -409,7 +413,7 @@ def trial_mismatch(interpret: bool) -> str | None:
     fn = jax.jit(functools.partial(outputs_and_grads, core))
     return fn.lower(*args).compile()(*args)
 
-  got_all = run(functools.partial(attend, 0.5, blocks=Blocks(rows=64, slots=64, batch=1),
+  got_all = run(functools.partial(attend, 0.5, blocks=Blocks(rows=64, slots=64, batch=2),
                                   interpret=interpret))
   expected_all = run(functools.partial(attention_kernel.attend, 0.5, h, False))
   names = ("out", "qu", "qv", "qp", "k", "v", "r_pad", "pk", "pv")
