@@ -132,11 +132,15 @@ def _whole(shape):
 
 
 def _call(kernel, g: kernels.Geometry, grid, in_specs, out_specs, out_shape, *, name,
-          pipelined=False):
+          shifts=True):
+  """A pallas_call of one kernel. Kernels that stage the rel-shift (`shifts`) run
+  unpipelined, and with 8 warps on 64-row tiles: at 4 warps their registers spilled
+  (Triton 3.9, sm_90; see docs/performance.md)."""
+  params = (plgpu.CompilerParams(num_warps=8 if g.rows >= 64 else 4, num_stages=1)
+            if shifts else plgpu.CompilerParams(num_warps=4, num_stages=2))
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2 if pipelined else 1),
-      interpret=g.interpret, name=name)
+      compiler_params=params, interpret=g.interpret, name=name)
 
 
 def _scratch(g: kernels.Geometry, num_heads: int, batch: int, blocks: int):
@@ -243,7 +247,7 @@ def _slot_grads(g: kernels.Geometry, padded, seeds, lse, delta, dout):
       functools.partial(kernels.slot_grads_kernel, g), g,
       (num_heads, g.n_blocks, batch // bb),
       [_whole(seeds.shape), batch_rows, slots, slots, batch_stats, batch_stats, batch_rows],
-      [partial[0]] * 2, [partial[1]] * 2, pipelined=True,
+      [partial[0]] * 2, [partial[1]] * 2, shifts=False,
       name="allatt_attention_slot_grads")(seeds, qp, pk, pv, lse, delta, dout)
   return dpk.sum(1).astype(pk.dtype), dpv.sum(1).astype(pv.dtype)
 
