@@ -314,8 +314,7 @@ def attend(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, *,
   g = kernels.Geometry(
       t=t, k=k.shape[2], n=n, dh=dh, rows=blocks.rows, slots=blocks.slots,
       batch_block=attention_kernel.divisor_at_most(local_batch, blocks.batch),
-      rate=float(rate),
-      interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
+      rate=float(rate), interpret=_interpreted() if interpret is None else interpret)
   if not sharded:
     return _fused(g, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, _seeds(keys_2x2, 0, 0))
 
@@ -332,6 +331,11 @@ def attend(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, *,
   return jax.shard_map(
       shard, in_specs=(per_row,) * 5 + (per_head,) * 3 + (P(), P()), out_specs=per_row,
       check_vma=False)(qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2)
+
+
+def _interpreted() -> bool:
+  """Whether the kernels run in Pallas' interpreter by default: off the GPU."""
+  return jax.default_backend() != "gpu"
 
 
 def use_kernel(impl: str) -> bool:

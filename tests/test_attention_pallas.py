@@ -35,8 +35,10 @@ SMALL_TILES = attention_pallas.Blocks(rows=16, slots=16, batch=2)
 
 @pytest.fixture
 def kernels_run_here(monkeypatch):
-  """The kernels count as runnable here (in interpret mode, on the CPU)."""
+  """The kernels count as runnable here, in interpret mode (also on a GPU, where
+  compiled they would compute in TF32, not float32)."""
   monkeypatch.setattr(attention_pallas, "_why_not_here", lambda: None)
+  monkeypatch.setattr(attention_pallas, "_interpreted", lambda: True)
 
 
 def core_inputs(h=2, b=4, t=20, s=13, n=40, dh=12, mem_valid=5, same_length=True):
@@ -76,7 +78,8 @@ def xla_core(rate, *args):
 ], ids=["tiles", "stream_start", "txl", "default_tiles"])
 def test_kernels_match_xla_path(case):
   args, mask, dout = core_inputs(**case["shape"])
-  kernel_core = functools.partial(attention_pallas.attend, blocks=case["blocks"])
+  kernel_core = functools.partial(attention_pallas.attend, blocks=case["blocks"],
+                                  interpret=True)
   run = lambda core: jax.jit(functools.partial(outputs_and_grads, core, rate=case["rate"]))(
       args, mask, dout)
   (out, grads), (expected_out, expected_grads) = run(kernel_core), run(xla_core)
@@ -98,7 +101,7 @@ def test_dropout_drops_the_same_weights():
   v, pv = jnp.broadcast_to(eye[:kk], (h, b, kk, kk + n)), jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - x.shape[-1])])
   inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask, KEYS)
-  dropped = jax.jit(functools.partial(attention_pallas.attend, 0.5))(*inputs)
+  dropped = jax.jit(functools.partial(attention_pallas.attend, 0.5, interpret=True))(*inputs)
   expected = jax.jit(functools.partial(xla_core, 0.5))(*inputs)
   assert 0.3 < float(jnp.mean(expected == 0)) < 0.7
   np.testing.assert_array_equal(dropped == 0, expected == 0)
