@@ -50,12 +50,12 @@ class Blocks:
 
   @classmethod
   def for_shape(cls, seq_len: int, num_slots: int, batch: int) -> "Blocks":
-    """64 x 64 tiles (register-friendly at 4 warps with head size 64), smaller for
-    short segments; `batch` the largest divisor of the batch up to 8."""
+    """64 x 64 tiles (at head size 64 and 8 warps, within the registers of a Hopper
+    SM but for the query gradients' few spills), smaller for short segments; `batch`
+    the largest divisor of the batch up to 8."""
     return cls(rows=min(64, kernels.pow2_at_least(seq_len)),
                slots=min(64, kernels.pow2_at_least(max(num_slots, 1))),
                batch=attention_kernel.divisor_at_most(batch, 8))
-
 
 
 def _mask_bounds(mask_TxK, g: kernels.Geometry):

@@ -64,7 +64,8 @@ class ModelConfig:
   # third more attention matmuls (the logits) and one more softmax per layer.
   remat: bool = False
   # The attention core: 'xla', 'pallas' (fused GPU kernels) or 'auto' (the kernels
-  # where they run); attention_pallas.use_kernel decides. The model is the same.
+  # where they run); attention_pallas.use_kernel decides. The model is the same;
+  # head_block and remat apply to the XLA core only.
   attention_impl: str = "auto"
   dropout: float = 0.0               # hidden activations
   dropout_attn: float = 0.0          # attention weights
