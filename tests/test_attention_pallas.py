@@ -21,6 +21,7 @@ import pytest
 from allatt_jax import attention
 from allatt_jax import attention_kernel
 from allatt_jax import attention_pallas
+from allatt_jax import attention_pallas_kernels
 from allatt_jax import config_base
 from allatt_jax import config_checks
 from allatt_jax import model as model_lib
@@ -114,7 +115,7 @@ def test_mask_rows_are_the_intervals_the_kernels_read(same_length, keys):
   t, s = 7, 5
   for mem_valid in range(s + 1):
     mask = np.asarray(attention.attention_mask(t, s, jnp.int32(mem_valid), same_length, keys))
-    geometry = attention_pallas.kernels.Geometry(
+    geometry = attention_pallas_kernels.Geometry(
         t=t, k=s + t, n=0, dh=8, rows=16, slots=16, batch_block=1, rate=0.0,
         interpret=True)
     (lo, hi), _, _ = attention_pallas._mask_bounds(jnp.asarray(mask), geometry)
