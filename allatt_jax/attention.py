@@ -12,7 +12,8 @@ the paper (`persistent_content_bias` gives persistent logits (q_i + u)·p^K_n in
 
 Keys are [memory (S slots), current segment (T)], so K = S + T. Relative distances
 run over 0..K-1 and are looked up with the usual rel_shift trick. The attention core
-and its hand-written backward pass live in attention_kernel.py.
+and its hand-written backward pass live in attention_kernel.py (XLA) and
+attention_pallas.py (fused GPU kernels); `attention_impl` picks one.
 """
 import math
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from allatt_jax import attention_kernel
+from allatt_jax import attention_pallas
 from allatt_jax import gates as gates_lib
 
 SAME_LENGTH_KEYS = ("mem_len+1", "mem_len")
@@ -95,6 +97,7 @@ class RelativeAttention(nn.Module):
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
   score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
+  attention_impl: str = "auto"     # the core: 'xla', 'pallas' or 'auto' (use_kernel)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
   gated: bool = False
@@ -135,11 +138,16 @@ class RelativeAttention(nn.Module):
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
-    block = attention_kernel.divisor_at_most(h, self.head_block or h)
     score_dtype = jnp.dtype(self.dtype if self.score_dtype == "compute" else self.score_dtype)
-    out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, score_dtype, qu, qv, qp,
-                                           head_major(k), head_major(v), r_pad, pk, pv,
-                                           mask_TxK, keys_2x2)
+    if attention_pallas.use_kernel(self.attention_impl):
+      # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
+      out_HxBxTxDh = attention_pallas.attend(rate, qu, qv, qp, head_major(k), head_major(v),
+                                             r_pad, pk, pv, mask_TxK, keys_2x2)
+    else:
+      block = attention_kernel.divisor_at_most(h, self.head_block or h)
+      out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, score_dtype, qu, qv,
+                                             qp, head_major(k), head_major(v), r_pad, pk, pv,
+                                             mask_TxK, keys_2x2)
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.

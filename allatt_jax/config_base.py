@@ -60,6 +60,12 @@ def base_config() -> ml_collections.ConfigDict:
       persistent_content_bias=False,  # persistent logits q·P_K (official); True: (q+u)·P_K
       head_block=0,                # heads per step of the attention loop; 1 is fastest on CPU
       remat=False,                 # recompute attention weights in the backward pass
+      # The attention core (ours; numerically the same model either way): 'xla' (XLA
+      # ops, attention_kernel.py), 'pallas' (fused GPU kernels, attention_pallas.py;
+      # an error where they cannot run) or 'auto' (the kernels on a GPU where they
+      # compile and agree with XLA on a trial problem, XLA elsewhere). head_block and
+      # remat apply to the XLA core only: the kernels keep no weights anyway.
+      attention_impl="auto",
       dropout=0.1,
       dropout_attn=0.2,
       dropout_emb=0.1,

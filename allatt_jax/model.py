@@ -63,6 +63,10 @@ class ModelConfig:
   # (B, H, T, S+T+N) weights of every layer dominate training memory. Costs about a
   # third more attention matmuls (the logits) and one more softmax per layer.
   remat: bool = False
+  # The attention core: 'xla', 'pallas' (fused GPU kernels) or 'auto' (the kernels
+  # where they run); attention_pallas.use_kernel decides. The model is the same;
+  # head_block and remat apply to the XLA core only.
+  attention_impl: str = "auto"
   dropout: float = 0.0               # hidden activations
   dropout_attn: float = 0.0          # attention weights
   dropout_emb: float = 0.0           # embeddings and relative positions
@@ -159,6 +163,7 @@ class Layer(nn.Module):
           num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
           dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
           score_dtype=cfg.score_dtype,
+          attention_impl=cfg.attention_impl,
           persistent_content_bias=cfg.persistent_content_bias, out_bias=cfg.out_bias,
           gated=cfg.gated, gate=cfg.gate, dtype=dtype, name="attention")(
               norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,

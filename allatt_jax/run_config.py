@@ -72,6 +72,7 @@ class ModelSection(_Section):
   vocab_block: int = 0
   tail_capacity: float = 2.0
   cluster_fractions: tuple[float, ...] = ()
+  attention_impl: str = "auto"
 
   _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions")
 
