@@ -2,6 +2,7 @@
 a config's benchmark section becomes its plan; variants are read from a config or
 from flags, and a variant that overrides a key the config lacks fails before
 anything compiles."""
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -71,8 +72,8 @@ def test_a_variant_is_the_config_with_its_overrides(tiny_run):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model": {"vocab_block": 8192}},
-     r"^Variant 'v': the config has no model\.vocab_block; did you mean model\.head_block\? "
+    ({"model": {"head_blocks": 2}},
+     r"^Variant 'v': the config has no model\.head_blocks; did you mean model\.head_block\? "
      r"A variant overrides keys the config has\.$"),
     ({"benchmark": {"rounds": 1}}, r"^Variant 'v': 'benchmark' is no section of a run "
      r"config; a variant overrides \{section: \{key: value\}\} of model, gates, data"),
@@ -93,10 +94,10 @@ def test_a_bad_variant_is_a_one_line_config_error(tiny_run, overrides, message):
 def test_the_benchmark_refuses_an_unknown_override_before_compiling():
   done = subprocess.run([sys.executable, "-m", "allatt_jax.benchmark",
                          "--config=configs/bench_cpu.py:tiny",
-                         "--variant=before:model.vocab_block=8192"],
+                         "--variant=before:model.head_blocks=2"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert done.returncode == 2
-  assert done.stderr == ("error: Variant 'before': the config has no model.vocab_block; "
+  assert done.stderr == ("error: Variant 'before': the config has no model.head_blocks; "
                          "did you mean model.head_block? A variant overrides keys the "
                          "config has.\n")
 
@@ -106,8 +107,16 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   gpu = config_base.load(ROOT / "configs" / "bench_gpu.py")
   paper = config_base.load(ROOT / "configs" / "wt103_base.py")
   assert gpu.model == paper.model and gpu.train == paper.train and gpu.mesh == paper.mesh
-  assert throughput.BenchmarkPlan.from_dict(gpu.benchmark) == throughput.BenchmarkPlan(
-      rounds=3, matmul_size=8192)
+  plan = throughput.BenchmarkPlan.from_dict(gpu.benchmark)
+  assert dataclasses.replace(plan, variants={}) == throughput.BenchmarkPlan(
+      rounds=3, matmul_size=8192, variants={})
+  # Beside the code as it is, the code before the accelerator rewrite and the XLA core.
+  variants = bench_variants.resolve(resolver.resolve_config(gpu), plan.variants)
+  before, xla_core = variants["before"].model, variants["xla_core"].model
+  assert (before.vocab_block, before.tail_capacity, before.score_dtype,
+          before.attention_impl) == (8192, 0.0, "float32", "xla")
+  assert xla_core == dataclasses.replace(resolver.resolve_config(paper).model,
+                                        attention_impl="xla")
   resolver.resolve_config(gpu, vocab_from_data=True)   # its checks pass as it ships
 
 
