@@ -40,9 +40,9 @@ def train_and_evaluate(config: RunConfig, workdir: str,
   `gate_flags`: how the caller's command line names the gates section, for advice
   (a pipeline's pruning stage is set under --config.pipeline.prune_gates).
 
-  On SIGTERM (`watch`: the calling command's, else the run's own) the run stops at
-  the next safe point with Preempted: after the current step, with its checkpoint, or
-  after the phase in progress. Past `deadline` (a time.monotonic() value) training
+  On SIGTERM or Ctrl-C (`watch`: the calling command's, else the run's own) the run
+  stops at the next safe point with Preempted: after the current step, with its
+  checkpoint, or after the phase in progress. Past `deadline` (a time.monotonic() value) training
   stops as on SIGTERM. One process only: hosts would stop at different steps.
   """
   if deadline is not None and jax.process_count() > 1:
@@ -124,7 +124,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
       evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
       save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
       out_of_time = deadline is not None and time.monotonic() >= deadline
-      preempted = watch.reached() or out_of_time
+      signalled = watch.reached()
+      preempted = signalled or out_of_time
       if log or evaluate_now or save or preempted:
         try:
           nonfinite = progress_log.fetch(done)
@@ -140,10 +141,9 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
         checkpoints.save(done, state, stream.get_state(), force=True)
       if preempted:
         checkpoints.wait()
-        reason = "Time box reached" if out_of_time else "Preempted"
-        raise Preempted(
-            f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
-            f"{checkpoints.directory}. Rerun the same command to resume.")
+        saved = (f": saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+                 f"{checkpoints.directory}. Rerun the same command to resume.")
+        raise (watch.stopped(saved) if signalled else Preempted(f"Time box reached{saved}"))
   finally:
     progress_log.close()
 
