@@ -52,6 +52,9 @@ def train_and_evaluate(config: RunConfig, workdir: str,
     # The config, then its dataset, are checked before the checkpoints are opened
     # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
     setup, corpus = resolver.prepare_run(config)
+    # Reading (or preparing) a dataset can take minutes: a signal meanwhile stops here.
+    watch.stop_if_asked("reading its config and dataset (no step trained by this "
+                        "command)", "start again")
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
     checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
                                               vocabulary)
