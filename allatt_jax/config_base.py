@@ -99,6 +99,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Steps over which a budget's target moves to its head count (ours); None = 60%
       # of the steps before the freeze (budget.target_warmup_steps says why).
       budget_warmup_steps=ml_collections.FieldReference(None, field_type=int),
+      # A budget that keeps no head (a model without attention) is refused unless this
+      # asks for it (ours).
+      allow_empty=False,
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -132,7 +132,8 @@ def resolve_pipeline(config) -> run_config.PipelineConfig:
   Raises:
     ConfigError: the config sets its own gates or distill section, which the baseline
       does not use (the message names the pipeline's flag for it); or a stage's
-      config fails its checks.
+      config fails its checks (ranges, names, a budget no head count meets: the
+      message names the flag of the pipeline section that sets the key).
   """
   defaults = config_base.base_config()
   for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
@@ -150,9 +151,18 @@ def resolve_pipeline(config) -> run_config.PipelineConfig:
       baseline, "", train=stages.prune_train.to_dict(),
       gates=stages.prune_gates.to_dict(),
       distill=stages.get("prune_distill", defaults.distill).to_dict())
-  return run_config.PipelineConfig(
-      baseline=baseline, pruning=resolve_config(pruning, vocab_from_data=True),
-      speed_batches=stages.speed_batches)
+  # Checked in full now, before the baseline trains: its errors name the pipeline's
+  # flags for the keys the pipeline section sets.
+  flags = {"gates": "pipeline.prune_gates",
+           **{f"train.{key}": f"pipeline.prune_train.{key}" for key in stages.prune_train}}
+  if "prune_distill" in stages:
+    flags["distill"] = "pipeline.prune_distill"
+  try:
+    pruning = resolve_config(pruning, vocab_from_data=True)
+  except ConfigError as e:
+    raise ConfigError(config_checks.named_as(str(e), flags)) from None
+  return run_config.PipelineConfig(baseline=baseline, pruning=pruning,
+                                   speed_batches=stages.speed_batches)
 
 
 def resolve(config, *, starts_run: bool = False) -> RunSetup:

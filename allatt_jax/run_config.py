@@ -91,6 +91,7 @@ class GatesSection(_Section):
   lagrangian_lr: float
   budget_sharpness: float
   budget_warmup_steps: int | None
+  allow_empty: bool = False        # a budget may keep no head (config_checks)
 
   @property
   def budget_targets(self) -> tuple[str, ...]:

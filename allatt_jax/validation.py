@@ -25,10 +25,11 @@ from allatt_jax.errors import DataError
 _PARAMS_PREFIX = "variables/params/"
 # What a resumed or reused run may change without changing the model it trains: how
 # long it runs (more steps), when it logs, evaluates and saves, how it is evaluated,
-# where its data and devices are, and two ways of computing the same attention.
+# where its data and devices are, two ways of computing the same attention, and the
+# consent to a budget that keeps no head (which the config's checks ask for).
 RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
-             "model.remat")
+             "model.remat", "gates.allow_empty")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 

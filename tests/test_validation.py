@@ -93,7 +93,8 @@ def _fewer_devices(monkeypatch, count):
     (dict(data=dict(name="wikitext5")), 1, r"data.name='wikitext5' is unknown.*'text8'"),
     (dict(model=dict(kind="lstm")), 1, r"model.kind='lstm' is unknown.*'allatt', 'txl'"),
     (dict(gates=dict(enabled=True, freeze_step=50)), 1,
-     r"gates.freeze_step=50 is beyond config.train.num_steps=30.*freeze_step <= "),
+     r"gates.freeze_step=50 is beyond config.train.num_steps=30.*Set "
+     r"--config.gates.freeze_step to at most 30"),
     (dict(gates=dict(lam=-0.01)), 1, r"gates.lam=-0.01 is out of range: a negative λ"),
     (dict(train=dict(learning_rate=-1e-3)), 1,
      r"train.learning_rate=-0.001 is out of range: a negative learning rate"),
