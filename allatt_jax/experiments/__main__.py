@@ -30,6 +30,7 @@ from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
 
 SUITES = {**suites.SUITES, "repro": repro.repro}
+PLANNED_RUNS = {**suites.PLANNED_RUNS, "repro": repro.repro_runs}
 
 _CONFIG = cli.DEFINE_config(
     "config", "Experiment config (configs/exp_chars.py; configs/repro_wt2.py for "
@@ -72,6 +73,9 @@ def main(argv):
     suites.check_plan(experiment_plan, names)
     experiment = runs.Experiment(resolver.resolve_config(config, vocab_from_data=True),
                                  experiment_plan, _WORKDIR.value, deadline, watch)
+    # Every run of every suite asked for, checked before the first one trains.
+    for name in names:
+      experiment.check(PLANNED_RUNS[name](experiment), name)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     for name in names:
