@@ -144,19 +144,29 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
   # Every caller's train section sits beside its gates section, with the same prefix.
   train_flags = gate_flags.replace("gates", "train")
   if decision is None:
+    if not kept:
+      return [f"pruning removed every one of the {total} heads (λ={gates.lam}): the "
+              f"exported model has no attention. Lower {gate_flags}.lam, or ask for a "
+              f"size with {gate_flags}.target_sparsity=0.5 (or target_params, "
+              "target_macs)."]
     if kept < total:
       return []
     return [f"pruning removed no head of {total} (λ={gates.lam}). Ask for a size with "
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
+  key = gates.budget_target
   if decision["allowed"] == total:
-    key = gates.budget_target
     return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
+  if not decision["allowed"]:
+    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} keeps none of the "
+            f"{total} heads ({gate_flags}.allow_empty=True): the exported model has no "
+            "attention."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
     return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
-            f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
-            "heads by logit rank. To let the gates decide, give them more steps to settle "
+            f"the budget's {decision['allowed']}: to keep exactly those, the budget "
+            f"reversed {decision['changed']} of the gates' decisions by logit rank. To "
+            "let the gates decide, give them more steps to settle "
             f"before they freeze: a later {gate_flags}.freeze_step (now "
             f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
             f"warm-up, {gate_flags}.budget_warmup_steps (now "

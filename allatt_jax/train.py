@@ -105,7 +105,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   progress_log = progress.TrainProgress(
       workdir, setup.lm.cfg, num_steps=train_cfg.num_steps, first_step=int(state.step),
       tokens_per_step=train_cfg.batch_size * train_cfg.seq_len, metric=corpus.metric,
-      skip_nonfinite=train_cfg.skip_nonfinite_steps, gated=gated)
+      skip_nonfinite=train_cfg.skip_nonfinite_steps, gated=gated,
+      freeze_step=config.gates.freeze_step)
   budgeted = setup.penalty.allowed is not None
   freeze_step = config.gates.freeze_step
 
