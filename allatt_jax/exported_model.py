@@ -218,14 +218,22 @@ def default_export_dir(workdir, config: run_config.RunConfig,
                     else f"{EXPORT_DIR}-step-{step}")
 
 
-def _check_target(out_dir: epath.Path, overwrite: bool) -> None:
+def existing_target(out_dir) -> str:
+  """What a folder a model is about to be written to holds: '' (nothing: missing or
+  empty), 'model' (an exported model, which an overwrite may replace) or 'other'
+  (never replaced: it could be the run itself)."""
+  out_dir = run_files.run_path(out_dir)
   if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-    return
-  # Even --overwrite replaces only a model: the folder could be the run itself.
-  if not (out_dir / "params").is_dir():
+    return ""
+  return "model" if (out_dir / "params").is_dir() else "other"
+
+
+def _check_target(out_dir: epath.Path, overwrite: bool) -> None:
+  found = existing_target(out_dir)
+  if found == "other":
     raise errors.FlagError(f"{out_dir} exists and is not an exported model; give a new "
                            "or empty folder with --out=DIR.")
-  if not overwrite:
+  if found and not overwrite:
     raise errors.FlagError(
         f"{out_dir} already holds an exported model (a run's results.json and a demo's "
         "report.json describe the run's own). Write this one elsewhere with --out=DIR, "

@@ -83,6 +83,9 @@ _BEFORE_RECIPE_KEYS = {
 def load_config(directory) -> run_config.RunConfig:
   """A run's or an export's saved config; keys it predates take their old meaning."""
   path = run_path(directory) / CONFIG_FILE
+  if not run_path(directory).exists():
+    raise CheckpointError(f"{directory} does not exist. Point at the --workdir of a run, "
+                          "or at its export/ folder.")
   if not path.is_file():
     stages = [name for name in ("baseline", "pruned")
               if (run_path(directory) / name / CONFIG_FILE).is_file()]

@@ -147,13 +147,22 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
         f"{previous.data.name!r}; this config: {config.model.vocab_size}, dataset "
         f"{config.data.name!r}). To resume it, rerun with its data (config.data in "
         f"{saved}); to train on this data, use a new --workdir.")
-  changed = (_config_differences(previous, config) if previous is not None
-             else "unknown (no config.json)")
+  advice = (f"To resume it, rerun with its config ({saved}); to train this config, use "
+            "a new --workdir.")
+  shapes = _shape_differences(state_shapes, found, limit=3)
+  if previous is None:
+    raise CheckpointError(
+        f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
+        f"other shapes than this config gives ({shapes}), and no {run_files.CONFIG_FILE} "
+        f"to say which settings changed. {advice}")
+  # The settings that cannot change lead: the shapes follow from them.
+  changed = "; ".join(setting_differences(previous, config)) or _config_differences(
+      previous, config)
   raise CheckpointError(
-      f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
-      f"other shapes than this config gives ({_shape_differences(state_shapes, found)})."
-      f" Config keys changed since that run: {changed}. To resume it, rerun with its "
-      f"config ({saved}); to train this config, use a new --workdir.")
+      f"--workdir {workdir} holds a checkpoint (step {step}) of a run with other "
+      f"settings. Config keys changed since that run: {changed}. Its state has other "
+      f"shapes than this config gives, so it cannot resume. {advice} Shapes that "
+      f"differ: {shapes}.")
 
 
 def _check_init_from(config, abstract_state):
