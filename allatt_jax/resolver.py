@@ -7,7 +7,8 @@ config the model, mesh, optimizer, L0 term, train-step constants, state shapes a
 evaluator (a `RunSetup`); everything below (`train_step`, `stream_eval`,
 `validation`'s state checks, export) receives these objects. `prepare` makes the
 config's checks, then reads its dataset, then completes the config from it
-(`model.vocab_size` 0 means the dataset's), which is what a run resolves and saves;
+(`model.vocab_size` 0 means the dataset's; own word-level text's adaptive softmax,
+`word_output`), which is what a run resolves and saves;
 `prepare_run` does both for a run about to train, and `prepare_pipeline` for the
 demo's stages.
 """
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from allatt_jax import adaptive
 from allatt_jax import budget
 from allatt_jax import config_base
 from allatt_jax import config_checks
@@ -235,7 +237,61 @@ def _prepared(config, starts_run: bool = True
         f"{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, "
         "or 0 to take it from the dataset.")
   data_lib.warn_if_unk_untrained(corpus)
-  return run.completed(corpus.vocab_size), corpus, mesh_shape
+  return _completed(run, corpus.vocab_size), corpus, mesh_shape
+
+
+def _completed(run: RunConfig, vocab_size: int) -> RunConfig:
+  """`RunConfig.completed`, and own word-level text's output layer (`word_output`)."""
+  run = run.completed(vocab_size)
+  return run_config.derived_run(run, model=word_output(run))
+
+
+def word_output(run: RunConfig) -> dict:
+  """The model keys that give own text at word level (`text_files`) an adaptive input
+  and softmax sized from its vocabulary, as `model.auto_cutoffs` asks, or {}.
+
+  Made when the config sets neither `model.cutoffs` nor `model.div_val` and a plain
+  softmax over the vocabulary would cost more MACs per token than all the layers:
+  cutoffs at 7.5%, 15% and 75% of the vocabulary (`adaptive.default_cutoffs`, where
+  WikiText-103's 20K/40K/200K of 267K lie) and cluster widths d/4^i (div_val 4, as
+  Transformer-XL on One Billion Word and its large WikiText-103 model), narrower where
+  d_model is too small for the last cluster. The softmax stays exact over the whole
+  vocabulary: the tail clusters are narrower, not left out.
+  """
+  m, data = run.model, run.data
+  if not (m.auto_cutoffs and data.name == "text_files" and data.level in ("", "word")
+          and not m.cutoffs and m.div_val == 1 and m.vocab_size):
+    return {}
+  cutoffs = adaptive.default_cutoffs(data.name, m.vocab_size)
+  plain, layers = _output_and_layer_macs(run)
+  if not cutoffs or plain <= layers:
+    return {}
+  return dict(cutoffs=cutoffs,
+              div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1))
+
+
+def _output_and_layer_macs(run: RunConfig) -> tuple[float, float]:
+  """MACs per token of the model's output layer and of all its layers (train lengths)."""
+  cfg = model_lib.ModelConfig.from_config(run)
+  t = run.train
+  return (head_costs.output_macs_per_token(cfg), head_costs.macs_per_token(
+      cfg, t.seq_len, t.mem_len, t.batch_size)["macs_per_token_non_embedding"])
+
+
+def output_note(run: RunConfig) -> str:
+  """What a run says in its first lines when `word_output` chose its output layer:
+  the cutoffs, and the cost of the plain softmax it replaces; else ''."""
+  plain_run = run_config.derived_run(run, model=dict(cutoffs=(), div_val=1))
+  chosen = word_output(plain_run)
+  if not chosen or any(getattr(run.model, k) != v for k, v in chosen.items()):
+    return ""
+  plain, layers = _output_and_layer_macs(plain_run)
+  adaptive_macs, _ = _output_and_layer_macs(run)
+  return (f"Word level, {run.model.vocab_size:,} types: an adaptive softmax (cutoffs "
+          f"{', '.join(map(str, run.model.cutoffs))}; div_val {run.model.div_val}) "
+          f"costs {adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
+          f"{plain / 1e6:.2f}M, {plain / layers:.1f}x the {layers / 1e6:.2f}M of all the "
+          "layers (--config.model.auto_cutoffs=False keeps the plain softmax).")
 
 
 def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
@@ -245,7 +301,7 @@ def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
   baseline's folder, which is also its teacher when it distills."""
   baseline, corpus = prepare(config.baseline)
   pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
-  return baseline, pruning.completed(corpus.vocab_size), corpus
+  return baseline, _completed(pruning, corpus.vocab_size), corpus
 
 
 def vocab_size(config) -> int:
@@ -257,6 +313,8 @@ def vocab_size(config) -> int:
 
 
 def with_vocab_size(config) -> RunConfig:
-  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`)."""
+  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`), and
+  the output layer a run would complete it with (`word_output`)."""
   run = RunConfig.of(config)
-  return run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
+  run = run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
+  return run_config.derived_run(run, model=word_output(run))

@@ -67,6 +67,7 @@ class ModelSection(_Section):
   div_val: int
   tie_projs: tuple[bool, ...] | None
   dtype: str
+  auto_cutoffs: bool = False       # completed into cutoffs and div_val (resolver.py)
 
   _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs")
 

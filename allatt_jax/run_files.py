@@ -73,7 +73,7 @@ def save_run(directory, config: run_config.RunConfig, vocabulary: dict,
 # whatever the defaults are now.
 _BEFORE_RECIPE_KEYS = {
     "model": dict(same_length_keys="mem_len", out_bias=False, layer_norm_eps=1e-6,
-                  final_norm=True, persistent_content_bias=True),
+                  final_norm=True, persistent_content_bias=True, auto_cutoffs=False),
     "gates": dict(open_at_zero=False, lr_multiplier=1.0, budget_sharpness=1.0),
     "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
                   weight_decay_exclude=()),

@@ -77,6 +77,9 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+    note = resolver.output_note(config)
+    if note:
+      print(note, flush=True)
   source = run_files.run_path(config.init_source) if config.init_source else None
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
