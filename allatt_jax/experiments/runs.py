@@ -92,8 +92,8 @@ class Record:
 class PlannedRun:
   """A run an experiment makes: its name, kind and config, and the experiment
   config's flags for the keys the plan sets in it ({'gates.lam':
-  'experiments.lambdas', 'distill': 'experiments.distill_variants.v', ...}), which its
-  errors name (`config_checks.named_as`)."""
+  'experiments.lambdas', 'distill.weight': 'experiments.distill_variants.v.weight',
+  ...}), which its errors name (`config_checks.named_as`)."""
   name: str
   kind: str
   config: RunConfig
@@ -183,8 +183,8 @@ class Experiment:
                 f"--config.experiments.{values_key}")
     config = self._l0_config(seed, distill, lam=0.0, **{key: value})
     name = f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}"
-    if distill:
-      flags["distill"] = f"experiments.distill_variants.{distill}"
+    flags.update({f"distill.{k}": f"experiments.distill_variants.{distill}.{k}"
+                  for k in (self.plan.distill_variants[distill] if distill else ())})
     return PlannedRun(f"{name}_distill_{distill}" if distill else name, "budget", config,
                       flags, origin)
 
