@@ -25,11 +25,12 @@ from allatt_jax.errors import DataError
 _PARAMS_PREFIX = "variables/params/"
 # What a resumed or reused run may change without changing the model it trains: how
 # long it runs (more steps), when it logs, evaluates and saves, how it is evaluated,
-# where its data and devices are, two ways of computing the same attention, and the
-# consent to a budget that keeps no head (which the config's checks ask for).
+# where its data and devices are, two ways of computing the same attention, the
+# consent to a budget that keeps no head (which the config's checks ask for), and the
+# choice of an output layer, saved as the cutoffs it made (compared themselves).
 RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
-             "model.remat", "gates.allow_empty")
+             "model.remat", "gates.allow_empty", "model.auto_cutoffs")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 

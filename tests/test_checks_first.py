@@ -146,14 +146,14 @@ def test_a_pipeline_with_a_bad_pruning_key_stops_before_the_baseline(tmp_path):
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory):
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
-  config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
+  config.data.data_dir = str(tmp_path_factory.mktemp("tfds") / "never_read")
   return config
 
 
 def planned_check(config, suite, **plan_keys):
   plan = plan_lib.ExperimentPlan.from_dict({**config.experiments.to_dict(), **plan_keys})
   experiment = runs_lib.Experiment(resolver.resolve_config(config, vocab_from_data=True),
-                                   plan, "unused")
+                                   plan, "unused", read_data=False)
   experiment.check(suites.PLANNED_RUNS[suite](experiment), suite)
 
 
@@ -188,3 +188,18 @@ def test_every_run_of_a_suite_is_checked_naming_the_experiment_flags(
 def test_the_shipped_plan_passes_its_checks(experiment):
   for suite in suites.PLANNED_RUNS:
     planned_check(experiment, suite)
+  assert not pathlib.Path(experiment.data.data_dir).exists()   # no data read
+
+
+def test_a_suite_with_a_bad_run_stops_before_any_data_is_read(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.experiments", "--config=exp_chars.py:tiny",
+       "--suite=all", f"--workdir={tmp_path / 'exp'}", "--config.experiments.lambdas=(-1.0,)",
+       f"--config.data.data_dir={tmp_path / 'tfds'}"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines()[0].startswith(
+      "error: --suite=lambda_sweep, run l0_lam-1_full_s0: config.experiments.lambdas=-1.0 "
+      "is out of range"), result.stderr
+  assert not (tmp_path / "tfds").exists() and not (tmp_path / "exp").exists()

@@ -16,6 +16,7 @@ from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
 from allatt_jax import resolver
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
@@ -211,6 +212,21 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
   assert "train.num_steps" not in message
   # A change that keeps the shapes (a longer run) resumes.
   check_run(tiny_config(train=dict(num_steps=60)), workdir)
+
+
+def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
+  """A config.json without `gates.allow_empty` or `model.auto_cutoffs` (which only
+  choose: consent to an empty budget, the cutoffs saved beside it) loads and resumes
+  with today's config."""
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  saved = json.loads((workdir / run_files.CONFIG_FILE).read_text())
+  del saved["gates"]["allow_empty"], saved["model"]["auto_cutoffs"]
+  (workdir / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  loaded = run_files.load_config(workdir)
+  assert not loaded.gates.allow_empty and not loaded.model.auto_cutoffs
+  validation.check_same_settings(run_config.RunConfig.of(tiny_config()), workdir)
+  check_run(tiny_config(), workdir)
 
 
 # Vocabulary of the data vs the checkpoint's.

@@ -109,14 +109,17 @@ class Experiment:
 
   def __init__(self, base: RunConfig, plan: plan_lib.Plan, workdir,
                deadline: float | None = None,
-               watch: preemption.PreemptionWatch | None = None):
+               watch: preemption.PreemptionWatch | None = None, *,
+               read_data: bool = True):
+    """`read_data`: complete the baseline's config from its dataset, as the runs are
+    made; False: to list and `check` the runs only, before any data is read."""
     self.plan = plan
     self.deadline = deadline     # time.monotonic() value: stop training runs there
     self.watch = watch           # the command's: SIGTERM stops it between runs too
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, _ = resolver.prepare(base)
+    self.base = resolver.prepare(base)[0] if read_data else base
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs: what each run changes from the baseline, and the flags that set it.
