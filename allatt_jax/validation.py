@@ -159,6 +159,13 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
   # The settings that cannot change lead: the shapes follow from them.
   changed = "; ".join(setting_differences(previous, config)) or _config_differences(
       previous, config)
+  own_words = config.data.name == "text_files" and config.data.level in ("", "word")
+  if (own_words and config.model.auto_cutoffs and config.model.cutoffs
+      and not previous.model.cutoffs):
+    # A run from before the adaptive softmax was chosen for own word-level text.
+    advice = ("The cutoffs are the adaptive softmax chosen for own text at word level; "
+              "--config.model.auto_cutoffs=False keeps the plain softmax that run has. "
+              + advice)
   raise CheckpointError(
       f"--workdir {workdir} holds a checkpoint (step {step}) of a run with other "
       f"settings. Config keys changed since that run: {changed}. Its state has other "

@@ -229,6 +229,25 @@ def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
   check_run(tiny_config(), workdir)
 
 
+def test_an_older_word_level_run_is_told_how_to_keep_its_plain_softmax(baseline, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  own_words = dict(name="text_files", level="word", manual_dir=str(tmp_path))
+  saved = json.loads((workdir / run_files.CONFIG_FILE).read_text())
+  saved["data"].update(own_words)          # saved before model.auto_cutoffs
+  del saved["model"]["auto_cutoffs"]
+  (workdir / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  with pytest.raises(CheckpointError) as error:   # what a run completes own words with
+    check_run(tiny_config(model=dict(cutoffs=(10, 15, 20), div_val=2), data=own_words),
+              workdir)
+  message = str(error.value)
+  assert message.startswith(
+      f"--workdir {workdir} holds a checkpoint (step 1) of a run with other settings. "
+      "Config keys changed since that run: model.cutoffs: [] -> [10, 15, 20]; "
+      "model.div_val: 1 -> 2. "), message
+  assert "--config.model.auto_cutoffs=False keeps the plain softmax" in message
+
+
 # Vocabulary of the data vs the checkpoint's.
 
 def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs):
