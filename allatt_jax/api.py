@@ -128,10 +128,24 @@ class Model:
     return Model(trained_model.LoadedModel(config, model_lib.TransformerLM.from_config(config),
                                     jax.device_put({"params": params}), self.tokenizer))
 
-  def save(self, directory) -> None:
+  def save(self, directory, overwrite: bool = False) -> None:
     """Writes this model as a standalone export (config, params, tokenizer and its
     vocabulary) that `load` and every CLI read; a gated model is saved without its
-    closed heads."""
+    closed heads. A folder that holds something already is refused, as `export`
+    refuses it; with `overwrite`, an exported model there is replaced.
+
+    Raises:
+      FileExistsError: `directory` holds an exported model and `overwrite` is not
+        set, or it holds anything else (a run, say), which is never replaced.
+    """
+    found = exported_model.existing_target(directory)
+    if found == "other":
+      raise FileExistsError(f"{directory} exists and is not an exported model; save to a "
+                            "new or empty folder.")
+    if found and not overwrite:
+      raise FileExistsError(f"{directory} already holds an exported model; save "
+                            "elsewhere, or replace it with save(directory, "
+                            "overwrite=True).")
     model = self.prune_heads({}) if self.lm.cfg.gated else self
     exported_model.save(directory, model.config, model.lm.cfg,
                         jax.device_get(model.variables["params"]), self.tokenizer)

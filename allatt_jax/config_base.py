@@ -27,7 +27,8 @@ the other form stays selectable:
              attends to zero-filled slots: its first segment's scores depend on the
              padding, ours are those of a model without memory); budgets instead of
              λ (`gates.target_*`, budget.py: target warm-up, sharpened count, exactly
-             n* heads kept at the freeze); `model.vocab_size` 0 = the dataset's.
+             n* heads kept at the freeze); `model.vocab_size` 0 = the dataset's;
+             an adaptive softmax for own word-level text (`model.auto_cutoffs`).
 """
 import ast
 import importlib.util
@@ -72,6 +73,11 @@ def base_config() -> ml_collections.ConfigDict:
       cutoffs=(),
       div_val=1,
       tie_projs=ml_collections.FieldReference(None, field_type=tuple),
+      # Own text at word level (text_files) with neither cutoffs nor div_val set: an
+      # adaptive input/softmax sized from the vocabulary (cutoffs at 7.5/15/75% of it,
+      # div_val 4) where a plain softmax would cost more than all the layers (ours,
+      # after Transformer-XL on its large word-level corpora). False: the plain one.
+      auto_cutoffs=True,
       dtype="float32",             # compute dtype ('bfloat16' on accelerators)
       # Attention scores and softmax weights kept in memory in the compute dtype
       # ('compute'; max and sum accumulate in float32) or in 'float32' (ours: with a
@@ -120,6 +126,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Steps over which a budget's target moves to its head count (ours); None = 60%
       # of the steps before the freeze (budget.target_warmup_steps says why).
       budget_warmup_steps=ml_collections.FieldReference(None, field_type=int),
+      # A budget that keeps no head (a model without attention) is refused unless this
+      # asks for it (ours).
+      allow_empty=False,
   ))
 
   c.data = ml_collections.ConfigDict(dict(

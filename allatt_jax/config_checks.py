@@ -6,12 +6,16 @@ the config key, with the flag that sets it, and how to fix it, instead of a
 trace-time traceback minutes later. The checks of a run against its files (workdir,
 checkpoints, `init_from`, vocabulary) are validation.py's.
 """
+from collections.abc import Mapping
+import re
+
 import jax
 import jax.numpy as jnp
 
 from allatt_jax import attention
 from allatt_jax import attention_pallas
 from allatt_jax import data as data_lib
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import run_config
@@ -29,7 +33,7 @@ _MINIMUM = {
     "model.max_relative_len": 0, "model.vocab_block": 0, "model.tail_capacity": 0,
     "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
     "gates.freeze_step": 0, "gates.lr_multiplier": 0, "gates.budget_sharpness": 1,
-    "gates.budget_warmup_steps": 0,
+    "gates.budget_warmup_steps": 0, "gates.lagrangian_lr": 0,
     "model.layer_norm_eps": 0, "train.lamb_eps": 0, "train.lamb_max_weight_norm": 0,
     "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
     "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,
@@ -67,9 +71,25 @@ def check_config(config: run_config.RunConfig, num_devices: int, *,
   _check_names(config)
   _check_model(config, vocab_from_data)
   _check_lengths(config)
+  _check_budget(config)
   if starts_run:
     _check_starting_point(config)
   return _checked_mesh(config, num_devices)
+
+
+def named_as(message: str, flags: Mapping[str, str]) -> str:
+  """A check's `message`, which names run config keys as `config.SECTION.KEY` (and
+  flags as `--config.SECTION.KEY`), with the keys of a run made from another config
+  named as its user sets them: `flags` maps a key ('train.num_steps') or a whole
+  section ('gates') to its place in that config ('pipeline.prune_gates')."""
+  def rename(match):
+    section, key = match.groups()
+    if key and f"{section}.{key}" in flags:
+      return f"config.{flags[f'{section}.{key}']}"
+    if section in flags:
+      return f"config.{flags[section]}" + (f".{key}" if key else "")
+    return match.group(0)
+  return re.sub(r"(?<![\w.])config\.(\w+)(?:\.(\w+))?", rename, message)
 
 
 def _check_starting_point(config: run_config.RunConfig) -> None:
@@ -117,6 +137,11 @@ def _check_ranges(config):
                       "the logits are divided by it. Set --config.distill.temperature "
                       "to a value > 0 (1 = the plain distributions).")
   gates, train = config.gates, config.train
+  if gates.temperature <= 0:
+    raise ConfigError(f"config.gates.temperature={gates.temperature} is out of range: the "
+                      "hard-concrete gates divide their logits by it. Set "
+                      "--config.gates.temperature to a value > 0 (the official code's "
+                      "1/3; Louizos et al.'s 2/3).")
   if len(gates.budget_targets) > 1:
     raise ConfigError(f"config.gates sets {list(gates.budget_targets)}; set at most one "
                       "budget target.")
@@ -124,8 +149,53 @@ def _check_ranges(config):
     raise ConfigError(
         f"config.gates.freeze_step={gates.freeze_step} is beyond "
         f"config.train.num_steps={train.num_steps}: the gates would never freeze and "
-        "the run would end without its fine-tuning phase. Set gates.freeze_step <= "
-        "train.num_steps (the paper freezes at 20%: 16K of 80K steps).")
+        "the run would end without its fine-tuning phase. Set "
+        f"--config.gates.freeze_step to at most {train.num_steps}, or raise "
+        "--config.train.num_steps (the paper freezes at 20%: 16K of 80K steps).")
+
+
+def _check_budget(config: run_config.RunConfig) -> None:
+  """A budget (`gates.target_*`) must be one some number of heads meets, and one that
+  leaves a head, unless `gates.allow_empty` asks for a model without attention; the
+  error names the nearest budget that is met."""
+  gates = config.gates
+  key = gates.budget_target
+  if key is None:
+    return
+  value, flag = getattr(gates, key), f"--config.gates.{key}"
+  if not gates.enabled:
+    raise ConfigError(
+        f"config.gates.{key}={value} asks a pruning run for a size, but "
+        "config.gates.enabled is False. Set --config.gates.enabled=True (and "
+        "--config.init_from=BASELINE), or leave the budget unset.")
+  cfg = model_lib.ModelConfig.from_config(config)
+  scale = head_costs.BudgetScale.of(config, cfg)
+  total, allow_empty = scale.total, gates.allow_empty
+  fewest = 0 if allow_empty else 1
+  keeps = lambda heads: f"{flag}={scale.value_for(heads)} ({heads} of {total} heads)"
+  empty_advice = ("" if allow_empty else
+                  f"; to remove every head, {flag}={scale.value_for(0)} with "
+                  "--config.gates.allow_empty=True")
+  if key == "target_sparsity":
+    if not 0.0 <= value <= 1.0:
+      nearest = keeps(fewest) + empty_advice if value > 1 else keeps(total)
+      raise ConfigError(
+          f"config.gates.target_sparsity={value} is out of range: it is the fraction of "
+          f"the model's {total} heads to remove, in [0, 1]. The nearest budget that is "
+          f"met: {nearest}.")
+  elif value < scale.empty or value <= 0:
+    unit = ("non-embedding parameters" if key == "target_params"
+            else "non-embedding MACs per token")
+    raise ConfigError(
+        f"config.gates.{key}={value} is below the {scale.empty:,.0f} {unit} that no "
+        "head holds (what is left with every head removed), so no number of heads "
+        f"meets it. The smallest budget that is met: {keeps(fewest)}{empty_advice}.")
+  if scale.heads(value) == 0 and not allow_empty:
+    raise ConfigError(
+        f"config.gates.{key}={value} leaves none of the model's {total} heads: a "
+        "model without attention, which is rarely what anyone wants. The nearest "
+        f"budget that keeps a head: {keeps(1)}; to remove every head anyway, add "
+        "--config.gates.allow_empty=True.")
 
 
 def _check_names(config):

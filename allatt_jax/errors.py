@@ -32,23 +32,38 @@ class TrainingError(AllattError):
   """Training cannot go on (a non-finite loss or gradient); the checkpoints are kept."""
 
 
+# 128 + the signal, the status of a process the signal ended: schedulers, restart loops
+# and shells read it as "stopped before finishing", unlike 0, which would mark the run
+# done. SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C at a terminal).
+PREEMPTED_EXIT_STATUS = 143
+INTERRUPTED_EXIT_STATUS = 130
+
+
 class Preempted(Exception):
-  """The run saved a checkpoint of its current step and stopped, as asked by SIGTERM.
+  """The run saved a checkpoint of its current step (or finished its phase) and
+  stopped, as asked by SIGTERM, Ctrl-C or a time box; `exit_status` is the command's.
 
   Not an AllattError: nothing is wrong, and rerunning the same command resumes.
   """
 
+  def __init__(self, message: str, exit_status: int = PREEMPTED_EXIT_STATUS):
+    super().__init__(message)
+    self.exit_status = exit_status
 
-# 128 + SIGTERM, the status of a process the signal ended: schedulers and restart loops
-# read it as "stopped before finishing", unlike 0, which would mark the run done.
-PREEMPTED_EXIT_STATUS = 143
+
+# Ctrl-C where no run listens for it (see reported_to_user).
+INTERRUPTED_OUTSIDE_TRAINING = (
+    "Interrupted (Ctrl-C) outside a training step: nothing in progress was saved. "
+    "Rerun the same command to start again, or to resume from the last checkpoint.")
 
 
 @contextlib.contextmanager
 def reported_to_user():
   """Turns an AllattError into its message on stderr and exit status 2, no traceback.
 
-  A preempted run prints its message and exits with PREEMPTED_EXIT_STATUS.
+  A preempted or interrupted run prints its message and exits with its status. Ctrl-C
+  where no run listens for it (before training starts, or in a multi-process run)
+  prints one line instead of a KeyboardInterrupt traceback.
   """
   try:
     yield
@@ -57,4 +72,7 @@ def reported_to_user():
     sys.exit(2)
   except Preempted as e:
     print(e, file=sys.stderr)
-    sys.exit(PREEMPTED_EXIT_STATUS)
+    sys.exit(e.exit_status)
+  except KeyboardInterrupt:
+    print(INTERRUPTED_OUTSIDE_TRAINING, file=sys.stderr)
+    sys.exit(INTERRUPTED_EXIT_STATUS)

@@ -144,19 +144,29 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
   # Every caller's train section sits beside its gates section, with the same prefix.
   train_flags = gate_flags.replace("gates", "train")
   if decision is None:
+    if not kept:
+      return [f"pruning removed every one of the {total} heads (λ={gates.lam}): the "
+              f"exported model has no attention. Lower {gate_flags}.lam, or ask for a "
+              f"size with {gate_flags}.target_sparsity=0.5 (or target_params, "
+              "target_macs)."]
     if kept < total:
       return []
     return [f"pruning removed no head of {total} (λ={gates.lam}). Ask for a size with "
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
+  key = gates.budget_target
   if decision["allowed"] == total:
-    key = gates.budget_target
     return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
+  if not decision["allowed"]:
+    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} keeps none of the "
+            f"{total} heads ({gate_flags}.allow_empty=True): the exported model has no "
+            "attention."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
     return [f"the gates alone kept {decision['by_gates']} heads at the freeze, far from "
-            f"the budget's {decision['allowed']}; the budget chose {decision['changed']} "
-            "heads by logit rank. To let the gates decide, give them more steps to settle "
+            f"the budget's {decision['allowed']}: to keep exactly those, the budget "
+            f"reversed {decision['changed']} of the gates' decisions by logit rank. To "
+            "let the gates decide, give them more steps to settle "
             f"before they freeze: a later {gate_flags}.freeze_step (now "
             f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
             f"warm-up, {gate_flags}.budget_warmup_steps (now "
@@ -208,14 +218,22 @@ def default_export_dir(workdir, config: run_config.RunConfig,
                     else f"{EXPORT_DIR}-step-{step}")
 
 
-def _check_target(out_dir: epath.Path, overwrite: bool) -> None:
+def existing_target(out_dir) -> str:
+  """What a folder a model is about to be written to holds: '' (nothing: missing or
+  empty), 'model' (an exported model, which an overwrite may replace) or 'other'
+  (never replaced: it could be the run itself)."""
+  out_dir = run_files.run_path(out_dir)
   if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-    return
-  # Even --overwrite replaces only a model: the folder could be the run itself.
-  if not (out_dir / "params").is_dir():
+    return ""
+  return "model" if (out_dir / "params").is_dir() else "other"
+
+
+def _check_target(out_dir: epath.Path, overwrite: bool) -> None:
+  found = existing_target(out_dir)
+  if found == "other":
     raise errors.FlagError(f"{out_dir} exists and is not an exported model; give a new "
                            "or empty folder with --out=DIR.")
-  if not overwrite:
+  if found and not overwrite:
     raise errors.FlagError(
         f"{out_dir} already holds an exported model (a run's results.json and a demo's "
         "report.json describe the run's own). Write this one elsewhere with --out=DIR, "

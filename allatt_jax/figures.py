@@ -152,10 +152,11 @@ def _save(fig, out_file) -> None:
 
 def gate_figure(workdir, out_file=None) -> epath.Path:
   """The gates of a pruning run: each head's open probability at every logged step
-  (one row per head, one panel per layer), the heads its export keeps marked ✓ and
-  the removed ones ✗ at the end, by the rule export uses (`prune.surviving_heads` on
-  the final checkpoint's gate logits; a head's open probability need not cross 0.5
-  where its logit crosses 0). Writes WORKDIR/gates.png unless `out_file` is given.
+  while the gates are sampled (an expectation), and from the freeze on, when they
+  are deterministic, the decision (1 kept, 0 removed); one row per head, one panel
+  per layer. The heads its export keeps are marked ✓ and the removed ones ✗ at the
+  end, by the rule export uses (`prune.surviving_heads` on the final checkpoint's
+  gate logits). Writes WORKDIR/gates.png unless `out_file` is given.
 
   Raises:
     CheckpointError: `workdir` is not a pruning run with a gate history and a
@@ -188,9 +189,13 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
                            figsize=(9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
                            gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads]))
   image = None
+  # Histories written before the decision was recorded show probabilities throughout.
+  decided = [r.get("decided") if r["step"] > gates.freeze_step else None for r in records]
+  shows_decisions = any(d is not None for d in decided)
   for i, ax in enumerate(axes[:, 0]):
-    probs_HxS = np.array([r["open_prob"][i] for r in records], float).reshape(
-        len(records), -1).T
+    probs_HxS = np.array([r["open_prob"][i] if d is None else d[i]
+                          for r, d in zip(records, decided)], float).reshape(
+                              len(records), -1).T
     ax.set_ylabel(f"layer {i}\n{len(kept[i])}/{layer_heads[i]} kept", fontsize=8)
     if not probs_HxS.size:
       ax.set_yticks([])
@@ -208,10 +213,13 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
       label.set_color("tab:green" if h in kept[i] else "tab:red")
     if gates.freeze_step:
       ax.axvline(gates.freeze_step, color="white", linestyle="--", linewidth=1)
-  axes[-1, 0].set_xlabel("pruning step" + (" (dashed: gates frozen)"
-                                            if gates.freeze_step else ""))
+  frozen = (" (dashed: gates frozen; before, P(gate open) of the sampled gates; after, "
+            "the decision: 1 kept, 0 removed)" if shows_decisions
+            else " (dashed: gates frozen)" if gates.freeze_step else "")
+  axes[-1, 0].set_xlabel("pruning step" + frozen)
   if image is not None:
-    fig.colorbar(image, ax=axes[:, 0].tolist(), label="P(gate open)", aspect=40)
+    fig.colorbar(image, ax=axes[:, 0].tolist(), aspect=40,
+                 label="P(gate open) / decision" if shows_decisions else "P(gate open)")
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
   key = gates.budget_target

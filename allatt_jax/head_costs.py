@@ -155,6 +155,15 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 # --- Budgets: a pruning run's requested size as a number of open heads (budget.py
 # steers the gates to it).
 
+def _budget_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> float:
+  """Non-embedding params or MACs per token of `cfg`; the vocabulary (maybe not known
+  yet: `model.vocab_size` 0) counts in neither."""
+  cfg = dataclasses.replace(cfg, vocab_size=1, cutoffs=(), div_val=1, tie_projs=None)
+  if key == "target_params":
+    return param_counts(cfg)["params_non_embedding"]
+  return macs_per_token(cfg, *eval_lengths)["macs_per_token_non_embedding"]
+
+
 def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
   """(cost of the unpruned model, cost of one head) in params or MACs per token.
 
@@ -162,20 +171,70 @@ def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float
   """
   one_fewer = dataclasses.replace(
       cfg, heads_per_layer=(cfg.layer_heads[0] - 1, *cfg.layer_heads[1:]))
-  if key == "target_params":
-    cost = lambda c: param_counts(c)["params_non_embedding"]
-  else:
-    cost = lambda c: macs_per_token(c, *eval_lengths)["macs_per_token_non_embedding"]
-  full = cost(cfg)
-  return full, full - cost(one_fewer)
+  full = _budget_cost(cfg, key, eval_lengths)
+  return full, full - _budget_cost(one_fewer, key, eval_lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetScale:
+  """What a budget key measures of the model when n of its `total` heads stay open.
+
+  Head sparsity is 1 − n/total. Params and MACs: every head costs the same
+  (`per_head`), so a model with n heads costs at most `full` − (total − n)·`per_head`
+  (a layer's last head also takes its LayerNorm along); with none it costs `empty`,
+  what no head holds (embeddings aside: W_O's biases, a TXL's feed-forward).
+  """
+  key: str
+  total: int
+  full: float = 1.0
+  per_head: float = 0.0
+  empty: float = 0.0
+
+  @classmethod
+  def of(cls, config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> "BudgetScale":
+    """The scale of the config's budget key (`cfg`: the run's model)."""
+    key, total = config.gates.budget_target, sum(cfg.layer_heads)
+    if key == "target_sparsity":
+      return cls(key, total)
+    e = config.eval
+    lengths = (e.seq_len, e.mem_len, e.batch_size)
+    full, per_head = head_cost(cfg, key, lengths)
+    no_heads = dataclasses.replace(cfg, heads_per_layer=(0,) * cfg.num_layers)
+    return cls(key, total, full, per_head, _budget_cost(no_heads, key, lengths))
+
+  def measure(self, heads: int) -> float:
+    """The budget's value of the model with `heads` heads open (at most that, for
+    params)."""
+    if self.key == "target_sparsity":
+      return 1.0 - heads / self.total
+    return self.empty if not heads else self.full - (self.total - heads) * self.per_head
+
+  def heads(self, value: float) -> int:
+    """n*: the heads a budget of `value` keeps: the nearest count to the asked
+    sparsity, the most heads that fit a params or MAC budget (0 .. total)."""
+    if self.key == "target_sparsity":
+      heads = round((1.0 - value) * self.total)
+    else:
+      # The small tolerance keeps a budget computed from an exact head count exact.
+      heads = self.total - math.ceil((self.full - value) / self.per_head - 1e-9)
+    return min(max(heads, 0), self.total)
+
+  def value_for(self, heads: int) -> str:
+    """A budget value, as a flag would give it, that keeps exactly `heads` heads."""
+    exact = self.measure(heads)
+    if self.key != "target_sparsity":
+      return str(math.ceil(exact))
+    return next(text for text in (f"{exact:.4g}", f"{exact:.6g}", repr(exact))
+                if self.heads(float(text)) == heads)
 
 
 def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> int:
-  """n*: the most open heads the config's budget allows (`cfg`: the run's model).
+  """n*: the heads the config's budget keeps (`cfg`: the run's model).
 
   Raises:
     ConfigError: no budget, or one out of range, or a run without gates (more than
-      one is config_checks').
+      one, a budget no head count meets, or one that keeps no head unasked, are
+      config_checks').
   """
   key = config.gates.budget_target
   if key is None:
@@ -185,15 +244,8 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
     raise ConfigError(f"config.gates.{key} needs a pruning run: set "
                       "--config.gates.enabled=True (and --config.init_from=BASELINE).")
   value = getattr(gates, key)
-  total = sum(cfg.layer_heads)
-  if key == "target_sparsity":
-    if not 0.0 <= value <= 1.0:
-      raise ConfigError(f"config.gates.target_sparsity={value} must lie in [0, 1].")
-    return round((1.0 - value) * total)
-  if value <= 0:
+  if key == "target_sparsity" and not 0.0 <= value <= 1.0:
+    raise ConfigError(f"config.gates.target_sparsity={value} must lie in [0, 1].")
+  if key != "target_sparsity" and value <= 0:
     raise ConfigError(f"config.gates.{key}={value} must be positive.")
-  e = config.eval
-  full, per_head = head_cost(cfg, key, (e.seq_len, e.mem_len, e.batch_size))
-  # The small tolerance keeps a budget computed from an exact head count exact.
-  heads = total - math.ceil((full - value) / per_head - 1e-9)
-  return min(max(heads, 0), total)
+  return BudgetScale.of(config, cfg).heads(value)

@@ -9,9 +9,10 @@ stage is an ordinary run in its own subfolder of the workdir, so a rerun resumes
 whatever was not finished and reuses what was: the baseline in `baseline/`, the
 pruning stage in `pruned/`, or, when `pruned/` (and every other `pruned-N/`) was
 trained with other pruning settings, in the first free `pruned-N/`.
-Nothing trained is overwritten or mixed. SIGTERM stops the pipeline at the next safe
-point (a training step, the end of a phase or a stage; see preemption.py) with exit
-status 143, and a rerun goes on from there.
+Nothing trained is overwritten or mixed. Both stages are checked before the baseline
+trains (`resolver.resolve_pipeline`). SIGTERM or Ctrl-C stops the pipeline at the next
+safe point (a training step, the end of a phase or a stage; see preemption.py) with
+exit status 143 or 130, and a rerun goes on from there.
 
 Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
 """
@@ -81,7 +82,7 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
       config, workdir / "baseline")
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
-  # One watch for the whole pipeline: SIGTERM between stages stops it there too.
+  # One watch for the whole pipeline: a signal between stages stops it there too.
   with preemption.PreemptionWatch() as watch:
     if is_main:
       console.banner(f"Baseline: {baseline_config.train.num_steps} steps of "

@@ -18,6 +18,7 @@ import tqdm
 from allatt_jax import console
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 from allatt_jax import run_files
 from allatt_jax import stream_eval
 from allatt_jax.errors import TrainingError
@@ -38,14 +39,17 @@ class TrainProgress:
     skip_nonfinite: drop the non-finite steps from the summaries (their updates were
       skipped) instead of stopping the run.
     gated: a pruning run: gate metrics, open heads and the gate history are reported.
+    freeze_step: a pruning run's gate freeze: before it the gates are sampled, so the
+      heads open in a step vary, around an expected count; from it on they are the
+      decision.
   """
 
   def __init__(self, workdir, cfg: model_lib.ModelConfig, *, num_steps: int,
                first_step: int, tokens_per_step: int, metric: str, skip_nonfinite: bool,
-               gated: bool):
+               gated: bool, freeze_step: int = 0):
     self.workdir, self.cfg = workdir, cfg
     self.num_steps, self.tokens_per_step, self.metric = num_steps, tokens_per_step, metric
-    self.skip_nonfinite, self.gated = skip_nonfinite, gated
+    self.skip_nonfinite, self.gated, self.freeze_step = skip_nonfinite, gated, freeze_step
     self.num_heads = sum(cfg.layer_heads) if gated else 0
     self.is_main = jax.process_index() == 0
     metric_writers, periodic_actions = _clu()
@@ -92,11 +96,15 @@ class TrainProgress:
     self.writer.write_scalars(done, summary)
     self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
     if self.is_main:
+      kept = (prune.surviving_heads(self.cfg, jax.device_get(gates)) if self.gated
+              else None)
+      decided = None if kept is None else sum(len(k) for k in kept)
       self.bar.write(progress_line(done, self.num_steps, steps_per_s, summary,
-                                   self.metric, self.num_heads))
+                                   self.metric, self.num_heads, decided,
+                                   frozen=done > self.freeze_step))
       sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
       if self.gated:
-        _append_gate_history(self.workdir, done, gates, self.cfg)
+        _append_gate_history(self.workdir, done, gates, self.cfg, kept)
     self.pending, self.interval_start = [], time.perf_counter()
 
   def write_eval(self, done: int, results: dict) -> None:
@@ -164,15 +172,23 @@ def _without_steps(fetched, last_step: int, nonfinite) -> list:
 
 
 def progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
-                  metric: str, num_heads: int) -> str:
-  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus the open
-  heads and λ of a pruning run (`num_heads` > 0)."""
+                  metric: str, num_heads: int, decided: int | None = None,
+                  frozen: bool = False) -> str:
+  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus, for a
+  pruning run (`num_heads` > 0), its heads and λ: while the gates are sampled, the
+  mean count open in the steps since the last line (an expectation) and the heads
+  the gates keep now (`decided`: the deterministic rule, what a freeze or an export
+  would keep); once `frozen`, the heads kept."""
   line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
           f"loss {summary['loss']:.4f}  {steps_per_s:.1f} steps/s  "
           f"ETA {console.duration((num_steps - step) / steps_per_s)}")
   if num_heads:
-    line += (f"  open heads {summary['open_actual/total']:.1f}/{num_heads}  "
-             f"λ {summary['lambda']:.4g}")
+    if frozen:
+      line += f"  heads kept {decided}/{num_heads} (frozen)"
+    else:
+      line += (f"  heads open {summary['open_actual/total']:.1f}/{num_heads} expected, "
+               f"{decided} decided")
+    line += f"  λ {summary['lambda']:.4g}"
   return line
 
 
@@ -192,13 +208,17 @@ def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
   return summary
 
 
-def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig) -> None:
+def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig,
+                         kept) -> None:
   """Per-layer, per-head probabilities that the gate is open in the forward pass (the
-  deterministic rule keeps a hard gate iff it is >= 1/2), for the gates heat map."""
+  deterministic rule keeps a hard gate iff it is >= 1/2), and the heads that rule
+  keeps now (`kept`: `prune.surviving_heads`), for the gates heat map."""
   open_probability = lambda logits_H: gates_lib.forward_open_probability(
       jnp.asarray(logits_H), cfg.gate)
   host_gates = jax.device_get(gates)
   probs = [np.asarray(open_probability(g["attention"]["logits"])).tolist() if g else []
            for g in (host_gates.get(f"layer_{i}") for i in range(cfg.num_layers))]
+  decided = [[int(h in kept_H) for h in range(len(layer))]
+             for layer, kept_H in zip(probs, kept)]
   with (run_files.run_path(workdir) / run_files.GATE_HISTORY_FILE).open("a") as f:
-    f.write(json.dumps({"step": step, "open_prob": probs}) + "\n")
+    f.write(json.dumps({"step": step, "open_prob": probs, "decided": decided}) + "\n")

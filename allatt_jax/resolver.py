@@ -7,7 +7,8 @@ config the model, mesh, optimizer, L0 term, train-step constants, state shapes a
 evaluator (a `RunSetup`); everything below (`train_step`, `stream_eval`,
 `validation`'s state checks, export) receives these objects. `prepare` makes the
 config's checks, then reads its dataset, then completes the config from it
-(`model.vocab_size` 0 means the dataset's), which is what a run resolves and saves;
+(`model.vocab_size` 0 means the dataset's; own word-level text's adaptive softmax,
+`word_output`), which is what a run resolves and saves;
 `prepare_run` does both for a run about to train, and `prepare_pipeline` for the
 demo's stages.
 """
@@ -134,7 +135,8 @@ def resolve_pipeline(config) -> run_config.PipelineConfig:
   Raises:
     ConfigError: the config sets its own gates or distill section, which the baseline
       does not use (the message names the pipeline's flag for it); or a stage's
-      config fails its checks.
+      config fails its checks (ranges, names, a budget no head count meets: the
+      message names the flag of the pipeline section that sets the key).
   """
   defaults = config_base.base_config()
   for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
@@ -152,9 +154,18 @@ def resolve_pipeline(config) -> run_config.PipelineConfig:
       baseline, "", train=stages.prune_train.to_dict(),
       gates=stages.prune_gates.to_dict(),
       distill=stages.get("prune_distill", defaults.distill).to_dict())
-  return run_config.PipelineConfig(
-      baseline=baseline, pruning=resolve_config(pruning, vocab_from_data=True),
-      speed_batches=stages.speed_batches)
+  # Checked in full now, before the baseline trains: its errors name the pipeline's
+  # flags for the keys the pipeline section sets.
+  flags = {"gates": "pipeline.prune_gates",
+           **{f"train.{key}": f"pipeline.prune_train.{key}" for key in stages.prune_train}}
+  if "prune_distill" in stages:
+    flags["distill"] = "pipeline.prune_distill"
+  try:
+    pruning = resolve_config(pruning, vocab_from_data=True)
+  except ConfigError as e:
+    raise ConfigError(config_checks.named_as(str(e), flags)) from None
+  return run_config.PipelineConfig(baseline=baseline, pruning=pruning,
+                                   speed_batches=stages.speed_batches)
 
 
 def resolve(config, *, starts_run: bool = False) -> RunSetup:
@@ -231,15 +242,65 @@ def _prepared(config, starts_run: bool = True
 
 
 def _completed(run: RunConfig, corpus: data_lib.Corpus) -> RunConfig:
-  """`run.completed` from the dataset, and with an adaptive softmax each cluster's
-  share of the training tokens (unless set), which sizes its tail capacities."""
+  """`RunConfig.completed` from the dataset, own word-level text's output layer
+  (`word_output`), and with an adaptive softmax each cluster's share of the training
+  tokens (unless set), which sizes its tail capacities."""
   run = run.completed(corpus.vocab_size)
+  run = run_config.derived_run(run, model=word_output(run))
   cfg = model_lib.ModelConfig.from_config(run)
   if not cfg.cutoffs or run.model.cluster_fractions:
     return run
   bounds = adaptive.cluster_bounds(cfg.vocab_size, cfg.cutoffs)
   fractions = vocab_logsumexp.cluster_fractions(corpus.splits["train"], bounds)
   return run_config.derived_run(run, model=dict(cluster_fractions=fractions))
+
+
+def word_output(run: RunConfig) -> dict:
+  """The model keys that give own text at word level (`text_files`) an adaptive input
+  and softmax sized from its vocabulary, as `model.auto_cutoffs` asks, or {}.
+
+  Made when the config sets neither `model.cutoffs` nor `model.div_val` and a plain
+  softmax over the vocabulary would cost more MACs per token than all the layers:
+  cutoffs at 7.5%, 15% and 75% of the vocabulary (`adaptive.default_cutoffs`, where
+  WikiText-103's 20K/40K/200K of 267K lie) and cluster widths d/4^i (div_val 4, as
+  Transformer-XL on One Billion Word and its large WikiText-103 model), narrower where
+  d_model is too small for the last cluster. The softmax stays exact over the whole
+  vocabulary: the tail clusters are narrower, not left out.
+  """
+  m, data = run.model, run.data
+  if not (m.auto_cutoffs and data.name == "text_files" and data.level in ("", "word")
+          and not m.cutoffs and m.div_val == 1 and m.vocab_size):
+    return {}
+  cutoffs = adaptive.default_cutoffs(data.name, m.vocab_size)
+  plain, layers = _output_and_layer_macs(run)
+  if not cutoffs or plain <= layers:
+    return {}
+  return dict(cutoffs=cutoffs,
+              div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1))
+
+
+def _output_and_layer_macs(run: RunConfig) -> tuple[float, float]:
+  """MACs per token of the model's output layer and of all its layers (train lengths)."""
+  cfg = model_lib.ModelConfig.from_config(run)
+  t = run.train
+  return (head_costs.output_macs_per_token(cfg), head_costs.macs_per_token(
+      cfg, t.seq_len, t.mem_len, t.batch_size)["macs_per_token_non_embedding"])
+
+
+def output_note(run: RunConfig) -> str:
+  """What a run says in its first lines when `word_output` chose its output layer:
+  the cutoffs, and the cost of the plain softmax it replaces; else ''."""
+  plain_run = run_config.derived_run(run, model=dict(cutoffs=(), div_val=1))
+  chosen = word_output(plain_run)
+  if not chosen or any(getattr(run.model, k) != v for k, v in chosen.items()):
+    return ""
+  plain, layers = _output_and_layer_macs(plain_run)
+  adaptive_macs, _ = _output_and_layer_macs(run)
+  return (f"Word level, {run.model.vocab_size:,} types: an adaptive softmax (cutoffs "
+          f"{', '.join(map(str, run.model.cutoffs))}; div_val {run.model.div_val}) "
+          f"costs {adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
+          f"{plain / 1e6:.2f}M, {plain / layers:.1f}x the {layers / 1e6:.2f}M of all the "
+          "layers (--config.model.auto_cutoffs=False keeps the plain softmax).")
 
 
 def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
@@ -261,6 +322,8 @@ def vocab_size(config) -> int:
 
 
 def with_vocab_size(config) -> RunConfig:
-  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`)."""
+  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`), and
+  the output layer a run would complete it with (`word_output`)."""
   run = RunConfig.of(config)
-  return run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
+  run = run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
+  return run_config.derived_run(run, model=word_output(run))

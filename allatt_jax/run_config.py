@@ -73,6 +73,7 @@ class ModelSection(_Section):
   tail_capacity: float = 2.0
   cluster_fractions: tuple[float, ...] = ()
   attention_impl: str = "auto"
+  auto_cutoffs: bool = False       # completed into cutoffs and div_val (resolver.py)
 
   _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions")
 
@@ -97,6 +98,7 @@ class GatesSection(_Section):
   lagrangian_lr: float
   budget_sharpness: float
   budget_warmup_steps: int | None
+  allow_empty: bool = False        # a budget may keep no head (config_checks)
 
   @property
   def budget_targets(self) -> tuple[str, ...]:

@@ -73,7 +73,7 @@ def save_run(directory, config: run_config.RunConfig, vocabulary: dict,
 # whatever the defaults are now.
 _BEFORE_RECIPE_KEYS = {
     "model": dict(same_length_keys="mem_len", out_bias=False, layer_norm_eps=1e-6,
-                  final_norm=True, persistent_content_bias=True),
+                  final_norm=True, persistent_content_bias=True, auto_cutoffs=False),
     "gates": dict(open_at_zero=False, lr_multiplier=1.0, budget_sharpness=1.0),
     "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
                   weight_decay_exclude=()),
@@ -83,6 +83,9 @@ _BEFORE_RECIPE_KEYS = {
 def load_config(directory) -> run_config.RunConfig:
   """A run's or an export's saved config; keys it predates take their old meaning."""
   path = run_path(directory) / CONFIG_FILE
+  if not run_path(directory).exists():
+    raise CheckpointError(f"{directory} does not exist. Point at the --workdir of a run, "
+                          "or at its export/ folder.")
   if not path.is_file():
     stages = [name for name in ("baseline", "pruned")
               if (run_path(directory) / name / CONFIG_FILE).is_file()]

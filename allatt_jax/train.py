@@ -40,9 +40,9 @@ def train_and_evaluate(config: RunConfig, workdir: str,
   `gate_flags`: how the caller's command line names the gates section, for advice
   (a pipeline's pruning stage is set under --config.pipeline.prune_gates).
 
-  On SIGTERM (`watch`: the calling command's, else the run's own) the run stops at
-  the next safe point with Preempted: after the current step, with its checkpoint, or
-  after the phase in progress. Past `deadline` (a time.monotonic() value) training
+  On SIGTERM or Ctrl-C (`watch`: the calling command's, else the run's own) the run
+  stops at the next safe point with Preempted: after the current step, with its
+  checkpoint, or after the phase in progress. Past `deadline` (a time.monotonic() value) training
   stops as on SIGTERM. One process only: hosts would stop at different steps.
   """
   if deadline is not None and jax.process_count() > 1:
@@ -52,6 +52,9 @@ def train_and_evaluate(config: RunConfig, workdir: str,
     # The config, then its dataset, are checked before the checkpoints are opened
     # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
     setup, corpus = resolver.prepare_run(config)
+    # Reading (or preparing) a dataset can take minutes: a signal meanwhile stops here.
+    watch.stop_if_asked("reading its config and dataset (no step trained by this "
+                        "command)", "start again")
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
     checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
                                               vocabulary)
@@ -74,6 +77,9 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+    note = resolver.output_note(config)
+    if note:
+      print(note, flush=True)
   source = run_files.run_path(config.init_source) if config.init_source else None
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
@@ -102,7 +108,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   progress_log = progress.TrainProgress(
       workdir, setup.lm.cfg, num_steps=train_cfg.num_steps, first_step=int(state.step),
       tokens_per_step=train_cfg.batch_size * train_cfg.seq_len, metric=corpus.metric,
-      skip_nonfinite=train_cfg.skip_nonfinite_steps, gated=gated)
+      skip_nonfinite=train_cfg.skip_nonfinite_steps, gated=gated,
+      freeze_step=config.gates.freeze_step)
   budgeted = setup.penalty.allowed is not None
   freeze_step = config.gates.freeze_step
 
@@ -124,7 +131,8 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
       evaluate_now = bool(config.eval.every_steps) and done % config.eval.every_steps == 0
       save = done % config.checkpoint.every_steps == 0 or done == train_cfg.num_steps
       out_of_time = deadline is not None and time.monotonic() >= deadline
-      preempted = watch.reached() or out_of_time
+      signalled = watch.reached()
+      preempted = signalled or out_of_time
       if log or evaluate_now or save or preempted:
         try:
           nonfinite = progress_log.fetch(done)
@@ -140,10 +148,9 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
         checkpoints.save(done, state, stream.get_state(), force=True)
       if preempted:
         checkpoints.wait()
-        reason = "Time box reached" if out_of_time else "Preempted"
-        raise Preempted(
-            f"{reason}: saved a checkpoint at step {done} of {train_cfg.num_steps} in "
-            f"{checkpoints.directory}. Rerun the same command to resume.")
+        saved = (f": saved a checkpoint at step {done} of {train_cfg.num_steps} in "
+                 f"{checkpoints.directory}. Rerun the same command to resume.")
+        raise (watch.stopped(saved) if signalled else Preempted(f"Time box reached{saved}"))
   finally:
     progress_log.close()
 

@@ -25,11 +25,15 @@ from allatt_jax.errors import DataError
 _PARAMS_PREFIX = "variables/params/"
 # What a resumed or reused run may change without changing the model it trains: how
 # long it runs (more steps), when it logs, evaluates and saves, how it is evaluated,
-# where its data and devices are, and two ways of computing the same attention.
+# where its data and devices are, the ways of computing the same attention and output
+# layer (and the training shares that size the latter), the consent to a budget that
+# keeps no head (which the config's checks ask for), and the choice of an output
+# layer, saved as the cutoffs it made (compared themselves).
 RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*",
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
              "model.remat", "model.score_dtype", "model.vocab_block",
-             "model.tail_capacity", "model.cluster_fractions", "model.attention_impl")
+             "model.tail_capacity", "model.cluster_fractions", "model.attention_impl",
+             "gates.allow_empty", "model.auto_cutoffs")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
@@ -147,13 +151,29 @@ def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shape
         f"{previous.data.name!r}; this config: {config.model.vocab_size}, dataset "
         f"{config.data.name!r}). To resume it, rerun with its data (config.data in "
         f"{saved}); to train on this data, use a new --workdir.")
-  changed = (_config_differences(previous, config) if previous is not None
-             else "unknown (no config.json)")
+  advice = (f"To resume it, rerun with its config ({saved}); to train this config, use "
+            "a new --workdir.")
+  shapes = _shape_differences(state_shapes, found, limit=3)
+  if previous is None:
+    raise CheckpointError(
+        f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
+        f"other shapes than this config gives ({shapes}), and no {run_files.CONFIG_FILE} "
+        f"to say which settings changed. {advice}")
+  # The settings that cannot change lead: the shapes follow from them.
+  changed = "; ".join(setting_differences(previous, config)) or _config_differences(
+      previous, config)
+  own_words = config.data.name == "text_files" and config.data.level in ("", "word")
+  if (own_words and config.model.auto_cutoffs and config.model.cutoffs
+      and not previous.model.cutoffs):
+    # A run from before the adaptive softmax was chosen for own word-level text.
+    advice = ("The cutoffs are the adaptive softmax chosen for own text at word level; "
+              "--config.model.auto_cutoffs=False keeps the plain softmax that run has. "
+              + advice)
   raise CheckpointError(
-      f"--workdir {workdir} holds a checkpoint (step {step}) of a run whose state has "
-      f"other shapes than this config gives ({_shape_differences(state_shapes, found)})."
-      f" Config keys changed since that run: {changed}. To resume it, rerun with its "
-      f"config ({saved}); to train this config, use a new --workdir.")
+      f"--workdir {workdir} holds a checkpoint (step {step}) of a run with other "
+      f"settings. Config keys changed since that run: {changed}. Its state has other "
+      f"shapes than this config gives, so it cannot resume. {advice} Shapes that "
+      f"differ: {shapes}.")
 
 
 def _check_init_from(config, abstract_state):

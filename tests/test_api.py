@@ -8,11 +8,14 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import allatt_jax
+from allatt_jax import api
 from allatt_jax import config_base
 from allatt_jax import exported_model
 from allatt_jax import figures
@@ -24,6 +27,7 @@ from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import trained_model
+from allatt_jax.data import tokenization
 from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import FlagError
@@ -134,6 +138,39 @@ def test_bad_heads_are_named(model):
     model.prune_heads({1: [0, 8, -1]})
   with pytest.raises(ConfigError, match=r"Layer 0 has no head\(s\) \[5\]: its heads are 0 \.\. 3"):
     model.prune_heads({0: [0, 1, 2, 3]}).prune_heads({0: [5]})
+
+
+def untrained_model() -> api.Model:
+  """The tiny demo's model, freshly initialised, with a character vocabulary."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.model.vocab_size = 27
+  run = run_config.RunConfig.of(config)
+  lm = model_lib.TransformerLM.from_config(run)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = lm.init(jax.random.key(0), tokens, tokens,
+                      model_lib.init_memory(lm.cfg, 1, 1))
+  tokenizer = tokenization.Tokenizer("wikitext_chars", "char",
+                                     tuple(" abcdefghijklmnopqrstuvwxyz"))
+  return api.Model(trained_model.LoadedModel(run, lm, nn.unbox(variables), tokenizer))
+
+
+def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
+  model = untrained_model()
+  model.save(tmp_path / "model")
+  saved = (tmp_path / "model" / "config.json").stat().st_mtime_ns
+  with pytest.raises(FileExistsError, match=r"already holds an exported model; save "
+                     r"elsewhere, or replace it with save\(directory, overwrite=True\)"):
+    model.save(tmp_path / "model")
+  assert (tmp_path / "model" / "config.json").stat().st_mtime_ns == saved
+  model.save(tmp_path / "model", overwrite=True)
+  assert allatt_jax.load(tmp_path / "model").heads_per_layer == model.heads_per_layer
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "todo.txt").write_text("keep me")
+  with pytest.raises(FileExistsError, match="exists and is not an exported model"):
+    model.save(tmp_path / "notes", overwrite=True)
+  assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+  (tmp_path / "empty").mkdir()
+  model.save(tmp_path / "empty")          # an empty folder is as good as a new one
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
 from allatt_jax import pipeline
+from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_config
@@ -242,6 +243,8 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   last = json.loads((workdir / "pruned" / "gate_history.jsonl").read_text()
                     .splitlines()[-1])
   assert [sum(p >= 0.5 for p in layer) for layer in last["open_prob"]] == kept
+  # ... and after the freeze it draws the decision the history records with them.
+  assert [sum(layer) for layer in last["decided"]] == kept
 
 
 @pytest.mark.slow
@@ -395,3 +398,21 @@ def test_pruning_warnings_name_the_budget_and_its_value():
                                               "--config.gates")
   assert "--config.gates.freeze_step (now 100" in warning
   assert "--config.gates.budget_warmup_steps (now 60)" in warning
+  # What each number is: the gates' own count, the budget's, the decisions reversed.
+  assert (f"the gates alone kept {total} heads at the freeze, far from the budget's "
+          f"{total // 2}: to keep exactly those, the budget reversed {total // 2} of the "
+          "gates' decisions by logit rank.") in warning
+  empty = dict(allowed=0, by_gates=total, changed=total)
+  [warning] = exported_model.pruning_warnings(setup.run, total, 0, empty,
+                                              "--config.gates")
+  assert f"keeps none of the {total} heads (--config.gates.allow_empty=True)" in warning
+  [warning] = exported_model.pruning_warnings(setup.run, total, 0, None, "--config.gates")
+  assert f"pruning removed every one of the {total} heads" in warning
+
+
+def test_the_progress_line_tells_the_expected_open_heads_from_the_decision():
+  summary = {"bpc": 2.5, "loss": 1.7, "open_actual/total": 19.4, "lambda": 0.05}
+  sampled = progress.progress_line(1000, 1500, 10.0, summary, "bpc", 32, 15)
+  assert sampled.endswith("heads open 19.4/32 expected, 15 decided  λ 0.05"), sampled
+  frozen = progress.progress_line(1100, 1500, 10.0, summary, "bpc", 32, 15, frozen=True)
+  assert frozen.endswith("heads kept 15/32 (frozen)  λ 0.05"), frozen

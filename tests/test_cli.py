@@ -122,6 +122,13 @@ def test_score_of_a_folder_without_a_model(tmp_path):
   assert_one_error_line(result, str(tmp_path), "no config.json")
 
 
+def test_a_missing_model_path_is_reported_as_missing(tmp_path):
+  result = command("allatt_jax.score", f"--checkpoint={tmp_path / 'nowhere'}",
+                   f"--text_file={tmp_path / 'missing.txt'}")
+  assert_one_error_line(result, f"{tmp_path / 'nowhere'} does not exist")
+  assert "config.json" not in result.stderr
+
+
 def test_score_out_file_in_a_missing_folder(tmp_path):
   # Found out after scoring, this was a traceback.
   out = tmp_path / "nowhere" / "scores.jsonl"

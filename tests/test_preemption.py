@@ -1,6 +1,7 @@
-"""SIGTERM in every phase of the demo pipeline: it stops there with Preempted (exit
-status 143), and rerunning the same command goes on from there, redoing no finished
-phase, to the results of an uninterrupted run.
+"""SIGTERM in every phase of the demo pipeline, and Ctrl-C at a random step of it: it
+stops there with Preempted (exit status 143, or 130 for Ctrl-C), and rerunning the
+same command goes on from there, redoing no finished phase, to the results of an
+uninterrupted run.
 
 Each phase gets the signal from inside, when it starts (os.kill from a wrapper of a
 function the phase calls), so the tests do not depend on timing.
@@ -8,6 +9,8 @@ function the phase calls), so the tests do not depend on timing.
 import json
 import os
 import pathlib
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -198,3 +201,40 @@ def test_sigterm_in_the_last_training_step_exits_143_before_the_next_stage(demo,
           "final evaluation.") in done.stderr
   assert checkpointing.latest_finished_step(workdir / "baseline") == BASELINE_STEPS
   assert not (workdir / "pruned").exists()
+
+
+def test_ctrl_c_at_a_random_step_then_the_same_command_ends_as_an_uninterrupted_run(
+    demo, tmp_path):
+  config_path, config, uninterrupted = demo
+  workdir = tmp_path / "demo"
+  at = random.Random().randint(1, BASELINE_STEPS + PRUNE_STEPS)
+  stage, step = (("baseline", at) if at <= BASELINE_STEPS
+                 else ("pruned", at - BASELINE_STEPS))
+  print(f"Ctrl-C after step {step} of the {stage} stage")   # shown when it fails
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3",
+         "JAX_COMPILATION_CACHE_DIR": str(config_path.parent / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  done = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "signal_worker.py"), "SIGINT", str(at),
+       f"--config={config_path}", f"--workdir={workdir}"],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == errors.INTERRUPTED_EXIT_STATUS, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+  steps = BASELINE_STEPS if stage == "baseline" else PRUNE_STEPS
+  lines = [line for line in done.stderr.splitlines() if line.startswith("Interrupted")]
+  assert lines == [f"Interrupted: saved a checkpoint at step {step} of {steps} in "
+                   f"{workdir / stage / 'checkpoints'}. Rerun the same command to "
+                   "resume."], done.stderr[-3000:]
+  assert checkpointing.latest_finished_step(workdir / stage) == step
+  assert (workdir / "pruned").exists() == (stage == "pruned")
+
+  done = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.main", f"--config={config_path}",
+       f"--workdir={workdir}"], env=env, cwd=ROOT, capture_output=True, text=True,
+      timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert re.search(rf"Resuming from step {step} in {workdir / stage}", done.stderr)
+  for name, steps in (("baseline", BASELINE_STEPS), ("pruned", PRUNE_STEPS)):
+    assert_bit_identical(saved_state(workdir / name, steps),
+                         saved_state(uninterrupted / name, steps))
+  assert pipeline_report(workdir) == pipeline_report(uninterrupted)

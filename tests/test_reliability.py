@@ -1,10 +1,12 @@
-"""Preemption, crashes and divergence: runs stop cleanly and resume bit for bit.
+"""Preemption, Ctrl-C, crashes and divergence: runs stop cleanly and resume bit for bit.
 
-The interrupted runs are real `python -m allatt_jax.main` processes sent SIGTERM or
-SIGKILL; they must end exactly where an uninterrupted run (in this process) ends.
+The interrupted runs are real `python -m allatt_jax.main` processes sent SIGTERM,
+SIGINT or SIGKILL; they must end exactly where an uninterrupted run (in this process)
+ends.
 """
 import os
 import pathlib
+import random
 import re
 import signal
 import subprocess
@@ -158,6 +160,59 @@ def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_p
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
+def interrupted_at(output) -> int:
+  """The step an interrupted run saved, from its one line on where and how to resume."""
+  match = re.search(rf"^Interrupted: saved a checkpoint at step (\d+) of {NUM_STEPS} in "
+                    r"\S+/checkpoints\. Rerun the same command to resume\.$", output, re.M)
+  assert match, output[-3000:]
+  assert "Traceback" not in output and "KeyboardInterrupt" not in output
+  return int(match.group(1))
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_a_random_step_saves_it_and_resumes_bit_exactly(run_config, uninterrupted,
+                                                                  tmp_path):
+  config_path, config = run_config
+  workdir = tmp_path / "run"
+  at = random.Random().randrange(5, NUM_STEPS - 5)
+  print(f"Ctrl-C after step {at}")   # shown when the test fails
+  run = Run(config_path, workdir, tmp_path / "run.log")
+  run.wait_for_step(at)
+  assert run.stop(signal.SIGINT) == errors.INTERRUPTED_EXIT_STATUS
+  stopped = interrupted_at(run.output())
+  assert at <= stopped < NUM_STEPS
+  assert checkpointing.latest_finished_step(workdir) == stopped
+
+  train.train_and_evaluate(config, workdir)
+  assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
+    run_config, uninterrupted, tmp_path):
+  config_path, config = run_config
+  workdir, stall, marker = tmp_path / "run", tmp_path / "stall", tmp_path / "stalled"
+  run = Run(config_path, workdir, tmp_path / "run.log",
+            command=(str(ROOT / "tests" / "stalled_save_worker.py"), str(stall),
+                     str(marker)))
+  run.wait_for_step(random.Random().randrange(CHECKPOINT_EVERY + 1, 3 * CHECKPOINT_EVERY))
+  stall.touch()
+  run.process.send_signal(signal.SIGINT)
+  run.wait_until(marker.exists, "the save of the interrupted step")
+  start = time.monotonic()
+  assert run.stop(signal.SIGINT) == errors.INTERRUPTED_EXIT_STATUS
+  assert time.monotonic() - start < 10, "the second Ctrl-C should not wait for the save"
+  assert preemption.SECOND_INTERRUPT in run.output()
+  assert "Traceback" not in run.output()
+
+  # The save cut short is left where restore ignores it; the one before restores.
+  last = checkpointing.latest_finished_step(workdir)
+  assert list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp"))
+  checkpointing.restore_variables(workdir, last)
+  train.train_and_evaluate(config, workdir)
+  assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
+
+
 @pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, uninterrupted,
                                                                    tmp_path):
@@ -303,6 +358,46 @@ def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
   # Every safe point, train step or phase boundary, is the next sync point: the same
   # count on every host.
   assert calls == [1, 2, 3]
+
+
+def test_one_process_catches_ctrl_c_at_safe_points_and_exits_130():
+  before = signal.getsignal(signal.SIGINT)
+  with preemption.PreemptionWatch() as watch:
+    assert not watch.reached()
+    os.kill(os.getpid(), signal.SIGINT)      # no KeyboardInterrupt: a flag
+    assert watch.reached()
+    with pytest.raises(errors.Preempted, match=r"^Interrupted after the final "
+                       r"evaluation\. Rerun the same command to export") as stopped:
+      watch.stop_if_asked("the final evaluation", "export the pruned model")
+    assert stopped.value.exit_status == errors.INTERRUPTED_EXIT_STATUS == 130
+  assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
+  exits = []
+
+  class Exited(Exception):
+    pass
+
+  def exit_now(status):
+    exits.append(status)
+    raise Exited
+
+  monkeypatch.setattr(preemption.os, "_exit", exit_now)
+  with preemption.PreemptionWatch():
+    os.kill(os.getpid(), signal.SIGTERM)     # a preemption, then Ctrl-C on top of it
+    with pytest.raises(Exited):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert exits == [errors.INTERRUPTED_EXIT_STATUS]
+  assert preemption.SECOND_INTERRUPT in capsys.readouterr().err
+
+
+def test_ctrl_c_where_no_run_listens_is_one_line_and_status_130(capsys):
+  with pytest.raises(SystemExit) as exited:
+    with errors.reported_to_user():
+      raise KeyboardInterrupt
+  assert exited.value.code == errors.INTERRUPTED_EXIT_STATUS
+  assert capsys.readouterr().err == errors.INTERRUPTED_OUTSIDE_TRAINING + "\n"
 
 
 def test_one_process_catches_sigterm_at_safe_points():

@@ -225,6 +225,51 @@ def test_cutoffs_follow_the_vocabulary_when_not_given():
   assert model_lib.ModelConfig.from_config(config).cutoffs == (100,)
 
 
+def word_level_demo(vocab_size, **model):
+  """configs/demo.py's baseline (4 layers of 8 heads, d=128) on own text at word level,
+  completed with a vocabulary of `vocab_size`."""
+  config = config_base.load(ROOT / 'configs' / 'demo.py')
+  config.data.update(dict(name='text_files', level='word'))
+  config.model.update(dict(vocab_size=vocab_size, **model))
+  return RunConfig.of(config)
+
+
+def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the_layers():
+  # 33,278 types (WikiText-2's): the plain softmax, 4.3M MACs a token, is 7.5x the layers.
+  run = word_level_demo(33_278)
+  assert resolver.word_output(run) == dict(cutoffs=(2496, 4992, 24958), div_val=4)
+  completed = resolver.with_vocab_size(run)
+  assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
+  note = resolver.output_note(completed)
+  assert note.startswith('Word level, 33,278 types: an adaptive softmax (cutoffs 2496, '
+                         '4992, 24958; div_val 4) costs 0.60M MACs per token, where a '
+                         'plain one would cost 4.26M, 7.5x the 0.57M of all the layers')
+  assert '--config.model.auto_cutoffs=False' in note
+  # Where the plain softmax is the smaller part, or not asked for, nothing changes.
+  for other in (word_level_demo(2_000), word_level_demo(33_278, auto_cutoffs=False),
+                word_level_demo(33_278, cutoffs=(1000,)),
+                word_level_demo(33_278, div_val=2)):
+    assert resolver.word_output(other) == {}
+    assert resolver.output_note(resolver.with_vocab_size(other)) == ''
+  words = word_level_demo(33_278)
+  characters = RunConfig.from_dict({**words.to_dict(),
+                                    'data': {**words.data.to_dict(), 'level': 'char'}})
+  assert resolver.word_output(characters) == {}
+  # A model too narrow for width d/64 in the last cluster gets d/8 there.
+  narrow = word_level_demo(33_278, d_model=32, num_heads=4, num_layers=1)
+  assert resolver.word_output(narrow)['div_val'] == 2
+
+
+def test_a_run_saved_before_the_automatic_cutoffs_keeps_its_plain_softmax(tmp_path):
+  run = word_level_demo(33_278)
+  saved = run.to_dict()
+  del saved['model']['auto_cutoffs']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  loaded = run_files.load_config(tmp_path)
+  assert not loaded.model.auto_cutoffs and loaded.model.cutoffs == ()
+  assert model_lib.ModelConfig.from_config(loaded).cutoffs == ()
+
+
 # Penn Treebank: the official files cannot be fetched here, so the counting rule is
 # checked on lines in their format (leading space, <unk> in the text, N for numbers).
 

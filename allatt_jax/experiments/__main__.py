@@ -30,6 +30,7 @@ from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
 
 SUITES = {**suites.SUITES, "repro": repro.repro}
+PLANNED_RUNS = {**suites.PLANNED_RUNS, "repro": repro.repro_runs}
 
 _CONFIG = cli.DEFINE_config(
     "config", "Experiment config (configs/exp_chars.py; configs/repro_wt2.py for "
@@ -70,8 +71,12 @@ def main(argv):
     names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
     experiment_plan = plan.from_section(config.experiments.to_dict())
     suites.check_plan(experiment_plan, names)
-    experiment = runs.Experiment(resolver.resolve_config(config, vocab_from_data=True),
-                                 experiment_plan, _WORKDIR.value, deadline, watch)
+    base = resolver.resolve_config(config, vocab_from_data=True)
+    # Every run of every suite asked for, checked before any data is read.
+    planned = runs.Experiment(base, experiment_plan, _WORKDIR.value, read_data=False)
+    for name in names:
+      planned.check(PLANNED_RUNS[name](planned), name)
+    experiment = runs.Experiment(base, experiment_plan, _WORKDIR.value, deadline, watch)
     jax.config.update("jax_compilation_cache_dir",
                       str(experiment.workdir.absolute() / "compile_cache"))
     for name in names:

@@ -55,6 +55,13 @@ def repro(exp: runs_lib.Experiment) -> suites.Report:
   return suites.Report(md, [str(out)], [base, *pruned, *txl])
 
 
+def repro_runs(exp: runs_lib.Experiment) -> list[runs_lib.PlannedRun]:
+  """The runs of `repro` besides the baseline, for the checks before any of them."""
+  s = exp.plan
+  return ([exp.l0_run(lam, seed) for lam in s.lambdas for seed in s.seeds]
+          + [exp.txl_run(width) for width in s.txl_widths])
+
+
 def _setting(exp: runs_lib.Experiment) -> str:
   """Where and how the runs were made: device, date, dtype, step counts."""
   c, devices = exp.base, jax.devices()

@@ -24,6 +24,7 @@ a deadline, the run in progress stops there with a checkpoint and no later run s
 suite the same way (preemption.py). In a multi-host run every process runs the
 runs, and process 0 alone writes the files of this module.
 """
+from collections.abc import Mapping
 import dataclasses
 import json
 import pathlib
@@ -36,6 +37,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from allatt_jax import checkpointing
+from allatt_jax import config_checks
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import head_costs
@@ -46,6 +48,7 @@ from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import train
 from allatt_jax import validation
+from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
 from allatt_jax.experiments import heuristics
 from allatt_jax.experiments import plan as plan_lib
@@ -85,6 +88,19 @@ class Record:
     return sum(self.heads_per_layer)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+  """A run an experiment makes: its name, kind and config, and the experiment
+  config's flags for the keys the plan sets in it ({'gates.lam':
+  'experiments.lambdas', 'distill.weight': 'experiments.distill_variants.v.weight',
+  ...}), which its errors name (`config_checks.named_as`)."""
+  name: str
+  kind: str
+  config: RunConfig
+  flags: Mapping[str, str]
+  origin: str = ""    # how the plan made a value the flags do not name
+
+
 class Experiment:
   """Creates, runs or reads back the runs of one baseline, plan and workdir.
 
@@ -93,25 +109,50 @@ class Experiment:
 
   def __init__(self, base: RunConfig, plan: plan_lib.Plan, workdir,
                deadline: float | None = None,
-               watch: preemption.PreemptionWatch | None = None):
+               watch: preemption.PreemptionWatch | None = None, *,
+               read_data: bool = True):
+    """`read_data`: complete the baseline's config from its dataset, as the runs are
+    made; False: to list and `check` the runs only, before any data is read."""
     self.plan = plan
     self.deadline = deadline     # time.monotonic() value: stop training runs there
     self.watch = watch           # the command's: SIGTERM stops it between runs too
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, _ = resolver.prepare(base)
+    self.base = resolver.prepare(base)[0] if read_data else base
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
-  # --- Run configs.
+  # --- Run configs: what each run changes from the baseline, and the flags that set it.
 
   def run_dir(self, name: str) -> pathlib.Path:
     return self.workdir / "runs" / name
+
+  def _prune_train_flags(self) -> dict[str, str]:
+    return {f"train.{key}": f"experiments.prune_train.{key}" for key in self.plan.prune_train}
+
+  def _pruning_flags(self, gates: Mapping[str, str]) -> dict[str, str]:
+    """The flags of a pruning run's keys: the plan's prune_train and prune_gates, and
+    `gates` ({gates key: the experiments key it comes from})."""
+    return {**self._prune_train_flags(),
+            **{f"gates.{key}": f"experiments.prune_gates.{key}"
+               for key in self.plan.prune_gates},
+            **{f"gates.{key}": f"experiments.{flag}" for key, flag in gates.items()}}
+
+  def continued_run(self, seed: int = 0) -> PlannedRun:
+    return PlannedRun(f"continued_s{seed}", "continued", self._continued_config(seed),
+                      self._prune_train_flags())
 
   def _continued_config(self, seed: int) -> RunConfig:
     return run_config.derived_run(
         self.base, init_from=str(self.run_dir("baseline")),
         train={**self.plan.prune_train, "seed": seed})
+
+  def l0_run(self, lam: float, seed: int = 0, variant: str = "full",
+             lam_key: str = "lambdas") -> PlannedRun:
+    """The pruning run at λ `lam` (from the plan's `lam_key`) of an ablation variant."""
+    config = self._l0_config(seed, lam=lam, **ABLATIONS[variant])
+    return PlannedRun(f"l0_lam{lam:g}_{variant}_s{seed}", "l0", config,
+                      self._pruning_flags({"lam": lam_key}))
 
   def _l0_config(self, seed: int, distill: str = "", **gates) -> RunConfig:
     return run_config.pruning_stage(
@@ -120,6 +161,48 @@ class Experiment:
         gates={**self.plan.prune_gates, **gates},
         distill=self.plan.distill_variants[distill] if distill else None)
 
+  def txl_run(self, width: int) -> PlannedRun:
+    config = run_config.derived_run(self.base, model=run_config.txl_model(width))
+    return PlannedRun(f"txl_d{width}", "txl", config,
+                      {"model.d_model": "experiments.txl_widths",
+                       "model.d_ff": "experiments.txl_widths"})
+
+  def budget_run(self, key: str, fraction: float, seed: int = 0, distill: str = "",
+                 values_key: str = "budgets") -> PlannedRun:
+    """A budget run; params and MAC budgets are fractions of the unpruned model's
+    (from the plan's `values_key`). `distill` names one of the `distill_variants` (the
+    baseline is the teacher)."""
+    value, origin = fraction, ""
+    # A sparsity is the plan's own value; a size is a fraction of the baseline's, so
+    # errors name the size the run asks for, and say where it comes from.
+    flags = self._pruning_flags({key: values_key})
+    if key != "target_sparsity":
+      del flags[f"gates.{key}"]
+      e = self.base.eval
+      full, _ = head_costs.head_cost(self.base_model, key,
+                                     (e.seq_len, e.mem_len, e.batch_size))
+      value = int(fraction * full) if key == "target_params" else fraction * full
+      origin = (f"{fraction:g} of the baseline's {full:,.0f} from "
+                f"--config.experiments.{values_key}")
+    config = self._l0_config(seed, distill, lam=0.0, **{key: value})
+    name = f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}"
+    flags.update({f"distill.{k}": f"experiments.distill_variants.{distill}.{k}"
+                  for k in (self.plan.distill_variants[distill] if distill else ())})
+    return PlannedRun(f"{name}_distill_{distill}" if distill else name, "budget", config,
+                      flags, origin)
+
+  def check(self, runs, suite: str) -> None:
+    """Raises ConfigError for the first of `runs` (PlannedRun) whose config fails its
+    checks (config_checks.py), naming the experiment config's flag that sets the key:
+    made for every run of a suite before its first run trains."""
+    for run in runs:
+      try:
+        resolver.resolve_config(run.config, vocab_from_data=True)
+      except ConfigError as e:
+        origin = f" ({run.origin})" if run.origin else ""
+        raise ConfigError(f"--suite={suite}, run {run.name}{origin}: "
+                          + config_checks.named_as(str(e), run.flags)) from None
+
   # --- Runs.
 
   def baseline(self) -> Record:
@@ -127,37 +210,29 @@ class Experiment:
 
   def continued(self, seed: int = 0) -> Record:
     self.baseline()
-    return self._run(f"continued_s{seed}", "continued", self._continued_config(seed))
+    return self._made(self.continued_run(seed))
 
   def l0(self, lam: float, seed: int = 0, variant: str = "full") -> Record:
     self.baseline()
-    config = self._l0_config(seed, lam=lam, **ABLATIONS[variant])
-    record = self._run(f"l0_lam{lam:g}_{variant}_s{seed}", "l0", config)
+    record = self._made(self.l0_run(lam, seed, variant))
     record.extra.update(lam=lam, seed=seed, variant=variant)
     return record
 
   def txl(self, width: int) -> Record:
-    config = run_config.derived_run(self.base, model=run_config.txl_model(width))
-    return self._run(f"txl_d{width}", "txl", config)
+    return self._made(self.txl_run(width))
 
   def budget(self, key: str, fraction: float, seed: int = 0, distill: str = "") -> Record:
-    """A budget run; params and MAC budgets are fractions of the unpruned model's.
-    `distill` names one of the `distill_variants` (the baseline is the teacher)."""
+    """A budget run (`budget_run`)."""
     self.baseline()
-    value = fraction
-    if key != "target_sparsity":
-      e = self.base.eval
-      full, _ = head_costs.head_cost(self.base_model, key,
-                                 (e.seq_len, e.mem_len, e.batch_size))
-      value = int(fraction * full) if key == "target_params" else fraction * full
-    config = self._l0_config(seed, distill, lam=0.0, **{key: value})
-    name = f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}"
-    record = self._run(f"{name}_distill_{distill}" if distill else name, "budget", config)
+    planned = self.budget_run(key, fraction, seed, distill)
+    record = self._made(planned)
     decision = json.loads((self.run_dir(record.name) / RESULTS_FILE).read_text()
                           )["export"].get("budget") or {}
-    record.extra.update(target_key=key, fraction=fraction, target=value, seed=seed,
-                        distill=distill,
-                        target_heads=head_costs.target_open_heads(config, self.base_model),
+    gates = planned.config.gates
+    record.extra.update(target_key=key, fraction=fraction, target=getattr(gates, key),
+                        seed=seed, distill=distill,
+                        target_heads=head_costs.target_open_heads(planned.config,
+                                                                  self.base_model),
                         by_gates=decision.get("by_gates"), changed=decision.get("changed"))
     return record
 
@@ -180,6 +255,9 @@ class Experiment:
     return masked, tuned
 
   # --- Machinery.
+
+  def _made(self, planned: PlannedRun) -> Record:
+    return self._run(planned.name, planned.kind, planned.config)
 
   def _run(self, name: str, kind: str, config: RunConfig) -> Record:
     workdir = self.run_dir(name)

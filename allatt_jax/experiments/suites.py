@@ -354,3 +354,49 @@ def scalars(workdir, tags) -> dict[str, list]:
 
 SUITES = {"lambda_sweep": lambda_sweep, "ablation": ablation, "txl_widths": txl_widths,
           "heuristics": heuristics, "budget": budget, "distill": distill}
+
+
+# --- The runs each suite makes, listed so that all are checked before the first trains.
+
+def _continued_runs(exp, seeds) -> list[runs_lib.PlannedRun]:
+  return [exp.continued_run(seed) for seed in seeds]
+
+
+def _l0_runs(exp, lam_key: str, seeds, variant: str = "full") -> list[runs_lib.PlannedRun]:
+  lambdas = getattr(exp.plan, lam_key)
+  return [exp.l0_run(lam, seed, variant, lam_key)
+          for lam in (lambdas if isinstance(lambdas, tuple) else (lambdas,))
+          for seed in seeds]
+
+
+def _budget_runs(exp) -> list[runs_lib.PlannedRun]:
+  s = _full_plan(exp.plan, "budget")
+  return ([exp.budget_run(key, value, seed) for key, value in s.budgets
+           for seed in s.budget_seeds]
+          + _l0_runs(exp, "budget_reference_lambdas", (0,)))
+
+
+def _distill_runs(exp) -> list[runs_lib.PlannedRun]:
+  s = _full_plan(exp.plan, "distill")
+  return _continued_runs(exp, (0,)) + [
+      exp.budget_run("target_sparsity", sparsity, 0, variant, "distill_sparsities")
+      for sparsity in s.distill_sparsities for variant in ("", *s.distill_variants)]
+
+
+# Besides the baseline, whose config the command checks itself. The heuristics suite
+# also fine-tunes masked baselines as `continued` is trained, at the sparsities its L0
+# runs reach.
+PLANNED_RUNS = {
+    "lambda_sweep": lambda exp: (_continued_runs(exp, exp.plan.seeds)
+                                 + _l0_runs(exp, "lambdas", exp.plan.seeds)),
+    "ablation": lambda exp: [run for variant in runs_lib.ABLATIONS for run in _l0_runs(
+        exp, "ablation_lambda", _full_plan(exp.plan, "ablation").seeds, variant)],
+    "txl_widths": lambda exp: ([exp.txl_run(width) for width in exp.plan.txl_widths]
+                               + _continued_runs(exp, exp.plan.seeds)
+                               + _l0_runs(exp, "lambdas", exp.plan.seeds)),
+    "heuristics": lambda exp: (
+        _l0_runs(exp, "heuristic_lambdas", _full_plan(exp.plan, "heuristics").seeds)
+        + _continued_runs(exp, exp.plan.seeds)),
+    "budget": _budget_runs,
+    "distill": _distill_runs,
+}

@@ -1,0 +1,205 @@
+"""Every stage of a pipeline and every run of an experiment suite is checked before the
+first step of the first: ranges, names, budgets and their reachability. The errors
+name the flag as the user sets it for that config (`--config.pipeline.prune_gates.lam`,
+`--config.experiments.lambdas`), and a budget that no head count meets, or one that
+keeps no head, is refused with the nearest budget that is met.
+"""
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from allatt_jax import config_base
+from allatt_jax import head_costs
+from allatt_jax import model as model_lib
+from allatt_jax import resolver
+from allatt_jax import run_config
+from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import plan as plan_lib
+from allatt_jax.experiments import runs as runs_lib
+from allatt_jax.experiments import suites
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GATES, TRAIN, DISTILL = ("--config.pipeline.prune_gates", "--config.pipeline.prune_train",
+                         "--config.pipeline.prune_distill")
+
+
+def demo(section: str = "", **keys):
+  """configs/demo.py:tiny (2 layers of 4 heads; 30 pruning steps, gates frozen at 15)
+  with `keys` of its pipeline `section`."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  if section:
+    config.pipeline[section].update(keys)
+  return config
+
+
+@pytest.mark.parametrize("section, keys, named", [
+    ("prune_gates", dict(lam=-0.1),
+     [f"{GATES[2:]}.lam=-0.1 is out of range", f"Set {GATES}.lam to a value >= 0"]),
+    ("prune_gates", dict(l0_warmup_steps=-1), [f"Set {GATES}.l0_warmup_steps"]),
+    ("prune_gates", dict(temperature=0.0), [f"{GATES[2:]}.temperature=0.0"]),
+    ("prune_gates", dict(freeze_step=100),
+     [f"Set {GATES}.freeze_step to at most 30", f"raise {TRAIN}.num_steps"]),
+    ("prune_train", dict(num_steps=10),
+     [f"{GATES[2:]}.freeze_step=15 is beyond {TRAIN[2:]}.num_steps=10"]),
+    ("prune_train", dict(learning_rate=-1.0), [f"Set {TRAIN}.learning_rate"]),
+    ("prune_gates", dict(target_sparsity=1.2),
+     [f"{GATES[2:]}.target_sparsity=1.2 is out of range", "in [0, 1]",
+      f"{GATES}.target_sparsity=0.875 (1 of 8 heads)", f"{GATES}.allow_empty=True"]),
+    ("prune_gates", dict(target_sparsity=0.5, target_macs=1000.0),
+     [f"{GATES[2:]} sets ['target_sparsity', 'target_macs']", "at most one"]),
+    ("prune_gates", dict(target_macs=-5.0), [f"{GATES[2:]}.target_macs=-5.0 is below"]),
+    ("prune_distill", dict(weight=1.5),
+     [f"{DISTILL[2:]}.weight=1.5 is out of range", f"Set {DISTILL}.weight"]),
+    ("prune_distill", dict(temperature=0.0), [f"Set {DISTILL}.temperature to a value > 0"]),
+    ("prune_distill", dict(hidden_weight=-1.0), [f"Set {DISTILL}.hidden_weight"]),
+    ("prune_distill", dict(kl_clusters="tail"), [f"{DISTILL[2:]}.kl_clusters='tail'"]),
+])
+def test_the_pruning_stage_is_checked_with_the_baseline_naming_its_flags(section, keys,
+                                                                         named):
+  with pytest.raises(ConfigError) as error:
+    resolver.resolve_pipeline(demo(section, **keys))
+  message = str(error.value)
+  for text in named:
+    assert text in message, message
+  assert "--config.gates." not in message and "--config.distill." not in message, message
+
+
+def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
+  config = demo("prune_gates", freeze_step=40)
+  with config.unlocked():   # the pruning stage then trains the baseline's steps
+    del config.pipeline.prune_train["num_steps"]
+  with pytest.raises(ConfigError, match=(
+      rf"^config.pipeline.prune_gates.freeze_step=40 is beyond config.train.num_steps=30"
+      rf".* Set {GATES}.freeze_step to at most 30, or raise --config.train.num_steps ")):
+    resolver.resolve_pipeline(config)
+
+
+@pytest.mark.parametrize("keys, named", [
+    # 8 heads: 1% of them is none.
+    (dict(target_sparsity=0.99),
+     ["target_sparsity=0.99 leaves none of the model's 8 heads", "rarely what anyone",
+      f"{GATES}.target_sparsity=0.875 (1 of 8 heads)",
+      f"add {GATES}.allow_empty=True"]),
+    # Below what no head holds: W_O's bias of each of 2 layers of width 32.
+    (dict(target_params=10),
+     ["target_params=10 is below the 64 non-embedding parameters that no head holds",
+      f"{GATES}.target_params=1744 (1 of 8 heads)",
+      f"{GATES}.target_params=64 with {GATES}.allow_empty=True"]),
+    (dict(target_params=10, allow_empty=True),
+     ["below the 64 non-embedding parameters", f"{GATES}.target_params=64 (0 of 8 heads)"]),
+    (dict(target_params=1000), ["target_params=1000 leaves none of the model's 8 heads",
+                                f"{GATES}.target_params=1744 (1 of 8 heads)"]),
+    (dict(target_macs=100.0), ["leaves none", f"{GATES}.target_macs=2688 (1 of 8 heads)"]),
+])
+def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, named):
+  with pytest.raises(ConfigError) as error:
+    resolver.resolve_pipeline(demo("prune_gates", **keys))
+  for text in named:
+    assert text in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("keys", [dict(target_sparsity=0.99), dict(target_sparsity=1.0),
+                                  dict(target_params=64), dict(target_params=1000)])
+def test_an_empty_model_is_made_when_asked_for(keys):
+  pruning = resolver.resolve_pipeline(demo("prune_gates", allow_empty=True, **keys)).pruning
+  assert pruning.gates.allow_empty
+  assert head_costs.target_open_heads(pruning,
+                                      model_lib.ModelConfig.from_config(pruning)) == 0
+
+
+def test_the_nearest_budgets_named_are_met():
+  """Each value an error proposes keeps the heads it says, and what is left with no
+  head is the real parameter count of a model without heads."""
+  config = run_config.RunConfig.of(demo())
+  config = run_config.derived_run(config, model=dict(vocab_size=27))
+  cfg = model_lib.ModelConfig.from_config(config)
+  for key, value in (("target_sparsity", 0.5), ("target_params", 5000),
+                     ("target_macs", 5000.0)):
+    budget = run_config.derived_run(config, gates=dict(enabled=True, **{key: value}))
+    scale = head_costs.BudgetScale.of(budget, cfg)
+    for heads in range(9):
+      assert scale.heads(float(scale.value_for(heads))) == heads, (key, heads)
+  empty = dataclasses.replace(cfg, heads_per_layer=(0, 0))
+  params = run_config.derived_run(config, gates=dict(enabled=True, target_params=1))
+  assert (head_costs.BudgetScale.of(params, cfg).empty
+          == head_costs.param_counts(empty)["params_non_embedding"] == 64)
+
+
+def test_a_pipeline_with_a_bad_pruning_key_stops_before_the_baseline(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.main", "--config=configs/demo.py:tiny",
+       f"--workdir={tmp_path / 'run'}", f"{GATES}.target_sparsity=1.2"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 2, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and f"{GATES}.target_sparsity=0.875" in errors[0], result.stderr
+  assert "Baseline" not in result.stdout and not (tmp_path / "run").exists()
+
+
+# --- Experiments: every run of the suites asked for.
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.data.data_dir = str(tmp_path_factory.mktemp("tfds") / "never_read")
+  return config
+
+
+def planned_check(config, suite, **plan_keys):
+  plan = plan_lib.ExperimentPlan.from_dict({**config.experiments.to_dict(), **plan_keys})
+  experiment = runs_lib.Experiment(resolver.resolve_config(config, vocab_from_data=True),
+                                   plan, "unused", read_data=False)
+  experiment.check(suites.PLANNED_RUNS[suite](experiment), suite)
+
+
+@pytest.mark.parametrize("suite, plan_keys, named", [
+    ("lambda_sweep", dict(lambdas=(0.1, -0.2)),
+     ["--suite=lambda_sweep, run l0_lam-0.2_full_s0",
+      "Set --config.experiments.lambdas to a value >= 0"]),
+    ("ablation", dict(ablation_lambda=-1.0), ["Set --config.experiments.ablation_lambda"]),
+    ("txl_widths", dict(txl_widths=(30,)),
+     ["config.experiments.txl_widths=30 is not divisible by config.model.num_heads"]),
+    ("budget", dict(budgets=(("target_params", 0.001),)),
+     ["run budget_params0.001_s0 (0.001 of the baseline's", "from "
+      "--config.experiments.budgets)", "no head holds"]),
+    ("distill", dict(distill_sparsities=(0.5, 1.5)),
+     ["run budget_sparsity1.5_s0", "config.experiments.distill_sparsities=1.5 is out of "
+      "range", "--config.experiments.distill_sparsities=0.875 (1 of 8 heads)"]),
+    ("distill", dict(distill_variants=dict(logit=dict(weight=2.0))),
+     ["run budget_sparsity0.5_s0_distill_logit",
+      "Set --config.experiments.distill_variants.logit.weight to a value in [0, 1]"]),
+    ("heuristics", dict(prune_gates=dict(freeze_step=10**6)),
+     ["Set --config.experiments.prune_gates.freeze_step to at most",
+      "raise --config.experiments.prune_train.num_steps"]),
+])
+def test_every_run_of_a_suite_is_checked_naming_the_experiment_flags(
+    experiment, suite, plan_keys, named):
+  with pytest.raises(ConfigError) as error:
+    planned_check(experiment, suite, **plan_keys)
+  for text in named:
+    assert text in str(error.value), str(error.value)
+
+
+def test_the_shipped_plan_passes_its_checks(experiment):
+  for suite in suites.PLANNED_RUNS:
+    planned_check(experiment, suite)
+  assert not pathlib.Path(experiment.data.data_dir).exists()   # no data read
+
+
+def test_a_suite_with_a_bad_run_stops_before_any_data_is_read(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.experiments", "--config=exp_chars.py:tiny",
+       "--suite=all", f"--workdir={tmp_path / 'exp'}", "--config.experiments.lambdas=(-1.0,)",
+       f"--config.data.data_dir={tmp_path / 'tfds'}"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines()[0].startswith(
+      "error: --suite=lambda_sweep, run l0_lam-1_full_s0: config.experiments.lambdas=-1.0 "
+      "is out of range"), result.stderr
+  assert not (tmp_path / "tfds").exists() and not (tmp_path / "exp").exists()
