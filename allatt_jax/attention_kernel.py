@@ -6,6 +6,19 @@ attention weights themselves) and loops over blocks of heads, so the (B, H, T, K
 weights of all heads never sit in memory at once. Attention dropout draws its masks
 from a counter-based hash (Threefry-2x32) of the position, so forward and backward
 regenerate the same mask instead of storing it.
+
+Slot weights. Each persistent slot may carry a weight w_n in [0, 1] (`pw`, (H, N): a
+persistent group's gate value, or 0 for an export's padding slot) that multiplies its
+exponential: p_n = w_n·exp(s_n)/Z, with Z summing the context's exponentials and the
+weighted slots'. That is softmax over the logits s_n + log w_n, with a closed slot
+(w = 0) at -inf: it takes no probability mass, exactly as if its key and value were
+not there. The backward pass keeps the slots' weights before w (q_n = exp(s_n)/Z), from
+which both gradients follow: ∂L/∂s_n = w_n·q_n·(dp_n − δ) and ∂L/∂w_n = q_n·(dp_n − δ),
+the latter finite at w = 0 (the gradient a straight-through gate needs to reopen).
+The softmax's shift is the largest logit of the context and the open slots, so a
+closed slot can never underflow the sum; a closed slot's own exponent is capped at
+80 (its ∂L/∂w with it, for a logit 80 nats above every open one, far beyond a
+trained model's), so that w·exp is 0 rather than 0·inf.
 """
 import functools
 
@@ -13,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
+# The largest exponent of a closed slot's exp (float32 overflows above ~88.7).
+_MAX_EXPONENT = 80.0
 
 
 def rel_shift(x_BxHxTxK1: jax.Array) -> jax.Array:
@@ -92,8 +107,9 @@ def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
           None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
 
 
-def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype=jnp.float32):
-  """Softmax over [context keys, persistent slots] without concatenating the two.
+def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
+  """The softmax over [context keys, persistent slots] without concatenating the two:
+  (context weights, persistent weights before the slot weights `pw`).
 
   The scores leave their matmuls, and the weights their softmax, in `score_dtype`
   (matmuls accumulate in float32 either way); mask, max, exponentials and sums run in
@@ -108,50 +124,81 @@ def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype=jnp.float3
   if pk is not None:
     pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk,
                               preferred_element_type=score_dtype).astype(f32)
-    top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
+    if pw is None:
+      top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
+    else:
+      open_pers = jnp.where(_slot_axes(pw) > 0, pers_HxBxTxN, _NEG_INF)
+      top = jnp.maximum(top, open_pers.max(-1, keepdims=True))
   e_ctx = jnp.exp(ctx_HxBxTxK - top)
   norm = e_ctx.sum(-1, keepdims=True)
   if pk is not None:
-    e_pers = jnp.exp(pers_HxBxTxN - top)
-    norm = norm + e_pers.sum(-1, keepdims=True)
+    if pw is None:
+      e_pers = jnp.exp(pers_HxBxTxN - top)
+      norm = norm + e_pers.sum(-1, keepdims=True)
+    else:
+      # Only a closed slot can lie above the shift; capped, its w·exp is 0, not NaN.
+      e_pers = jnp.exp(jnp.minimum(pers_HxBxTxN - top, _MAX_EXPONENT))
+      norm = norm + (e_pers * _slot_axes(pw)).sum(-1, keepdims=True)
   inv_norm = 1.0 / norm
   return ((e_ctx * inv_norm).astype(score_dtype),
           None if pk is None else (e_pers * inv_norm).astype(score_dtype))
 
 
+def _slot_axes(pw_HxN):
+  """Slot weights (H, N) in float32, broadcast against (H, B, T, N)."""
+  return pw_HxN[:, None, None, :].astype(jnp.float32)
+
+
+def _slot_weighted(q_pers, pw, dtype):
+  """The persistent weights p = w·q of weights `q_pers` before the slot weights."""
+  if pw is None:
+    return q_pers
+  return (q_pers.astype(jnp.float32) * _slot_axes(pw)).astype(dtype)
+
+
+def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype=jnp.float32,
+                      pw=None):
+  """The softmax weights over [context keys, persistent slots] (the latter weighted
+  by the slot weights `pw`, when given), as the core computes them."""
+  p_ctx, q_pers = _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype)
+  return p_ctx, None if pk is None else _slot_weighted(q_pers, pw, score_dtype)
+
+
 def _block_forward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
-                   r_pad, pk, pv):
-  """Outputs and softmax weights of one block of heads."""
-  p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
+                   r_pad, pk, pv, pw):
+  """Outputs and softmax weights of one block of heads (the persistent ones before
+  the slot weights `pw`)."""
+  p_ctx, q_pers = _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype)
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
   dtype = v.dtype
   out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
   if pv is not None:
+    p_pers = _slot_weighted(q_pers, pw, score_dtype)
     out += jnp.einsum("hbtn,hnd->hbtd", _dropped(p_pers, keep_pers, rate).astype(dtype), pv)
-  return out, p_ctx, p_pers
+  return out, p_ctx, q_pers
 
 
 def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
-                    r_pad, pk, pv, p_ctx, p_pers, out, dout):
+                    r_pad, pk, pv, pw, p_ctx, q_pers, out, dout):
   """Gradients of one block of heads' inputs (see `attend`).
 
-  p_ctx and p_pers are the saved softmax weights, or None to recompute them. The
-  weights' gradients are computed in float32 and stored, as the weights are, in
-  `score_dtype`.
+  p_ctx and q_pers are the saved softmax weights (the persistent ones before the slot
+  weights), or None to recompute them. The weights' gradients are computed in float32
+  and stored, as the weights are, in `score_dtype`.
   """
   f32, dtype = jnp.float32, dout.dtype
   if p_ctx is None:
     # Tied to dout, the recomputation can neither merge with the forward pass's (CSE)
     # nor be scheduled before the backward pass reaches this layer.
-    qu, qv, qp, k, r_pad, pk, dout = jax.lax.optimization_barrier(
-        (qu, qv, qp, k, r_pad, pk, dout))
-    p_ctx, p_pers = attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head)
+    qu, qv, qp, k, r_pad, pk, pw, dout = jax.lax.optimization_barrier(
+        (qu, qv, qp, k, r_pad, pk, pw, dout))
+    p_ctx, q_pers = _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype)
+  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
 
-  def weight_grads(p, dp, keep):
+  def weight_grads(p, dp, keep, out_dtype=dtype):
     """The dropped weights, and the logits' gradient p ⊙ (keep ⊙ dp / (1 - rate) - δ).
 
     Written as p_dropped ⊙ dp - p ⊙ δ, it reads the mask only through p_dropped, which
@@ -159,7 +206,7 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
     """
     p_dropped = _dropped(p, keep, rate)
     dlogits = p_dropped.astype(f32) * dp.astype(f32) - p.astype(f32) * delta
-    return p_dropped.astype(dtype), dlogits.astype(dtype)
+    return p_dropped.astype(out_dtype), dlogits.astype(out_dtype)
 
   # Each product contracts a large weights array over its natural row-major axes;
   # the (.., dh, X) results are transposed afterwards, being small.
@@ -172,16 +219,22 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
   dpos = _rel_unshift(dlog_ctx)
   dqv = jnp.einsum("hbtk,hkd->hbtd", dpos, r_pad)
   dr_pad = jnp.einsum("hbtd,hbtk->hdk", qv, dpos).swapaxes(-1, -2)
-  dqp = dpk = dpv = None
+  dqp = dpk = dpv = dpw = None
   if pk is not None:
-    pd_pers, dlog_pers = weight_grads(
-        p_pers, jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype),
-        keep_pers)
+    dp_pers = jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype)
+    if pw is None:
+      pd_pers, dlog_pers = weight_grads(q_pers, dp_pers, keep_pers)
+    else:
+      # The gradients of q_n's logit: w_n times those of p_n's (see the module's note).
+      qd_pers, dlog_q = weight_grads(q_pers, dp_pers, keep_pers, f32)
+      dpw = dlog_q.sum((1, 2)).astype(pw.dtype)
+      pd_pers = (qd_pers * _slot_axes(pw)).astype(dtype)
+      dlog_pers = (dlog_q * _slot_axes(pw)).astype(dtype)
     dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
     dqp = jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk,
                      preferred_element_type=f32).astype(dtype)
     dpk = jnp.einsum("hbtd,hbtn->hdn", qp, dlog_pers).swapaxes(-1, -2)
-  return dqu.astype(dtype), dqv, dqp, dk, dv, dr_pad, dpk, dpv
+  return dqu.astype(dtype), dqv, dqp, dk, dv, dr_pad, dpk, dpv, dpw
 
 
 def _over_head_blocks(fn, block: int, *arrays_H):
@@ -201,9 +254,8 @@ def _over_head_blocks(fn, block: int, *arrays_H):
   return jax.tree.map(merge, outputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
-           keys_2x2):
+           keys_2x2, pw=None):
   """Relative attention with persistent slots on head-major arrays.
 
   Args:
@@ -219,6 +271,8 @@ def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv
     pk, pv: (H, N, dh) persistent keys and values, or None.
     mask_TxK: which keys each query may see.
     keys_2x2: uint32 key words of the context and persistent dropout masks.
+    pw: (H, N) slot weights in [0, 1] (0: the slot takes no mass; the module's note),
+      differentiable; None: every slot at weight 1.
 
   Returns:
     (H, B, T, dh) attention outputs.
@@ -229,32 +283,40 @@ def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv
   the (B, H, T, N) persistent weights, the largest arrays of the step). Only the
   softmax weights (or nothing, with remat) are kept for the backward pass.
   """
+  return _attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
+                 mask_TxK, keys_2x2, pw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
+            mask_TxK, keys_2x2, pw):
   return _attend_fwd(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
-                     mask_TxK, keys_2x2)[0]
+                     mask_TxK, keys_2x2, pw)[0]
 
 
 def _attend_fwd(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv,
-                mask_TxK, keys_2x2):
+                mask_TxK, keys_2x2, pw=None):
   block_fn = functools.partial(_block_forward, rate, score_dtype, mask_TxK, keys_2x2)
   if remat:   # Only the outputs leave the loop.
     out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
-                            v, r_pad, pk, pv)
-    p_ctx = p_pers = None
+                            v, r_pad, pk, pv, pw)
+    p_ctx = q_pers = None
   else:
-    out, p_ctx, p_pers = _over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
-                                           pk, pv)
-  return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, p_ctx, p_pers, out)
+    out, p_ctx, q_pers = _over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
+                                           pk, pv, pw)
+  return out, (qu, qv, qp, k, v, r_pad, pk, pv, pw, mask_TxK, keys_2x2, p_ctx, q_pers, out)
 
 
 def _attend_bwd(rate, head_block, remat, score_dtype, residuals, dout):
   del remat   # The residuals say whether the weights were kept.
-  *inputs, mask_TxK, keys_2x2, p_ctx, p_pers, out = residuals
+  *inputs, pw, mask_TxK, keys_2x2, p_ctx, q_pers, out = residuals
   block_fn = functools.partial(_block_backward, rate, score_dtype, mask_TxK, keys_2x2)
-  grads = _over_head_blocks(block_fn, head_block, *inputs, p_ctx, p_pers, out, dout)
-  return (*grads, None, None)
+  *grads, dpw = _over_head_blocks(block_fn, head_block, *inputs, pw, p_ctx, q_pers, out,
+                                  dout)
+  return (*grads, None, None, dpw)
 
 
-attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def divisor_at_most(n: int, limit: int) -> int:
