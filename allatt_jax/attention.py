@@ -100,6 +100,11 @@ class RelativeAttention(nn.Module):
   attention_impl: str = "auto"     # the core: 'xla', 'pallas' or 'auto' (use_kernel)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
+  # An export's persistent slots per head, non-increasing: its arrays hold the
+  # largest count (the slots beyond a head's count are padding, never read); None:
+  # every head keeps num_persistent, the N of the unpruned model (which also sets the
+  # persistent values' scale).
+  slot_counts: tuple[int, ...] | None = None
   gated: bool = False
   gate: gates_lib.GateConfig = gates_lib.GateConfig()
   dtype: jnp.dtype = jnp.float32
@@ -129,42 +134,90 @@ class RelativeAttention(nn.Module):
     qu = head_major((q + u_HxDh) * scale)
     qv = head_major((q + v_HxDh) * scale)
     r_pad = jnp.pad(jnp.moveaxis(r_KxHxDh, 1, 0), [(0, 0), (1, 0), (0, 0)])
-    qp = pk = pv = None
-    if self.num_persistent:
+    qp = pk = pv = pw = None
+    if self._stored_slots():
       pk, pv = self._persistent_vectors(h, dh)
       qp = qu if self.persistent_content_bias else head_major(q * scale)
+    stats = {}
+    if self._has_gates("persistent_logits", self.gate.persistent_group):
+      # Before the head gates: a model without these draws its head gates as it did.
+      g_HxG, stats = self._persistent_gates(h, deterministic, sample_gates)
+      pw = jnp.repeat(g_HxG, self.gate.persistent_group, axis=1).astype(self.dtype)
     rate = 0.0 if deterministic else self.dropout_attn
     if not 0.0 <= rate < 1.0:
       raise ValueError(f"Attention dropout must lie in [0, 1), got {rate}.")
     keys_2x2 = (jax.random.bits(self.make_rng("dropout"), (2, 2), jnp.uint32) if rate
                 else None)
     score_dtype = jnp.dtype(self.dtype if self.score_dtype == "compute" else self.score_dtype)
-    if attention_pallas.use_kernel(self.attention_impl):
-      # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
-      out_HxBxTxDh = attention_pallas.attend(rate, qu, qv, qp, head_major(k), head_major(v),
-                                             r_pad, pk, pv, mask_TxK, keys_2x2)
-    else:
-      block = attention_kernel.divisor_at_most(h, self.head_block or h)
-      out_HxBxTxDh = attention_kernel.attend(rate, block, self.remat, score_dtype, qu, qv,
-                                             qp, head_major(k), head_major(v), r_pad, pk, pv,
-                                             mask_TxK, keys_2x2)
+
+    def core(first, last, slots):
+      """The core on heads first..last-1 and their first `slots` persistent slots."""
+      whole = (first, last, slots) == (0, h, self._stored_slots())
+      heads = lambda x: x if whole or x is None else x[first:last]
+      slot_vectors = lambda x: None if not slots else x if whole else x[first:last, :slots]
+      args = (heads(qu), heads(qv), heads(qp) if slots else None, heads(head_major(k)),
+              heads(head_major(v)), heads(r_pad), slot_vectors(pk), slot_vectors(pv))
+      # Each run of heads draws its own dropout masks (the hash counts heads from 0).
+      keys = keys_2x2 if keys_2x2 is None or not first else keys_2x2 + jnp.uint32(first)
+      if pw is None and attention_pallas.use_kernel(self.attention_impl):
+        # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
+        return attention_pallas.attend(rate, *args, mask_TxK, keys)
+      block = attention_kernel.divisor_at_most(last - first, self.head_block or h)
+      return attention_kernel.attend(rate, block, self.remat, score_dtype, *args, mask_TxK,
+                                     keys, pw)
+
+    runs = self._head_runs(h)
+    out_HxBxTxDh = (core(*runs[0]) if len(runs) == 1
+                    else jnp.concatenate([core(*run) for run in runs]))
     if self.is_mutable_collection("intermediates"):
       # For head analysis (experiments/heuristics.py) only: a train or eval step never
       # makes this collection mutable, so it never pays for the extra weights.
       self.sow("intermediates", "attention_probs",
                attention_kernel.attention_weights(qu, qv, qp, head_major(k), r_pad, pk,
-                                                 mask_TxK))
+                                                 mask_TxK, pw=self._slot_weights(pw)))
     out_BxTxHxDh = jnp.moveaxis(out_HxBxTxDh, 0, 2)
 
-    stats = {}
-    if self.has_variable("gates", "logits") or (self.is_initializing() and self.gated):
-      g_H, stats = self._gates(h, deterministic, sample_gates)
+    if self._has_gates("logits", self.gate.heads):
+      g_H, head_stats = self._gates(h, deterministic, sample_gates)
+      stats = {**head_stats, **stats}
       combine_H = g_H * gates_lib.output_scale(g_H, self.gate)
       out_BxTxHxDh = out_BxTxHxDh * combine_H[:, None].astype(self.dtype)
 
     out = Projection((h, dh, d_model), ("heads", "head_dim", "embed"), num_in=2,
                      use_bias=self.out_bias, dtype=self.dtype, name="out")(out_BxTxHxDh)
     return out, stats
+
+  def _head_runs(self, h) -> list[tuple[int, int, int]]:
+    """(first head, end, persistent slots) of each run of heads the core attends at
+    once: all heads with all N slots, or, in an export whose heads keep different
+    numbers of slots (`slot_counts`, non-increasing), each run of equal counts with
+    its own (ragged: no slot of another head's count is computed)."""
+    counts = self.slot_counts or (self._stored_slots(),) * h
+    runs = []
+    for head, count in enumerate(counts):
+      if runs and runs[-1][2] == count:
+        runs[-1][1] = head + 1
+      else:
+        runs.append([head, head + 1, count])
+    return [tuple(run) for run in runs]
+
+  def _slot_weights(self, pw):
+    """`pw`, or an export's padding slots at weight 0 (every slot else at 1)."""
+    if pw is not None or self.slot_counts is None:
+      return pw
+    counts_Hx1 = jnp.asarray(self.slot_counts)[:, None]
+    return (jnp.arange(self._stored_slots())[None, :]
+            < counts_Hx1).astype(self.dtype)
+
+  def _stored_slots(self) -> int:
+    """The persistent slots each head's arrays hold (an export's largest count)."""
+    return max(self.slot_counts) if self.slot_counts else self.num_persistent
+
+  def _has_gates(self, name: str, asked) -> bool:
+    """Whether the gates `name` take part: passed in the `gates` collection, or made
+    at init for a gated module whose `gate` asks for them."""
+    return self.has_variable("gates", name) or (
+        self.is_initializing() and self.gated and bool(asked))
 
   def _persistent_vectors(self, h, dh):
     """Persistent keys/values at the same scale as context keys/values.
@@ -173,12 +226,12 @@ class RelativeAttention(nn.Module):
     as in the All-attention reference, so their effective entries start at unit
     variance like LayerNorm-ed context keys and values.
     """
-    n = self.num_persistent
+    n, stored = self.num_persistent, self._stored_slots()
     names = ("heads", "persistent", "head_dim")
     pk = self.param("persistent_key", nn.with_logical_partitioning(
-        nn.initializers.normal(1.0 / math.sqrt(dh)), names), (h, n, dh))
+        nn.initializers.normal(1.0 / math.sqrt(dh)), names), (h, stored, dh))
     pv = self.param("persistent_value", nn.with_logical_partitioning(
-        nn.initializers.normal(1.0 / math.sqrt(n)), names), (h, n, dh))
+        nn.initializers.normal(1.0 / math.sqrt(n)), names), (h, stored, dh))
     return ((pk * math.sqrt(dh)).astype(self.dtype),
             (pv * math.sqrt(n)).astype(self.dtype))
 
@@ -187,9 +240,25 @@ class RelativeAttention(nn.Module):
         "gates", "logits",
         nn.with_logical_partitioning(nn.initializers.constant(self.gate.init), ("heads",)),
         None, (h,)).value
-    if sample_gates and not deterministic:
-      g_H = gates_lib.sample(logits_H, self.make_rng("gates"), self.gate)
-    else:
-      g_H = gates_lib.deterministic(logits_H, self.gate)
+    g_H = self._gate_values(logits_H, deterministic, sample_gates)
     stats = {"open_prob": gates_lib.open_probability(logits_H, self.gate), "open": g_H}
     return g_H, stats
+
+  def _persistent_gates(self, h, deterministic, sample_gates):
+    """One gate per group of `gate.persistent_group` persistent slots of each head:
+    (H, N / group) values and their statistics."""
+    groups = self.num_persistent // self.gate.persistent_group
+    logits_HxG = self.variable(
+        "gates", "persistent_logits",
+        nn.with_logical_partitioning(nn.initializers.constant(self.gate.init),
+                                     ("heads", "persistent_groups")),
+        None, (h, groups)).value
+    g_HxG = self._gate_values(logits_HxG, deterministic, sample_gates)
+    stats = {"persistent_open_prob": gates_lib.open_probability(logits_HxG, self.gate),
+             "persistent_open": g_HxG}
+    return g_HxG, stats
+
+  def _gate_values(self, logits, deterministic, sample_gates):
+    if sample_gates and not deterministic:
+      return gates_lib.sample(logits, self.make_rng("gates"), self.gate)
+    return gates_lib.deterministic(logits, self.gate)

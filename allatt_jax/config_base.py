@@ -28,7 +28,9 @@ the other form stays selectable:
              padding, ours are those of a model without memory); budgets instead of
              λ (`gates.target_*`, budget.py: target warm-up, sharpened count, exactly
              n* heads kept at the freeze); `model.vocab_size` 0 = the dataset's;
-             an adaptive softmax for own word-level text (`model.auto_cutoffs`).
+             an adaptive softmax for own word-level text (`model.auto_cutoffs`);
+             gates on groups of persistent slots (`gates.persistent_group`, off by
+             default), in the budgets beside heads.
 """
 import ast
 import importlib.util
@@ -129,6 +131,15 @@ def base_config() -> ml_collections.ConfigDict:
       # A budget that keeps no head (a model without attention) is refused unless this
       # asks for it (ours).
       allow_empty=False,
+      # Gates on persistent memory (ours, after CoFi's gates on feed-forward
+      # dimensions; the paper gates heads only): one hard-concrete gate per group of
+      # this many persistent slots of each head (it divides model.num_persistent; 0 =
+      # off, the paper's recipe). A closed group's keys and values leave the softmax
+      # (attention.py). Budgets (target_params, target_macs) then count heads and
+      # groups together; target_sparsity stays a fraction of heads.
+      persistent_group=0,
+      heads=True,                  # gate the heads (the paper); False with
+                                   # persistent_group > 0 prunes persistent groups only
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -1,6 +1,7 @@
 """Hard-concrete head gates and their L0 penalty (Louizos et al. 2018).
 
-One gate logit π per head. During pruning, gates are sampled from the stretched,
+One gate logit π per head (and, with `persistent_group`, one per group of a head's
+persistent slots: attention.py). During pruning, gates are sampled from the stretched,
 clipped BinConcrete distribution; the paper makes them discrete with a
 straight-through estimator (forward 1[g >= 0.5], backward through the soft g).
 The L0 penalty is the expected number of open gates, which is differentiable in π.
@@ -31,12 +32,17 @@ class GateConfig:
     open_at_zero: in hard mode, a deterministic gate is open iff π >= 0, as in the code
       behind the paper (where σ(π)(ζ-γ)+γ >= 1/2); False: iff π > 0. Only a logit of
       exactly 0 tells them apart: the starting point of the π = 0 ablation.
+    persistent_group: persistent slots per gate of a head's persistent memory (0: no
+      such gates, the paper's recipe); the same distribution, penalty and freeze.
+    heads: gate the heads themselves (False: only the persistent groups).
   """
   init: float = 2.0
   temperature: float = 1.0 / 3.0
   hard: bool = True
   scale_output: bool = True
   open_at_zero: bool = True
+  persistent_group: int = 0
+  heads: bool = True
 
 
 def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:

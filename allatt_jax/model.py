@@ -42,6 +42,9 @@ class ModelConfig:
   num_heads: int = 4                 # H of the unpruned model: head_dim = d_model // H
   heads_per_layer: tuple[int, ...] | None = None   # a pruned model's per-layer counts
   num_persistent: int = 0            # N persistent key/value vectors per head (All-att)
+  # An export's persistent slots per layer and head, non-increasing in each layer
+  # (pruned persistent groups); None: every head keeps num_persistent.
+  persistent_slots: tuple[tuple[int, ...], ...] | None = None
   d_ff: int = 0                      # feed-forward width (TXL)
   rel_pos: str = "learned"           # 'learned' (shared table) or 'sinusoidal'
   max_relative_len: int = 0          # learned table length, at least T + S of any use
@@ -92,6 +95,14 @@ class ModelConfig:
   @property
   def layer_heads(self) -> tuple[int, ...]:
     return self.heads_per_layer or (self.num_heads,) * self.num_layers
+
+  def head_slots(self, layer: int) -> tuple[int, ...]:
+    """The persistent slots each head of `layer` keeps."""
+    if self.kind != "allatt":
+      return (0,) * self.layer_heads[layer]
+    if self.persistent_slots is None:
+      return (self.num_persistent,) * self.layer_heads[layer]
+    return self.persistent_slots[layer]
 
   @classmethod
   def from_config(cls, config: run_config.RunConfig, **overrides) -> "ModelConfig":
@@ -150,6 +161,7 @@ def _layer_norm(name, cfg: ModelConfig):
 class Layer(nn.Module):
   cfg: ModelConfig
   num_heads: int
+  index: int
 
   @nn.compact
   def __call__(self, x_BxTxD, mem_BxSxD, r_KxD, mask_TxK, *, deterministic, sample_gates):
@@ -158,9 +170,11 @@ class Layer(nn.Module):
     stats = {}
     if self.num_heads:
       norm = _layer_norm("attention_norm", cfg)
+      num_persistent = cfg.num_persistent if cfg.kind == "allatt" else 0
+      slots = cfg.head_slots(self.index)
       attn_out, stats = attention.RelativeAttention(
-          num_heads=self.num_heads, head_dim=cfg.head_dim,
-          num_persistent=cfg.num_persistent if cfg.kind == "allatt" else 0,
+          num_heads=self.num_heads, head_dim=cfg.head_dim, num_persistent=num_persistent,
+          slot_counts=None if set(slots) == {num_persistent} else slots,
           dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
           score_dtype=cfg.score_dtype,
           attention_impl=cfg.attention_impl,
@@ -209,7 +223,7 @@ class TransformerLM(nn.Module):
           "relative_table", nn.with_logical_partitioning(
               nn.initializers.normal(0.02), ("relpos", "embed")),
           (cfg.max_relative_len, cfg.d_model))
-    self.layers = [Layer(cfg, h, name=f"layer_{i}") for i, h in enumerate(cfg.layer_heads)]
+    self.layers = [Layer(cfg, h, i, name=f"layer_{i}") for i, h in enumerate(cfg.layer_heads)]
     self.final_norm = _layer_norm("final_norm", cfg) if cfg.final_norm else None
     self.drop_emb = nn.Dropout(cfg.dropout_emb)
     self.drop = nn.Dropout(cfg.dropout)
@@ -287,6 +301,18 @@ def abstract_variables(cfg: ModelConfig):
                         init_memory(cfg, 1, 1))
 
 
-def l0_penalty(stats) -> jax.Array:
-  """Expected number of open heads over all layers (the L0 term)."""
-  return sum(jnp.sum(s["open_prob"]) for s in stats if s)
+def l0_penalty(stats, group_share: float | None = None) -> jax.Array:
+  """The L0 term: the expected number of open heads over all layers; with persistent
+  groups (`group_share`: a group's share of a head's cost), each head counts the
+  share of its cost that its expected open groups keep, Σ_h P_h·(1 − n·s + s·Σ_g Q_hg)
+  for n groups per head (a head not gated counts P_h = 1)."""
+  if group_share is None:
+    return sum(jnp.sum(s["open_prob"]) for s in stats if s)
+  total = jnp.zeros(())
+  for s in stats:
+    if not s:
+      continue
+    groups_HxG = s["persistent_open_prob"]
+    size_H = 1.0 - group_share * (groups_HxG.shape[1] - jnp.sum(groups_HxG, axis=1))
+    total += jnp.sum(size_H * s["open_prob"]) if "open_prob" in s else jnp.sum(size_H)
+  return total

@@ -74,8 +74,18 @@ class ModelSection(_Section):
   cluster_fractions: tuple[float, ...] = ()
   attention_impl: str = "auto"
   auto_cutoffs: bool = False       # completed into cutoffs and div_val (resolver.py)
+  # An export's persistent slots per layer and head (None: every head keeps N).
+  persistent_slots: tuple[tuple[int, ...], ...] | None = None
 
   _TUPLES = ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions")
+
+  @classmethod
+  def from_dict(cls, values: dict) -> "ModelSection":
+    section = super().from_dict(values)
+    slots = section.persistent_slots
+    if slots is None:
+      return section
+    return dataclasses.replace(section, persistent_slots=tuple(tuple(s) for s in slots))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +109,8 @@ class GatesSection(_Section):
   budget_sharpness: float
   budget_warmup_steps: int | None
   allow_empty: bool = False        # a budget may keep no head (config_checks)
+  persistent_group: int = 0        # slots per persistent gate group; 0 = no such gates
+  heads: bool = True               # gate the heads (False: persistent groups only)
 
   @property
   def budget_targets(self) -> tuple[str, ...]:
