@@ -38,15 +38,28 @@ its gradient towards the heads near the decision.
 Whatever the gates do, at the freeze the run keeps exactly n* heads (`prune.keep_open_heads`:
 the heads ranked by logit where the gates disagree with the budget), so the gated
 model trains its last steps, and is exported, at the size asked for.
+
+Persistent groups (`gates.persistent_group`). With gates on groups of persistent
+slots, units of two costs compete: a head (its projections and context attention)
+and each group of its slots (`head_costs.UnitCosts`). The count becomes a size in
+heads, Σ_h P_h·(1 − n·s + s·Σ_g Q_hg) for n groups per head, each worth s of a
+head's cost (P, Q: the heads' and groups' open probabilities; P = 1 for heads not
+gated), the expected cost of the model in units of one whole head (after CoFi's
+expected model size). The fixed-λ L0 term counts the same with the parameters'
+share s; a budget steers it to its value in those units (`UnitCosts.size_of`), and
+at the freeze `persistent_groups.keep_within_budget` makes the model exactly fit:
+at or just under the budget, with no unit left out that would still fit.
 """
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from allatt_jax import gates as gates_lib
+from allatt_jax import model as model_lib
 from allatt_jax import run_config
 
 COLLECTION = "lagrangian"
@@ -68,6 +81,24 @@ def expected_open(gate: gates_lib.GateConfig, gates, sharpness=1.0) -> jax.Array
   """
   return sum(jnp.sum(gates_lib.forward_open_probability(logits_H, gate, sharpness))
              for logits_H in jax.tree.leaves(gates))
+
+
+def expected_size(gate: gates_lib.GateConfig, gates, group_share: float,
+                  sharpness=1.0) -> jax.Array:
+  """The expected size of the model in heads when persistent groups are gated too:
+  each head's open probability times the share of its cost its expected open groups
+  keep (a group is worth `group_share` of a head), summed over heads."""
+  total = jnp.zeros(())
+  for layer in gates.values():
+    layer_gates = layer["attention"]
+    groups_HxG = gates_lib.forward_open_probability(layer_gates["persistent_logits"], gate,
+                                                    sharpness)
+    size_H = 1.0 - group_share * (groups_HxG.shape[1] - jnp.sum(groups_HxG, axis=1))
+    if "logits" in layer_gates:
+      size_H = size_H * gates_lib.forward_open_probability(layer_gates["logits"], gate,
+                                                           sharpness)
+    total += jnp.sum(size_H)
+  return total
 
 
 def target_warmup_steps(configured: int | None, freeze_step: int) -> int:
@@ -99,28 +130,50 @@ class Penalty:
   lam: optax.Schedule
   gate: gates_lib.GateConfig
   target: optax.Schedule | None = None      # t(step), only with a budget
-  allowed: int | None = None                # n*, the heads the budget allows
+  # n*, the heads a budget allows; with persistent groups, the budget's value.
+  allowed: float | None = None
   sharpness: optax.Schedule = optax.constant_schedule(1.0)   # k(step) of the count
+  # With persistent groups: their units' costs (params for a fixed λ), by which the
+  # L0 term and the controller count the model's size.
+  units: Any = None
 
   @classmethod
   def of(cls, gates: run_config.GatesSection, gate: gates_lib.GateConfig,
-         layer_heads, allowed: int | None) -> "Penalty":
+         layer_heads, allowed: float | None, units=None) -> "Penalty":
     """The run's L0 term: the fixed-λ schedule, or, with a budget of `allowed` heads
     (n*, `head_costs.target_open_heads`), the controller whose target t(step) moves
     from the initial expected open heads (`layer_heads` at the gates' init) down to
-    n* over `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze)."""
+    n* over `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
+    With persistent groups (`units`, `head_costs.UnitCosts`), `allowed` is the
+    budget's value and the count is the expected size (`expected_size`)."""
     lam = lambda_schedule(gates)
     if allowed is None:
-      return cls(lam, gate)
+      return cls(lam, gate, units=units)
     warmup = target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
     controlled = functools.partial(
-        cls, lam, gate, allowed=allowed,
+        cls, lam, gate, allowed=allowed, units=units,
         sharpness=sharpness_schedule(warmup, gates.freeze_step, gates.budget_sharpness))
+    end = (float(allowed) if units is None
+           else units.size_of(allowed, len([h for h in layer_heads if h])))
     if not warmup:
-      return controlled(optax.constant_schedule(float(allowed)))
-    start = float(expected_open(gate, [jnp.full((h,), gate.init)
-                                       for h in layer_heads if h]))
-    return controlled(optax.linear_schedule(start, float(allowed), warmup))
+      return controlled(optax.constant_schedule(end))
+    if units is None:
+      start = float(expected_open(gate, [jnp.full((h,), gate.init)
+                                         for h in layer_heads if h]))
+    else:
+      groups = units.groups_per_head
+      init_gates = {f"layer_{i}": {"attention": {
+          "persistent_logits": jnp.full((h, groups), gate.init),
+          **({"logits": jnp.full((h,), gate.init)} if gate.heads else {})}}
+                    for i, h in enumerate(layer_heads) if h}
+      start = float(expected_size(gate, init_gates, units.group_share))
+    return controlled(optax.linear_schedule(start, end, warmup))
+
+  def l0(self, stats) -> jax.Array:
+    """The L0 term's expected count of the gated forward pass's statistics (each
+    layer's, `model.l0_penalty`)."""
+    return model_lib.l0_penalty(stats, None if self.units is None
+                                else self.units.group_share)
 
   @property
   def controlled(self) -> bool:
@@ -150,4 +203,7 @@ class Penalty:
 
   def open_count(self, variables, step) -> jax.Array:
     """What the controller steers to t(step)."""
+    if self.units is not None:
+      return expected_size(self.gate, variables["gates"], self.units.group_share,
+                           self.sharpness(step))
     return expected_open(self.gate, variables["gates"], self.sharpness(step))

@@ -41,28 +41,38 @@ from allatt_jax.errors import ConfigError
 EMBEDDING_PARAMS = ("embedding", "relative_table")
 
 
-def layer_param_count(cfg: model_lib.ModelConfig, heads: int) -> int:
+def _layer_slots(cfg: model_lib.ModelConfig, heads: int, slots: int | None) -> int:
+  """A layer's persistent slots, summed over its heads: `slots`, or N per head."""
+  if cfg.kind != "allatt":
+    return 0
+  return heads * cfg.num_persistent if slots is None else slots
+
+
+def layer_param_count(cfg: model_lib.ModelConfig, heads: int,
+                      slots: int | None = None) -> int:
+  """A layer's parameters with `heads` heads holding `slots` persistent slots in all
+  (None: N each)."""
   d, dh = cfg.d_model, cfg.head_dim
   count = d if cfg.out_bias else 0   # W_O's bias outlives the layer's last head
   if heads:
     count += 5 * d * heads * dh + 2 * heads * dh + 2 * d   # Q K V O R, u v, LayerNorm
-    if cfg.kind == "allatt":
-      count += 2 * heads * cfg.num_persistent * dh
+    count += 2 * _layer_slots(cfg, heads, slots) * dh
   if cfg.kind == "txl":
     count += 2 * d * cfg.d_ff + cfg.d_ff + d + 2 * d
   return count
 
 
 def layer_macs_per_token(cfg: model_lib.ModelConfig, heads: int, seq_len: int,
-                         mem_len: int, batch_size: int) -> float:
-  d, hd = cfg.d_model, heads * cfg.head_dim
-  keys = seq_len + mem_len
+                         mem_len: int, batch_size: int, slots: int | None = None) -> float:
+  """A layer's forward MACs per token with `heads` heads holding `slots` persistent
+  slots in all (None: N each)."""
+  d, dh = cfg.d_model, cfg.head_dim
+  hd, keys = heads * dh, seq_len + mem_len
   macs = 0.0
   if heads:
     macs += d * hd * (1 + 2 * keys / seq_len + keys / (batch_size * seq_len) + 1)
     macs += 3 * keys * hd
-    if cfg.kind == "allatt":
-      macs += 2 * cfg.num_persistent * hd
+    macs += 2 * _layer_slots(cfg, heads, slots) * dh
   if cfg.kind == "txl":
     macs += 2 * d * cfg.d_ff
   return macs
@@ -92,13 +102,28 @@ def output_macs_per_token(cfg: model_lib.ModelConfig,
 
 
 def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
-  """Embedding / non-embedding / total parameter counts of the real tree."""
+  """Embedding / non-embedding / total parameter counts of the real tree, without an
+  export's padding slots (zeros the model never reads)."""
   params = model_lib.abstract_variables(cfg)["params"]
   size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
   embedding = sum(size(params[k]) for k in EMBEDDING_PARAMS if k in params)
-  total = size(params)
+  total = size(params) - 2 * cfg.head_dim * padding_slots(cfg)
   return {"params_non_embedding": total - embedding, "params_embedding": embedding,
           "params_total": total}
+
+
+def padding_slots(cfg: model_lib.ModelConfig) -> int:
+  """The persistent slots an export stores beyond its heads' counts (each layer's
+  arrays hold every head at the layer's largest count)."""
+  if cfg.kind != "allatt" or cfg.persistent_slots is None:
+    return 0
+  return sum(len(slots) * max(slots, default=0) - sum(slots)
+             for slots in cfg.persistent_slots)
+
+
+def persistent_per_layer(cfg: model_lib.ModelConfig) -> list[int]:
+  """The persistent slots each layer keeps, summed over its heads."""
+  return [sum(cfg.head_slots(i)) for i in range(cfg.num_layers)]
 
 
 def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
@@ -106,8 +131,8 @@ def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
   """Forward MACs per token of a step on B = `batch_size` segments: the attention
   stack's, and with the output layer's as it runs; where tail capacities make that
   less than every position paying for every tail, that count too."""
-  layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size)
-               for h in cfg.layer_heads)
+  layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size, slots)
+               for h, slots in zip(cfg.layer_heads, persistent_per_layer(cfg)))
   macs = {"macs_per_token_non_embedding": layers,
           "macs_per_token": layers + output_macs_per_token(cfg, batch_size * seq_len)}
   every_tail = layers + output_macs_per_token(cfg)
@@ -120,7 +145,8 @@ def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: i
            heads_kept: float | None = None) -> dict:
   """The cost report; with `heads_kept`, also relative to the unpruned model."""
   full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
-          "heads_per_layer": list(cfg.layer_heads), "seq_len": seq_len,
+          "heads_per_layer": list(cfg.layer_heads),
+          "persistent_per_layer": persistent_per_layer(cfg), "seq_len": seq_len,
           "mem_len": mem_len, "batch_size": batch_size}
   if heads_kept is None:
     return full
@@ -148,8 +174,10 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
   """The same model keeping round(F·H) heads in every layer."""
   if not 0.0 <= heads_kept <= 1.0:
     raise ValueError(f"--heads_kept must lie in [0, 1], got {heads_kept}.")
-  return dataclasses.replace(
-      cfg, heads_per_layer=tuple(round(heads_kept * h) for h in cfg.layer_heads))
+  heads = tuple(round(heads_kept * h) for h in cfg.layer_heads)
+  slots = (None if cfg.persistent_slots is None else
+           tuple(layer[:h] for layer, h in zip(cfg.persistent_slots, heads)))
+  return dataclasses.replace(cfg, heads_per_layer=heads, persistent_slots=slots)
 
 
 # --- Budgets: a pruning run's requested size as a number of open heads (budget.py
@@ -226,6 +254,72 @@ class BudgetScale:
       return str(math.ceil(exact))
     return next(text for text in (f"{exact:.4g}", f"{exact:.6g}", repr(exact))
                 if self.heads(float(text)) == heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+  """What each unit of a budget over heads and persistent groups costs, in params or
+  MACs per token (`key`): a head without its persistent slots (`head`), a group of
+  its slots (`group`), what a layer's first head adds besides (`layer`: its
+  LayerNorm's parameters), and the model with every head removed (`empty`).
+
+  A model keeping h_l heads and g_l groups (of those heads) in layer l costs exactly
+  `cost`: empty + Σ_{l: h_l > 0} (layer + h_l·head + g_l·group). The controller counts
+  it in heads (`size_of`): a head with all its groups is 1, a group `group_share`.
+  """
+  key: str
+  empty: float
+  layer: float
+  head: float
+  group: float
+  groups_per_head: int
+
+  @classmethod
+  def of(cls, cfg: model_lib.ModelConfig, key: str, eval_lengths,
+         group_size: int) -> "UnitCosts":
+    """The units of `cfg` (all heads with all N slots) under budget key `key`
+    ('target_params' or 'target_macs') with groups of `group_size` slots."""
+    def one_layer(heads: int, slots: int) -> float:
+      single = dataclasses.replace(cfg, num_layers=1, heads_per_layer=(heads,),
+                                   num_persistent=slots if heads else 0)
+      return _budget_cost(single, key, eval_lengths)
+    no_heads = dataclasses.replace(cfg, heads_per_layer=(0,) * cfg.num_layers)
+    bare = one_layer(0, 0)
+    one, two = one_layer(1, 0) - bare, one_layer(2, 0) - bare
+    return cls(key, empty=_budget_cost(no_heads, key, eval_lengths), layer=2 * one - two,
+               head=two - one, group=(one_layer(1, group_size) - bare - one),
+               groups_per_head=cfg.num_persistent // group_size)
+
+  @property
+  def full_head(self) -> float:
+    return self.head + self.groups_per_head * self.group
+
+  @property
+  def group_share(self) -> float:
+    """A group's share of a head's cost (the controller's and the L0 term's weight)."""
+    return self.group / self.full_head
+
+  def cost(self, heads_per_layer, groups_per_layer) -> float:
+    """The exact cost of a model keeping these heads and groups per layer."""
+    return self.empty + sum(self.layer + h * self.head + g * self.group
+                            for h, g in zip(heads_per_layer, groups_per_layer) if h)
+
+  def size_of(self, value: float, num_layers: int) -> float:
+    """A budget `value` in the controller's units (heads with all their groups), as
+    if every layer kept a head."""
+    return (value - self.empty - num_layers * self.layer) / self.full_head
+
+
+def budget_units(config: run_config.RunConfig,
+                 cfg: model_lib.ModelConfig) -> UnitCosts | None:
+  """The units of a pruning run with persistent groups, under its budget key (the
+  parameters' for a fixed λ); None without such gates."""
+  group = config.gates.persistent_group
+  if not (config.gates.enabled and group):
+    return None
+  e = config.eval
+  key = config.gates.budget_target or "target_params"
+  return UnitCosts.of(cfg, key, (e.seq_len, e.mem_len, e.batch_size), group)
 
 
 def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> int:

@@ -198,9 +198,12 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   lm = model_lib.TransformerLM(cfg)
   mesh = sharding.make_mesh(mesh_shape)
   # A budget becomes its number of open heads n* here, once; a bad one fails at setup.
-  allowed = (head_costs.target_open_heads(run, cfg) if run.gates.budget_target
-             else None)
-  penalty = budget.Penalty.of(run.gates, cfg.gate, cfg.layer_heads, allowed)
+  # With persistent groups it stays a size, in the units each kind of gate prunes.
+  units = head_costs.budget_units(run, cfg)
+  allowed = (None if not run.gates.budget_target
+             else head_costs.target_open_heads(run, cfg) if units is None
+             else getattr(run.gates, run.gates.budget_target))
+  penalty = budget.Penalty.of(run.gates, cfg.gate, cfg.layer_heads, allowed, units)
   rates = optim.schedules(run)
   optimizer = optim.make_optimizer(run.train, rates,
                                    budget.COLLECTION if penalty.controlled else None)

@@ -16,6 +16,7 @@ from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import preemption
+from allatt_jax import persistent_groups
 from allatt_jax import progress
 from allatt_jax import prune
 from allatt_jax import resolver
@@ -187,17 +188,26 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
 
 
 def _keep_budgeted_heads(setup: resolver.RunSetup, workdir, state, step: int):
-  """The state with exactly the budget's n* heads open (`prune.keep_open_heads`),
+  """The state with exactly the budget's n* heads open (`prune.keep_open_heads`), or
+  with persistent groups the units that fit it (`persistent_groups.keep_within_budget`),
   the decision recorded in BUDGET_FILE and on the console.
 
   Made when the gates freeze, so the last steps train the model at its final size.
   """
   gates = sharding.on_host(state.variables["gates"])
-  new_gates, decision = prune.keep_open_heads(setup.lm.cfg, gates, setup.penalty.allowed)
+  cfg, penalty = setup.lm.cfg, setup.penalty
+  if penalty.units is None:
+    new_gates, decision = prune.keep_open_heads(cfg, gates, penalty.allowed)
+    line = prune.decision_line(decision, sum(cfg.layer_heads))
+  else:
+    new_gates, decision = persistent_groups.keep_within_budget(cfg, gates, penalty.units,
+                                                               penalty.allowed)
+    line = persistent_groups.decision_line(
+        decision, sum(cfg.layer_heads), sum(cfg.layer_heads) * penalty.units.groups_per_head)
   path = workdir / BUDGET_FILE
   if decision["changed"] or not path.is_file():
     if jax.process_index() == 0:
-      print(prune.decision_line(decision, sum(setup.lm.cfg.layer_heads)), flush=True)
+      print(line, flush=True)
       run_files.write_json(path, {"step": step, **decision})
   if not decision["changed"]:
     return state

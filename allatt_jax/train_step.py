@@ -107,8 +107,8 @@ def abstract_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penal
 
 
 def _per_layer(stats, key):
-  """Sum of a gate statistic per layer (0 for layers without heads or gates)."""
-  return jnp.stack([jnp.sum(s[key]) if s else jnp.zeros(()) for s in stats])
+  """Sum of a gate statistic per layer (0 for layers without heads or such gates)."""
+  return jnp.stack([jnp.sum(s[key]) if key in s else jnp.zeros(()) for s in stats])
 
 
 def _micro_batches(x, k):
@@ -177,7 +177,7 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
           step_config.distill, nll, clusters, teacher_clusters,
           hidden["intermediates"]["layer_outputs"],
           teacher_hidden["intermediates"]["layer_outputs"], lm.cfg.vocab_block)
-    l0 = model_lib.l0_penalty(stats) if "gates" in variables else jnp.zeros(())
+    l0 = penalty.l0(stats) if "gates" in variables else jnp.zeros(())
     return loss + penalty(variables, l0, state.step), (nll, l0, new_memory, teacher_memory,
                                                        stats, distilled)
 
@@ -225,6 +225,8 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
          if "gates" in state.variables else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
+      **({"groups_open_actual": _per_layer(stats, "persistent_open")}
+         if any("persistent_open" in s for s in stats) else {}),
       **penalty.metrics(state.variables, state.step),
       **distilled,
   }
