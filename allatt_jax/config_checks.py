@@ -7,6 +7,7 @@ trace-time traceback minutes later. The checks of a run against its files (workd
 checkpoints, `init_from`, vocabulary) are validation.py's.
 """
 from collections.abc import Mapping
+import math
 import re
 
 import jax
@@ -71,6 +72,7 @@ def check_config(config: run_config.RunConfig, num_devices: int, *,
   _check_names(config)
   _check_model(config, vocab_from_data)
   _check_lengths(config)
+  _check_persistent_groups(config)
   _check_budget(config)
   if starts_run:
     _check_starting_point(config)
@@ -154,6 +156,55 @@ def _check_ranges(config):
         "--config.train.num_steps (the paper freezes at 20%: 16K of 80K steps).")
 
 
+def _check_persistent_groups(config: run_config.RunConfig) -> None:
+  """Gates on persistent groups (`gates.persistent_group`) need an All-att model whose
+  every head holds N slots in groups of that size, hard gates and the XLA core."""
+  gates, m = config.gates, config.model
+  group, flag = gates.persistent_group, "--config.gates.persistent_group"
+  if not gates.heads and not group:
+    raise ConfigError(
+        "config.gates.heads=False leaves the heads without gates, and "
+        "config.gates.persistent_group=0 gates nothing else. Set "
+        f"{flag}=64 (slots per group) to prune persistent groups only, or "
+        "--config.gates.heads=True.")
+  if not (group and gates.enabled):
+    return
+  if m.kind != "allatt" or not m.num_persistent:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} gates groups of persistent slots, which "
+        f"this model has none of (config.model.kind={m.kind!r}, num_persistent="
+        f"{m.num_persistent}). Set {flag}=0.")
+  if m.num_persistent % group:
+    divisors = [g for g in range(1, m.num_persistent + 1) if m.num_persistent % g == 0]
+    raise ConfigError(
+        f"config.gates.persistent_group={group} does not divide config.model."
+        f"num_persistent={m.num_persistent}: every group holds the same number of slots. "
+        f"Choose one of {divisors}.")
+  if m.persistent_slots is not None:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} needs every head's "
+        f"{m.num_persistent} persistent slots, but this model (an export) keeps "
+        f"{[sum(s) for s in m.persistent_slots]} per layer. Prune it with {flag}=0, or "
+        "start from the unpruned model.")
+  if not gates.hard:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} needs hard gates (config.gates.hard="
+        "False): a soft gate's fractional value weights its slots' exponentials, a "
+        "per-slot offset of their logits that the export cannot fold into P_K and P_V. "
+        "Set --config.gates.hard=True.")
+  if m.attention_impl == "pallas":
+    raise ConfigError(
+        f"config.model.attention_impl='pallas': the fused kernels cannot weight "
+        f"persistent slots by their gates ({flag}={group}). Use --config.model."
+        "attention_impl=auto (which runs the XLA core for such a model) or xla.")
+  if gates.target_sparsity is not None:
+    raise ConfigError(
+        f"config.gates.target_sparsity={gates.target_sparsity} is a fraction of heads, "
+        f"and with {flag}={group} persistent groups are pruned too. Ask for a size both "
+        "count: --config.gates.target_params or --config.gates.target_macs (or set "
+        f"{flag}=0).")
+
+
 def _check_budget(config: run_config.RunConfig) -> None:
   """A budget (`gates.target_*`) must be one some number of heads meets, and one that
   leaves a head, unless `gates.allow_empty` asks for a model without attention; the
@@ -169,6 +220,15 @@ def _check_budget(config: run_config.RunConfig) -> None:
         "config.gates.enabled is False. Set --config.gates.enabled=True (and "
         "--config.init_from=BASELINE), or leave the budget unset.")
   cfg = model_lib.ModelConfig.from_config(config)
+  if cfg.persistent_slots is not None:
+    raise ConfigError(
+        f"config.gates.{key}={value}: a budget counts heads of equal cost, but this "
+        "model's heads keep different numbers of persistent vectors (an export of "
+        "pruned persistent groups). Prune it with a fixed --config.gates.lam, or start "
+        "from the unpruned model.")
+  if gates.persistent_group:
+    _check_group_budget(config, cfg, key, value, flag)
+    return
   scale = head_costs.BudgetScale.of(config, cfg)
   total, allow_empty = scale.total, gates.allow_empty
   fewest = 0 if allow_empty else 1
@@ -196,6 +256,42 @@ def _check_budget(config: run_config.RunConfig) -> None:
         "model without attention, which is rarely what anyone wants. The nearest "
         f"budget that keeps a head: {keeps(1)}; to remove every head anyway, add "
         "--config.gates.allow_empty=True.")
+
+
+def _check_group_budget(config, cfg, key: str, value: float, flag: str) -> None:
+  """A budget over heads and persistent groups: at least what must stay (nothing, or
+  every head without slots when heads are not gated), and a head unless allowed."""
+  gates = config.gates
+  units = head_costs.budget_units(config, cfg)
+  unit = ("non-embedding parameters" if key == "target_params"
+          else "non-embedding MACs per token")
+  met = lambda cost: f"{flag}={math.ceil(cost - 1e-9)}"
+  if not gates.heads:
+    floor = units.cost(cfg.layer_heads, [0] * cfg.num_layers)
+    if value < floor:
+      raise ConfigError(
+          f"config.gates.{key}={value} is below the {floor:,.0f} {unit} that pruning "
+          "persistent groups alone leaves (every head's projections and context "
+          f"attention stay, config.gates.heads=False). The smallest budget that is met: "
+          f"{met(floor)} (no persistent vector kept); to go lower, gate the heads too: "
+          "--config.gates.heads=True.")
+    return
+  one_head = units.empty + units.layer + units.head
+  empty_advice = ("" if gates.allow_empty else
+                  f"; to remove every head, {met(units.empty)} with "
+                  "--config.gates.allow_empty=True")
+  if value < units.empty or value <= 0:
+    nearest = met(units.empty) if gates.allow_empty else met(one_head)
+    raise ConfigError(
+        f"config.gates.{key}={value} is below the {units.empty:,.0f} {unit} that no "
+        "head holds (what is left with every head removed), so no number of heads "
+        f"meets it. The smallest budget that is met: {nearest}{empty_advice}.")
+  if value < one_head and not gates.allow_empty:
+    raise ConfigError(
+        f"config.gates.{key}={value} leaves none of the model's {sum(cfg.layer_heads)} "
+        "heads: a model without attention, which is rarely what anyone wants. The "
+        f"nearest budget that keeps a head: {met(one_head)} (one head without persistent "
+        "vectors); to remove every head anyway, add --config.gates.allow_empty=True.")
 
 
 def _check_names(config):

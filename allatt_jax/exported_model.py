@@ -25,6 +25,7 @@ from allatt_jax import checkpointing
 from allatt_jax import console
 from allatt_jax import data as data_lib
 from allatt_jax import errors
+from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
@@ -97,15 +98,21 @@ def export_and_evaluate(
     export and its 'directory'.
   """
   pruned_cfg, params = prune.remove_heads(cfg, variables, heads)
+  slots = head_costs.persistent_per_layer(pruned_cfg)
   if jax.process_index() == 0:
+    kept_slots = ("" if pruned_cfg.persistent_slots is None else
+                  f", persistent vectors per layer {' '.join(map(str, slots))} of "
+                  f"{' '.join(map(str, head_costs.persistent_per_layer(cfg)))}")
     console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
-                   f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}) "
-                   f"to {directory}; evaluating it")
+                   f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}"
+                   f"{kept_slots}) to {directory}; evaluating it")
   save(directory, config, pruned_cfg, params, corpus.tokenizer)
   evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
                                                config)
   results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(pruned_cfg.layer_heads)
+  if pruned_cfg.persistent_slots is not None:
+    results["persistent_per_layer"] = slots
   results["directory"] = str(directory)
   return results
 
@@ -155,6 +162,8 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
   key = gates.budget_target
+  if "groups" in decision:
+    return _group_budget_warnings(config, decision, total, gate_flags)
   if decision["allowed"] == total:
     return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
@@ -171,6 +180,31 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
             f"{gates.freeze_step}, with {train_flags}.num_steps after it), or a longer target "
             f"warm-up, {gate_flags}.budget_warmup_steps (now "
             f"{budget.target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)})."]
+  return []
+
+
+def _group_budget_warnings(config: run_config.RunConfig, decision: dict, total: int,
+                           gate_flags: str) -> list[str]:
+  """`pruning_warnings` of a budget over heads and persistent groups
+  (`persistent_groups.keep_within_budget`'s decision)."""
+  gates = config.gates
+  key = gates.budget_target
+  asked = f"{gate_flags}.{key}={getattr(gates, key)}"
+  groups = total * config.model.num_persistent // gates.persistent_group
+  if decision["allowed"] == total and decision["groups"] == groups:
+    return [f"the budget {asked} allows all {total} heads and {groups} persistent "
+            "groups, so pruning removed nothing; ask for a smaller size."]
+  if not decision["allowed"]:
+    return [f"the budget {asked} keeps none of the {total} heads ({gate_flags}."
+            "allow_empty=True): the exported model has no attention."]
+  off = abs(decision["cost_by_gates"] - decision["cost"])
+  if off >= 0.1 * decision["budget"]:
+    return [f"the gates alone kept a model of {decision['cost_by_gates']:,.0f} at the "
+            f"freeze, far from the budget's {decision['budget']:,.0f}: to fit it, the "
+            f"budget reversed {decision['changed']} of the gates' decisions by logit "
+            f"rank. To let the gates decide, give them more steps to settle before "
+            f"they freeze: a later {gate_flags}.freeze_step (now {gates.freeze_step}), or "
+            f"a longer target warm-up, {gate_flags}.budget_warmup_steps."]
   return []
 
 

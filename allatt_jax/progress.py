@@ -18,13 +18,14 @@ import tqdm
 from allatt_jax import console
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import persistent_groups
 from allatt_jax import prune
 from allatt_jax import run_files
 from allatt_jax import stream_eval
 from allatt_jax.errors import TrainingError
 
 # Train metrics that only mean something with gates; a baseline run does not log them.
-GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual")
+GATE_METRICS = ("l0", "lambda", "open_expected", "open_actual", "groups_open_actual")
 
 
 class TrainProgress:
@@ -50,7 +51,9 @@ class TrainProgress:
     self.workdir, self.cfg = workdir, cfg
     self.num_steps, self.tokens_per_step, self.metric = num_steps, tokens_per_step, metric
     self.skip_nonfinite, self.gated, self.freeze_step = skip_nonfinite, gated, freeze_step
-    self.num_heads = sum(cfg.layer_heads) if gated else 0
+    self.num_heads = sum(cfg.layer_heads) if gated and cfg.gate.heads else 0
+    group = cfg.gate.persistent_group if gated else 0
+    self.num_groups = sum(cfg.layer_heads) * cfg.num_persistent // group if group else 0
     self.is_main = jax.process_index() == 0
     metric_writers, periodic_actions = _clu()
     self.writer = metric_writers.create_default_writer(str(workdir),
@@ -96,15 +99,20 @@ class TrainProgress:
     self.writer.write_scalars(done, summary)
     self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
     if self.is_main:
-      kept = (prune.surviving_heads(self.cfg, jax.device_get(gates)) if self.gated
-              else None)
+      host_gates = jax.device_get(gates) if self.gated else None
+      kept = prune.surviving_heads(self.cfg, host_gates) if self.gated else None
       decided = None if kept is None else sum(len(k) for k in kept)
+      slots = (persistent_groups.kept_slots(self.cfg, host_gates) if self.num_groups
+               else None)
+      groups_decided = None if slots is None else _kept_groups(self.cfg, kept, slots)
       self.bar.write(progress_line(done, self.num_steps, steps_per_s, summary,
                                    self.metric, self.num_heads, decided,
-                                   frozen=done > self.freeze_step))
+                                   frozen=done > self.freeze_step,
+                                   num_groups=self.num_groups,
+                                   groups_decided=groups_decided))
       sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
       if self.gated:
-        _append_gate_history(self.workdir, done, gates, self.cfg, kept)
+        _append_gate_history(self.workdir, done, host_gates, self.cfg, kept, slots)
     self.pending, self.interval_start = [], time.perf_counter()
 
   def write_eval(self, done: int, results: dict) -> None:
@@ -173,23 +181,34 @@ def _without_steps(fetched, last_step: int, nonfinite) -> list:
 
 def progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
                   metric: str, num_heads: int, decided: int | None = None,
-                  frozen: bool = False) -> str:
+                  frozen: bool = False, num_groups: int = 0,
+                  groups_decided: int | None = None) -> str:
   """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus, for a
   pruning run (`num_heads` > 0), its heads and λ: while the gates are sampled, the
   mean count open in the steps since the last line (an expectation) and the heads
   the gates keep now (`decided`: the deterministic rule, what a freeze or an export
-  would keep); once `frozen`, the heads kept."""
+  would keep); once `frozen`, the heads kept. With gated persistent groups
+  (`num_groups` > 0), the same of the groups (of the heads kept)."""
   line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
           f"loss {summary['loss']:.4f}  {steps_per_s:.1f} steps/s  "
           f"ETA {console.duration((num_steps - step) / steps_per_s)}")
-  if num_heads:
+  kinds = [("heads", num_heads, decided, "open_actual/total")] if num_heads else []
+  if num_groups:
+    kinds.append(("groups", num_groups, groups_decided, "groups_open_actual/total"))
+  for kind, total, kept, key in kinds:
     if frozen:
-      line += f"  heads kept {decided}/{num_heads} (frozen)"
+      line += f"  {kind} kept {kept}/{total} (frozen)"
     else:
-      line += (f"  heads open {summary['open_actual/total']:.1f}/{num_heads} expected, "
-               f"{decided} decided")
+      line += f"  {kind} open {summary[key]:.1f}/{total} expected, {kept} decided"
+  if kinds:
     line += f"  λ {summary['lambda']:.4g}"
   return line
+
+
+def _kept_groups(cfg: model_lib.ModelConfig, kept_heads, slots) -> int:
+  """The persistent groups the deterministic rule keeps, of the heads it keeps."""
+  return sum(len(slots[i][h]) for i, heads in enumerate(kept_heads) for h in heads
+             ) // cfg.gate.persistent_group
 
 
 def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
@@ -208,17 +227,28 @@ def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
   return summary
 
 
-def _append_gate_history(workdir, step, gates, cfg: model_lib.ModelConfig,
-                         kept) -> None:
+def _append_gate_history(workdir, step, host_gates, cfg: model_lib.ModelConfig,
+                         kept, slots=None) -> None:
   """Per-layer, per-head probabilities that the gate is open in the forward pass (the
   deterministic rule keeps a hard gate iff it is >= 1/2), and the heads that rule
-  keeps now (`kept`: `prune.surviving_heads`), for the gates heat map."""
-  open_probability = lambda logits_H: gates_lib.forward_open_probability(
-      jnp.asarray(logits_H), cfg.gate)
-  host_gates = jax.device_get(gates)
-  probs = [np.asarray(open_probability(g["attention"]["logits"])).tolist() if g else []
-           for g in (host_gates.get(f"layer_{i}") for i in range(cfg.num_layers))]
+  keeps now (`kept`: `prune.surviving_heads`), for the gates heat map; with gated
+  persistent groups, the same per head and group (`slots`:
+  `persistent_groups.kept_slots`)."""
+  open_probability = lambda logits: np.asarray(gates_lib.forward_open_probability(
+      jnp.asarray(logits), cfg.gate)).tolist()
+  layers = [host_gates.get(f"layer_{i}", {}).get("attention", {})
+            for i in range(cfg.num_layers)]
+  probs = [open_probability(g["logits"]) if "logits" in g else [] for g in layers]
   decided = [[int(h in kept_H) for h in range(len(layer))]
              for layer, kept_H in zip(probs, kept)]
+  record = {"step": step, "open_prob": probs, "decided": decided}
+  if slots is not None:
+    group = cfg.gate.persistent_group
+    record["persistent_open_prob"] = [
+        open_probability(g[persistent_groups.GROUP_LOGITS]) if g else [] for g in layers]
+    record["persistent_decided"] = [
+        [] if layer is None else
+        [np.isin(np.arange(0, cfg.num_persistent, group), s).astype(int).tolist()
+         for s in layer] for layer in slots]
   with (run_files.run_path(workdir) / run_files.GATE_HISTORY_FILE).open("a") as f:
-    f.write(json.dumps({"step": step, "open_prob": probs, "decided": decided}) + "\n")
+    f.write(json.dumps(record) + "\n")

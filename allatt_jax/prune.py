@@ -25,6 +25,7 @@ import numpy as np
 from allatt_jax import errors
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import persistent_groups
 
 # Where the head axis sits in each attention parameter, keyed by its path under
 # `layer_{i}/attention`: kernels (d, H, dh) / (H, dh, d), biases (H, dh),
@@ -41,20 +42,23 @@ _HEAD_AXIS = {
     ("out", "kernel"): 0,
 }
 _OUT_KERNEL = ("out", "kernel")
+_PERSISTENT = (("persistent_key",), ("persistent_value",))
 _OUT_BIAS = ("out", "bias")
 # Sub-modules of a layer that exist only while it has heads.
 _ATTENTION_MODULES = ("attention", "attention_norm")
-# A gate logit far enough from 0 that its deterministic gate is exactly 1 (or, negated,
-# 0) in hard and soft mode alike.
-_CERTAIN_LOGIT = 10.0
+_CERTAIN_LOGIT = persistent_groups.CERTAIN_LOGIT
 
 
 def _gate_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
-  """Per layer, a float32 copy of the gate logits (H_i,); empty for a headless layer."""
+  """Per layer, a float32 copy of the gate logits (H_i,); empty for a headless layer;
+  open for certain where the heads have no gates (`gates.heads=False`)."""
   logits = []
   for i, heads in enumerate(cfg.layer_heads):
     if not heads:
       logits.append(np.zeros((0,), np.float32))
+      continue
+    if not cfg.gate.heads:
+      logits.append(np.full((heads,), _CERTAIN_LOGIT, np.float32))
       continue
     try:
       logits_H = np.array(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
@@ -151,23 +155,30 @@ def decision_line(decision: dict, num_heads: int) -> str:
 
 
 def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
-  """`cfg`, or for a gated model the ungated one of its open heads (its export's)."""
+  """`cfg`, or for a gated model the ungated one of its open heads and persistent
+  groups (its export's)."""
   if not cfg.gated:
     return cfg
-  kept = surviving_heads(cfg, variables["gates"])
-  return dataclasses.replace(cfg, heads_per_layer=tuple(len(k) for k in kept),
-                             gated=False)
+  keep, slots = _kept_units(cfg, variables["gates"], _gate_values(cfg, variables["gates"]))
+  return _pruned_config(cfg, keep, slots)
 
 
 def remove_heads(cfg: model_lib.ModelConfig, variables,
-                 heads: Mapping[int, Iterable[int]] | Sequence[np.ndarray] | None = None
+                 heads: Mapping[int, Iterable[int]] | Sequence[np.ndarray] | None = None,
+                 slots: Mapping[int, Mapping[int, Iterable[int]]] | None = None
                  ) -> tuple[model_lib.ModelConfig, dict]:
   """The smaller, ungated model without the chosen heads: the one head surgery.
 
   A gated model (a pruning run) also loses the heads its deterministic gates close,
   and its gates fold into the survivors' W_O slices, so the result computes its
   deterministic outputs: that is its export. An ungated model keeps its other heads
-  unchanged (hard gates, no output scale).
+  unchanged (hard gates, no output scale). Persistent slots go with their head, and
+  a head also loses the slots of its closed persistent groups (`persistent_groups`)
+  and those `slots` names; a closed group takes no attention mass, so removing it
+  changes no output. Where the heads of a layer then keep different numbers of slots,
+  they are ordered by that number (most first) and each layer's arrays hold the
+  largest (`model.ModelConfig.persistent_slots`; attention.py computes each head with
+  its own slots only).
 
   Args:
     cfg: the model's config, gated or not.
@@ -175,17 +186,21 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
     heads: the heads to remove, as {layer: [head, ...]} (indices of the layer's
       current heads, 0 .. H_layer - 1) or as a mask (one bool array (H_layer,) per
       layer, True = keep); None removes none.
+    slots: persistent slots to remove, {layer: {head: [slot, ...]}} (indices of the
+      layer's current heads and of each head's current slots); None removes none.
 
   Returns:
     The smaller model's config (heads_per_layer = the heads left per layer,
-    gated=False, the rest as in `cfg`) and its params tree, as numpy arrays.
+    persistent_slots = their slots where not all N, gated=False, the rest as in
+    `cfg`) and its params tree, as numpy arrays.
 
   Raises:
     CheckpointError: a gated model's variables have no gates, or do not fit `cfg`.
-    ConfigError: a layer or head index out of range, or a mask of another shape
+    ConfigError: a layer, head or slot index out of range, or a mask of another shape
       (the message names it).
   """
   removed = _removed_heads(cfg, heads)
+  removed_slots = _checked_slots(cfg, slots)
   if cfg.gated:
     if not variables.get("gates"):
       raise errors.CheckpointError(
@@ -199,21 +214,59 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
     gate = gates_lib.GateConfig(hard=True, scale_output=False)
   for layer, layer_heads in removed.items():
     logits[layer][layer_heads] = -_CERTAIN_LOGIT
-  return _cut_heads(cfg, variables["params"], _deterministic(logits, gate), gate)
+  values = _deterministic(logits, gate)
+  keep, kept_slots = _kept_units(cfg, variables.get("gates") if cfg.gated else None,
+                                 values, removed_slots)
+  return _cut_heads(cfg, variables["params"], values, gate, keep, kept_slots)
+
+
+def _kept_units(cfg: model_lib.ModelConfig, gates, values: list[np.ndarray],
+                removed_slots: Mapping[int, Mapping[int, list[int]]] | None = None
+                ) -> tuple[list[np.ndarray], list[list[np.ndarray]] | None]:
+  """(per layer, the heads kept in their order in the smaller model; per layer and
+  kept head, its persistent slots kept, or None where every kept head keeps all N)."""
+  gated_slots = persistent_groups.kept_slots(cfg, gates) if gates is not None else None
+  keep, slots = [], []
+  for i, g_H in enumerate(values):
+    heads = np.flatnonzero(g_H > 0)
+    current = cfg.head_slots(i)
+    head_slots = []
+    for h in heads:
+      kept_h = np.arange(current[h])
+      if gated_slots is not None and gated_slots[i] is not None:
+        kept_h = gated_slots[i][h]
+      gone = (removed_slots or {}).get(i, {}).get(int(h), ())
+      head_slots.append(np.setdiff1d(kept_h, gone))
+    # Most slots first (stably), so that heads of equal counts sit together.
+    order = sorted(range(len(heads)), key=lambda j: -len(head_slots[j]))
+    keep.append(heads[order])
+    slots.append([head_slots[j] for j in order])
+  full = cfg.kind == "allatt" and cfg.num_persistent
+  if cfg.persistent_slots is None and all(
+      len(s) == full for layer in slots for s in layer):
+    return [np.flatnonzero(g_H > 0) for g_H in values], None
+  return keep, slots
+
+
+def _pruned_config(cfg: model_lib.ModelConfig, keep, slots) -> model_lib.ModelConfig:
+  """The config of the model keeping heads `keep` with `slots` (`_kept_units`)."""
+  return dataclasses.replace(
+      cfg, heads_per_layer=tuple(len(k) for k in keep), gated=False,
+      persistent_slots=None if slots is None else tuple(
+          tuple(len(s) for s in layer) for layer in slots))
 
 
 def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
-               gate: gates_lib.GateConfig) -> tuple[model_lib.ModelConfig, dict]:
-  """Slices out the heads whose gate value is 0 and folds g_i · s_g into W_O."""
-  keep, combine = [], []
+               gate: gates_lib.GateConfig, keep, slots) -> tuple[model_lib.ModelConfig, dict]:
+  """Slices out the heads `keep` leaves out and the slots `slots` does (padding each
+  layer's persistent arrays to its largest count), and folds g_i · s_g into W_O."""
+  combine = []
   for g_H in values:
-    keep.append(np.flatnonzero(g_H > 0))
     # The scale uses the layer's full gate vector, as the gated forward pass does.
     combine_H = g_H * np.asarray(gates_lib.output_scale(jnp.asarray(g_H), gate))
     combine.append(combine_H.astype(np.float32))
 
-  pruned_cfg = dataclasses.replace(
-      cfg, heads_per_layer=tuple(len(k) for k in keep), gated=False)
+  pruned_cfg = _pruned_config(cfg, keep, slots)
   layer_index = {f"layer_{i}": i for i in range(cfg.num_layers)}
   pruned = {}
   for path, leaf in traverse_util.flatten_dict(params).items():
@@ -236,10 +289,24 @@ def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
     sliced = np.take(np.asarray(leaf, np.float32), keep[i], axis=_HEAD_AXIS[sub_path])
     if sub_path == _OUT_KERNEL:
       sliced = sliced * combine[i][keep[i]][:, None, None]
+    if sub_path in _PERSISTENT and slots is not None:
+      if not max(map(len, slots[i])):
+        continue   # no head of the layer keeps a slot: the layer has no such arrays
+      sliced = _gathered_slots(sliced, slots[i])
     pruned[path] = sliced
   pruned_params = traverse_util.unflatten_dict(pruned)
   _check_matches_init(pruned_cfg, pruned_params)
   return pruned_cfg, pruned_params
+
+
+def _gathered_slots(vectors_HxNxD: np.ndarray, slots: list[np.ndarray]) -> np.ndarray:
+  """Each head's kept slots first, in order, then zeros up to the layer's largest
+  count (padding the smaller model never reads)."""
+  width = max(map(len, slots))
+  out = np.zeros((len(slots), width, vectors_HxNxD.shape[-1]), vectors_HxNxD.dtype)
+  for h, kept in enumerate(slots):
+    out[h, :len(kept)] = vectors_HxNxD[h, kept]
+  return out
 
 
 def _removed_heads(cfg: model_lib.ModelConfig, heads) -> dict[int, list[int]]:
@@ -256,6 +323,24 @@ def _removed_heads(cfg: model_lib.ModelConfig, heads) -> dict[int, list[int]]:
         f"A head mask needs one bool array per layer, of the layer's head count "
         f"{list(cfg.layer_heads)}; got [{got}].")
   return {i: np.flatnonzero(~keep).tolist() for i, keep in enumerate(mask)}
+
+
+def _checked_slots(cfg: model_lib.ModelConfig, slots) -> dict[int, dict[int, list[int]]]:
+  """{layer: {head: sorted slot indices}} of `slots`, each one that exists."""
+  checked = {}
+  for layer, by_head in (slots or {}).items():
+    heads = _checked_heads(cfg, {layer: list(by_head)})
+    checked[int(layer)] = {}
+    for head in heads.get(int(layer), []):
+      count = cfg.head_slots(int(layer))[head]
+      chosen = list(by_head[head])
+      bad = [n for n in chosen if not isinstance(n, (int, np.integer)) or not 0 <= n < count]
+      if bad:
+        raise errors.ConfigError(
+            f"Head {head} of layer {layer} has no persistent slot(s) {bad}: its slots "
+            f"are 0 .. {count - 1}.")
+      checked[int(layer)][head] = sorted(set(int(n) for n in chosen))
+  return checked
 
 
 def _checked_heads(cfg: model_lib.ModelConfig,

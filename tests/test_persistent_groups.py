@@ -1,0 +1,285 @@
+"""Gates on groups of persistent slots: their variables, the softmax without closed
+groups, the export that cuts them, their costs and the budget's rule over both kinds."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax import attention
+from allatt_jax import attention_kernel
+from allatt_jax import budget
+from allatt_jax import gates as gates_lib
+from allatt_jax import head_costs
+from allatt_jax import model as model_lib
+from allatt_jax import persistent_groups
+from allatt_jax import prune
+
+VOCAB = 41
+SEQ_LEN = 8
+GROUP = 2          # slots per group: 4 groups of the 8 slots of each head
+HARD = gates_lib.GateConfig(hard=True, persistent_group=GROUP)
+# Head logits: layer 0 closes head 1; layer 1 keeps all four.
+HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
+# Group logits (H, 4): uneven open groups per head (4, 1, 0, 2 in layer 0 and
+# 3, 4, 2, 1 in layer 1): head 2 of layer 0 keeps no persistent slot.
+GROUP_LOGITS = (((2.0, 1.0, 3.0, 0.5), (-1.0, 2.0, -2.0, -3.0), (-1.0, -2.0, -0.5, -4.0),
+                 (1.0, -1.0, 2.0, -2.0)),
+                ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0), (-1.0, 2.0, 2.0, -3.0),
+                 (-1.0, -2.0, 3.0, -4.0)))
+
+
+def make_cfg(gate=HARD, **overrides):
+  base = dict(kind="allatt", vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
+              num_persistent=8, max_relative_len=64, gated=True, gate=gate)
+  base.update(overrides)
+  return model_lib.ModelConfig(**base)
+
+
+def init_variables(cfg, batch=2):
+  tokens_BxT = jnp.zeros((batch, SEQ_LEN), jnp.int32)
+  return nn.unbox(model_lib.TransformerLM(cfg).init(
+      jax.random.key(0), tokens_BxT, tokens_BxT, model_lib.init_memory(cfg, batch, SEQ_LEN)))
+
+
+def gated_model(gate=HARD):
+  """A gated model with the logits above and every parameter perturbed."""
+  cfg = make_cfg(gate)
+  variables = init_variables(cfg)
+  leaves, treedef = jax.tree.flatten(variables["params"])
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = treedef.unflatten(
+      [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  gates = {}
+  for i in range(cfg.num_layers):
+    layer = {"persistent_logits": jnp.array(GROUP_LOGITS[i])}
+    if gate.heads:
+      layer["logits"] = jnp.array(HEAD_LOGITS[i])
+    gates[f"layer_{i}"] = {"attention": layer}
+  return cfg, {"params": params, "gates": gates}
+
+
+def tokens(seed, shape):
+  return jax.random.randint(jax.random.key(seed), shape, 0, VOCAB)
+
+
+def test_group_gates_live_beside_the_head_gates_in_the_gates_collection():
+  variables = init_variables(make_cfg())
+  layer = variables["gates"]["layer_0"]["attention"]
+  assert layer["logits"].shape == (4,)
+  assert layer["persistent_logits"].shape == (4, 8 // GROUP)
+  np.testing.assert_array_equal(layer["persistent_logits"], HARD.init)
+  groups_only = init_variables(make_cfg(dataclasses.replace(HARD, heads=False)))
+  assert set(groups_only["gates"]["layer_1"]["attention"]) == {"persistent_logits"}
+  # Off (the default) and ungated models have none.
+  heads_only = init_variables(make_cfg(gates_lib.GateConfig()))
+  assert set(heads_only["gates"]["layer_0"]["attention"]) == {"logits"}
+  assert "gates" not in init_variables(make_cfg(gated=False))
+
+
+def _core_inputs(h=3, b=2, t=5, s=4, dh=8, n=6):
+  rng = iter(jax.random.split(jax.random.key(0), 9))
+  normal = lambda shape: jax.random.normal(next(rng), shape)
+  k = s + t
+  return dict(qu=normal((h, b, t, dh)), qv=normal((h, b, t, dh)), qp=normal((h, b, t, dh)),
+              k=normal((h, b, k, dh)), v=normal((h, b, k, dh)),
+              r_pad=jnp.pad(normal((h, k, dh)), [(0, 0), (1, 0), (0, 0)]),
+              pk=normal((h, n, dh)), pv=normal((h, n, dh)),
+              mask=attention.attention_mask(t, s, jnp.int32(2), False))
+
+
+def test_closed_slots_take_no_mass_as_if_they_were_not_there():
+  x = _core_inputs()
+  open_HxN = np.array([[1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+  # A large logit on a closed slot must not matter either.
+  pk = x["pk"].at[0, 1].multiply(50.0)
+  p_ctx, p_pers = attention_kernel.attention_weights(
+      x["qu"], x["qv"], x["qp"], x["k"], x["r_pad"], pk, x["mask"],
+      pw=jnp.asarray(open_HxN, jnp.float32))
+  assert np.all(np.asarray(p_pers)[~np.broadcast_to(open_HxN[:, None, None], p_pers.shape)]
+                == 0.0)
+  for h, open_N in enumerate(open_HxN):
+    kept = np.flatnonzero(open_N)
+    head = lambda a: a[h:h + 1]
+    expected_ctx, expected_pers = attention_kernel.attention_weights(
+        head(x["qu"]), head(x["qv"]), head(x["qp"]), head(x["k"]), head(x["r_pad"]),
+        head(pk)[:, kept] if kept.size else None, x["mask"])
+    np.testing.assert_allclose(p_ctx[h:h + 1], expected_ctx, rtol=1e-6, atol=1e-7)
+    if kept.size:
+      np.testing.assert_allclose(p_pers[h:h + 1][..., kept], expected_pers, rtol=1e-6,
+                                 atol=1e-7)
+    # Every query's weights still sum to one.
+    total = np.asarray(p_ctx[h]).sum(-1) + np.asarray(p_pers[h]).sum(-1)
+    np.testing.assert_allclose(total[np.asarray(x["mask"]).any(-1)[None].repeat(2, 0)],
+                               1.0, rtol=1e-5)
+
+
+def _forward_both(cfg, variables, pruned_cfg, params):
+  gated_lm, pruned_lm = model_lib.TransformerLM(cfg), model_lib.TransformerLM(pruned_cfg)
+  seq = tokens(2, (2, 2 * SEQ_LEN + 1))
+  gated_mem = model_lib.init_memory(cfg, 2, SEQ_LEN)
+  pruned_mem = model_lib.init_memory(pruned_cfg, 2, SEQ_LEN)
+  for start in (0, SEQ_LEN):   # the second segment attends to the first one's memory
+    x = seq[:, start:start + SEQ_LEN]
+    y = seq[:, start + 1:start + SEQ_LEN + 1]
+    gated_nll, gated_mem, _ = gated_lm.apply(variables, x, y, gated_mem)
+    pruned_nll, pruned_mem, stats = pruned_lm.apply({"params": params}, x, y, pruned_mem)
+    assert not any(stats)
+    np.testing.assert_allclose(pruned_nll, gated_nll, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(pruned_mem["hidden"], gated_mem["hidden"], rtol=0,
+                               atol=1e-5)
+  return gated_nll
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["heads_and_groups", "groups_only"])
+def test_export_equals_the_gated_model_with_uneven_groups_per_head(heads):
+  cfg, variables = gated_model(dataclasses.replace(HARD, heads=heads))
+  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  # Kept heads ordered by their slots, most first; head 2 of layer 0 keeps none.
+  expected = ((8, 4, 2, 0), (8, 6, 4, 2)) if not heads else ((8, 4, 0), (8, 6, 4, 2))
+  assert pruned_cfg.persistent_slots == expected
+  assert pruned_cfg.layer_heads == tuple(len(s) for s in expected)
+  assert params["layer_0"]["attention"]["persistent_key"].shape == (len(expected[0]), 8, 8)
+  gated_nll = _forward_both(cfg, variables, pruned_cfg, params)
+  # The groups matter: with every group open the outputs differ.
+  all_open = jax.tree.map(lambda x: x, variables)
+  for i in range(cfg.num_layers):
+    all_open["gates"][f"layer_{i}"]["attention"]["persistent_logits"] = jnp.full((4, 4), 5.0)
+  seq = tokens(2, (2, 2 * SEQ_LEN + 1))
+  memory = model_lib.init_memory(cfg, 2, SEQ_LEN)
+  lm = model_lib.TransformerLM(cfg)
+  _, memory, _ = lm.apply(variables, seq[:, :SEQ_LEN], seq[:, 1:SEQ_LEN + 1], memory)
+  open_nll, _, _ = lm.apply(all_open, seq[:, SEQ_LEN:2 * SEQ_LEN],
+                            seq[:, SEQ_LEN + 1:], memory)
+  assert np.abs(open_nll - gated_nll).max() > 1e-3
+
+
+def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
+  cfg, variables = gated_model()
+  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  # Its heads can be cut again (the slots go with them), and slots by hand.
+  smaller_cfg, smaller = prune.remove_heads(pruned_cfg, {"params": params}, {1: [0]},
+                                            slots={0: {0: [0, 1, 7]}})
+  assert smaller_cfg.persistent_slots == ((5, 4, 0), (6, 4, 2))
+  # Parameters count the slots kept, not the padding each layer's arrays hold.
+  padding = head_costs.padding_slots(smaller_cfg)
+  assert padding == (5 * 3 - 9) + (6 * 3 - 12)
+  tree = sum(np.size(x) for x in jax.tree.leaves(smaller))
+  counts = head_costs.param_counts(smaller_cfg)
+  assert counts["params_total"] == tree - 2 * smaller_cfg.head_dim * padding
+  expected = sum(head_costs.layer_param_count(smaller_cfg, h, sum(s)) for h, s in
+                 zip(smaller_cfg.layer_heads, smaller_cfg.persistent_slots))
+  assert counts["params_non_embedding"] == expected
+  with pytest.raises(Exception, match="no persistent slot"):
+    prune.remove_heads(pruned_cfg, {"params": params}, slots={0: {2: [0]}})
+
+
+@pytest.mark.parametrize("key", ["target_params", "target_macs"])
+def test_unit_costs_add_up_to_the_cost_model(key):
+  cfg = make_cfg(gated=False, gate=gates_lib.GateConfig())
+  lengths = (SEQ_LEN, SEQ_LEN, 2)
+  units = head_costs.UnitCosts.of(cfg, key, lengths, GROUP)
+  measure = lambda c: head_costs._budget_cost(c, key, lengths)
+  assert units.cost(cfg.layer_heads, [16, 16]) == pytest.approx(measure(cfg))
+  assert units.cost((0, 0), (0, 0)) == pytest.approx(units.empty)
+  slots = ((8, 4, 2), (6, 0, 0, 0))
+  pruned = dataclasses.replace(cfg, heads_per_layer=(3, 4), persistent_slots=slots)
+  groups = [sum(s) // GROUP for s in slots]
+  assert units.cost((3, 4), groups) == pytest.approx(measure(pruned))
+  assert units.full_head == pytest.approx(units.head + 4 * units.group)
+
+
+# Unit costs for the rank rule's tests: a head 10, a group 1, layers free.
+_Units = head_costs.UnitCosts("target_macs", empty=0.0, layer=0.0, head=10.0, group=1.0,
+                              groups_per_head=4)
+
+
+def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD):
+  cfg = make_cfg(gate)
+  gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
+                                        "persistent_logits": np.array(groups[i], np.float32)}}
+           for i in range(2)}
+  return cfg, gates, persistent_groups.keep_within_budget(cfg, gates, _Units, budget_value)
+
+
+def _kept(cfg, new_gates):
+  pruned_cfg, _ = prune.remove_heads(cfg, {"params": init_variables(cfg)["params"],
+                                           "gates": new_gates})
+  return pruned_cfg
+
+
+def test_the_rule_keeps_the_gates_decision_where_it_fits_and_nothing_more_would():
+  # The gates keep 7 heads and, of those, 4+0+2 + 3+4+2+1 = 16 groups: 86.
+  cfg, gates, (new_gates, decision) = _decide(86.5)
+  assert decision["changed"] == 0 and decision["cost"] == decision["cost_by_gates"] == 86
+  assert (decision["allowed"], decision["groups"]) == (7, 16)
+  np.testing.assert_equal(new_gates, gates)
+  # With room for one more group, the best-ranked closed one opens.
+  _, _, (_, decision) = _decide(87.0)
+  assert decision["opened"] == [[0, 2, 2]] and decision["cost"] == 87
+
+
+def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():
+  cfg, gates, (new_gates, decision) = _decide(80.0)
+  assert decision["cost"] <= 80.0
+  # Nothing left out would still fit: every closed unit costs more than what is left.
+  assert 80.0 - decision["cost"] < 1.0
+  # The lowest-ranked open units went first: groups of logit 0.5 and 1.0 (layer 0
+  # head 0; layer 1 heads 0 and 3), ranked min(group, head) ...
+  pruned_cfg = _kept(cfg, new_gates)
+  assert sum(map(sum, pruned_cfg.persistent_slots)) // GROUP == decision["groups"]
+  assert decision["cost"] == 10 * decision["allowed"] + decision["groups"]
+  # ... and applying the rule again changes nothing.
+  _, again = persistent_groups.keep_within_budget(cfg, new_gates, _Units, 80.0)
+  assert again["changed"] == 0 and again["cost"] == decision["cost"]
+
+
+def test_a_group_ranks_no_higher_than_its_head_and_dies_with_it():
+  heads = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 0.1))
+  groups = (GROUP_LOGITS[0], ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0),
+                              (-1.0, 2.0, 2.0, -3.0), (5.0, 5.0, 5.0, 5.0)))
+  # A budget of 70: the head of logit 0.1 (layer 1, head 3) ranks below every other
+  # open unit, so its groups (logit 5, ranked 0.1) cannot keep it.
+  cfg, _, (new_gates, decision) = _decide(70.0, heads, groups)
+  assert [1, 3] in decision["closed"]
+  assert decision["cost"] <= 70.0 and 70.0 - decision["cost"] < 1.0
+  assert _kept(cfg, new_gates).layer_heads == (3, 3)
+
+
+def test_a_budget_above_the_gates_reopens_by_rank_what_fits():
+  # 86 by the gates. The closed head (0, 1) at -0.2 ranks above every closed group:
+  # it reopens (10) with its one open group (logit 2, ranked -0.2: 1); the next
+  # group (-0.5) no longer fits 97.5.
+  heads = ((3.0, -0.2, 1.0, 2.0), HEAD_LOGITS[1])
+  _, _, (_, decision) = _decide(97.5, heads)
+  assert decision["opened"] == [[0, 1]] and decision["cost"] == 97
+  assert decision["groups"] == 17
+  # At -4 it ranks below them: the groups fill what is left first, and then the head
+  # no longer fits.
+  _, _, (_, decision) = _decide(101.0)
+  assert decision["cost"] == 98 and [0, 1] not in decision["opened"]
+  assert len(decision["opened"]) == 12
+
+
+def test_groups_only_keeps_every_head_and_fills_with_groups():
+  gate = dataclasses.replace(HARD, heads=False)
+  cfg, _, (new_gates, decision) = _decide(85.0, gate=gate)
+  assert decision["allowed"] == 8 and decision["groups"] == 5
+  assert set(new_gates["layer_0"]["attention"]) == {"persistent_logits"}
+  assert _kept(cfg, new_gates).layer_heads == (4, 4)
+
+
+def test_l0_and_controller_count_heads_and_groups_by_cost():
+  share = 0.25
+  stats = [{"open_prob": jnp.array([1.0, 0.5]),
+            "persistent_open_prob": jnp.array([[1.0, 1.0], [0.0, 1.0]])},
+           {"persistent_open_prob": jnp.array([[0.5, 0.5]])}, {}]
+  # Head 0: 1 · (1 − 0.5 + 0.5); head 1: 0.5 · (0.5 + 0.25); heads not gated count 1.
+  expected = 1.0 + 0.5 * 0.75 + (0.5 + 0.25)
+  np.testing.assert_allclose(model_lib.l0_penalty(stats, share), expected)
+  assert float(model_lib.l0_penalty(stats[:1])) == 1.5   # heads only: unchanged
+  gates = {"layer_0": {"attention": {"logits": jnp.array([30.0, -30.0]),
+                                     "persistent_logits": jnp.array([[30.0, -30.0]] * 2)}}}
+  np.testing.assert_allclose(budget.expected_size(HARD, gates, share), 0.75, atol=1e-6)
