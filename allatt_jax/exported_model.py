@@ -41,12 +41,13 @@ EXPORT_DIR = "export"
 
 def exported_config(config: run_config.RunConfig,
                     model_cfg: model_lib.ModelConfig) -> run_config.RunConfig:
-  """The run's config describing the smaller model: per-layer head counts, no gates,
-  no init_from (and so no teacher), so that every CLI that takes a checkpoint can load
-  the export."""
+  """The run's config describing the smaller model: per-layer head counts (and
+persistent slots per head, where pruned), no gates, no init_from (and so no teacher),
+so that every CLI that takes a checkpoint can load the export."""
   return run_config.derived_run(
       config, init_from="", gates=dict(enabled=False),
       model=dict(heads_per_layer=model_cfg.heads_per_layer,
+                 persistent_slots=model_cfg.persistent_slots,
                  max_relative_len=model_cfg.max_relative_len),
       distill=dict(weight=0.0, hidden_weight=0.0))
 

@@ -9,7 +9,8 @@ it (see allatt_jax/experiments/runs.py); the `experiments` section sets them up.
   python -m allatt_jax.experiments --suite=lambda_sweep --config=configs/exp_chars.py \
       --workdir=/tmp/exp_chars
 
-Suites: lambda_sweep, ablation, txl_widths, heuristics, budget, distill, or all of them.
+Suites: lambda_sweep, ablation, txl_widths, heuristics, budget, distill, persistent, or
+all of them.
 Rerunning a suite reuses its finished runs and resumes an interrupted one.
 `configs/exp_chars.py:tiny` is the seconds-per-run variant the tests use.
 """
@@ -60,6 +61,14 @@ def get_config(arg=None):
           logit=dict(weight=0.5, temperature=1.0, hidden_weight=0.0, kl_clusters="all"),
           logit_hidden=dict(weight=0.5, temperature=1.0, hidden_weight=0.1,
                             kl_clusters="all")),
+      # --suite=persistent: MAC budgets (fractions of the baseline's), each pruned by
+      # heads only, by groups of this many persistent slots only, and by both, plain
+      # and distilling with this variant; each export's inference speed on this many
+      # valid batches, against the baseline's.
+      persistent_budgets=(0.5, 0.25),
+      persistent_group=64,
+      persistent_distill="logit",
+      speed_batches=50,
   ))
   if args.tiny:
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))
@@ -76,5 +85,6 @@ def get_config(arg=None):
     e.update(dict(lambdas=(0.2,), seeds=(0,), ablation_lambda=0.2, txl_widths=(16,),
                   heuristic_lambdas=(0.2,), random_seeds=(0,), importance_batches=2,
                   budgets=(("target_sparsity", 0.5),), budget_reference_lambdas=(0.2,),
-                  distill_sparsities=(0.5,)))
+                  distill_sparsities=(0.5,), persistent_budgets=(0.6,),
+                  persistent_group=8, speed_batches=2))
   return c

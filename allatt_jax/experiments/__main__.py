@@ -24,13 +24,17 @@ import jax
 from allatt_jax import cli
 from allatt_jax import preemption
 from allatt_jax import resolver
+from allatt_jax.experiments import persistent
 from allatt_jax.experiments import plan
 from allatt_jax.experiments import repro
 from allatt_jax.experiments import runs
 from allatt_jax.experiments import suites
 
-SUITES = {**suites.SUITES, "repro": repro.repro}
-PLANNED_RUNS = {**suites.PLANNED_RUNS, "repro": repro.repro_runs}
+# `all`: every suite but repro, which needs its own config and an accelerator.
+ALL = (*suites.SUITES, "persistent")
+SUITES = {**suites.SUITES, "persistent": persistent.persistent, "repro": repro.repro}
+PLANNED_RUNS = {**suites.PLANNED_RUNS, "persistent": persistent.planned_runs,
+                "repro": repro.repro_runs}
 
 _CONFIG = cli.DEFINE_config(
     "config", "Experiment config (configs/exp_chars.py; configs/repro_wt2.py for "
@@ -68,7 +72,7 @@ def main(argv):
   with preemption.PreemptionWatch() as watch:
     deadline = None if _MAX_MINUTES.value is None else start + 60 * _MAX_MINUTES.value
     config = _CONFIG.value
-    names = list(suites.SUITES) if _SUITE.value == "all" else [_SUITE.value]
+    names = list(ALL) if _SUITE.value == "all" else [_SUITE.value]
     experiment_plan = plan.from_section(config.experiments.to_dict())
     suites.check_plan(experiment_plan, names)
     base = resolver.resolve_config(config, vocab_from_data=True)

@@ -69,9 +69,19 @@ class ExperimentPlan(Plan):
   budget_reference_lambdas: tuple[float, ...]
   distill_sparsities: tuple[float, ...]
   distill_variants: Mapping[str, Mapping[str, Any]]   # name -> distill keys
+  # --suite=persistent: MAC budgets (fractions of the unpruned model's), the slots
+  # per persistent group, the distill variant of its distilling runs, and the valid
+  # batches each export's inference speed is measured on.
+  persistent_budgets: tuple[float, ...]
+  persistent_group: int
+  persistent_distill: str
+  speed_batches: int
 
   def __post_init__(self):
     super().__post_init__()
+    if self.persistent_distill not in self.distill_variants:
+      raise ConfigError(f"{_flag('persistent_distill')} names {self.persistent_distill!r}; "
+                        f"the variants are {', '.join(self.distill_variants)}.")
     for method in self.heuristics:
       if method not in heuristics.METHODS:
         raise ConfigError(f"{_flag('heuristics')} names {method!r}; the pruners are "

@@ -77,6 +77,7 @@ class Record:
   valid: float
   test: float
   heads_per_layer: list[int]
+  persistent_per_layer: list[int]   # persistent slots kept, summed over each layer's heads
   params_non_embedding: int
   macs_per_token: float      # non-embedding, at the eval lengths
   d_model: int
@@ -168,10 +169,11 @@ class Experiment:
                        "model.d_ff": "experiments.txl_widths"})
 
   def budget_run(self, key: str, fraction: float, seed: int = 0, distill: str = "",
-                 values_key: str = "budgets") -> PlannedRun:
+                 values_key: str = "budgets", groups: str = "") -> PlannedRun:
     """A budget run; params and MAC budgets are fractions of the unpruned model's
     (from the plan's `values_key`). `distill` names one of the `distill_variants` (the
-    baseline is the teacher)."""
+    baseline is the teacher). `groups`: '' (heads only), 'groups' (the plan's
+    persistent groups only) or 'both' (heads and groups)."""
     value, origin = fraction, ""
     # A sparsity is the plan's own value; a size is a fraction of the baseline's, so
     # errors name the size the run asks for, and say where it comes from.
@@ -184,8 +186,15 @@ class Experiment:
       value = int(fraction * full) if key == "target_params" else fraction * full
       origin = (f"{fraction:g} of the baseline's {full:,.0f} from "
                 f"--config.experiments.{values_key}")
-    config = self._l0_config(seed, distill, lam=0.0, **{key: value})
-    name = f"budget_{key.removeprefix('target_')}{fraction:g}_s{seed}"
+    gates = {}
+    if groups:
+      group = self.plan.persistent_group
+      gates = dict(persistent_group=group, heads=groups == "both")
+      flags["gates.persistent_group"] = "experiments.persistent_group"
+    config = self._l0_config(seed, distill, lam=0.0, **{key: value}, **gates)
+    kind = {"": "", "groups": f"_groups{gates.get('persistent_group')}",
+            "both": f"_heads_groups{gates.get('persistent_group')}"}[groups]
+    name = f"budget_{key.removeprefix('target_')}{fraction:g}{kind}_s{seed}"
     flags.update({f"distill.{k}": f"experiments.distill_variants.{distill}.{k}"
                   for k in (self.plan.distill_variants[distill] if distill else ())})
     return PlannedRun(f"{name}_distill_{distill}" if distill else name, "budget", config,
@@ -221,19 +230,21 @@ class Experiment:
   def txl(self, width: int) -> Record:
     return self._made(self.txl_run(width))
 
-  def budget(self, key: str, fraction: float, seed: int = 0, distill: str = "") -> Record:
+  def budget(self, key: str, fraction: float, seed: int = 0, distill: str = "",
+             groups: str = "", values_key: str = "budgets") -> Record:
     """A budget run (`budget_run`)."""
     self.baseline()
-    planned = self.budget_run(key, fraction, seed, distill)
+    planned = self.budget_run(key, fraction, seed, distill, values_key, groups)
     record = self._made(planned)
     decision = json.loads((self.run_dir(record.name) / RESULTS_FILE).read_text()
                           )["export"].get("budget") or {}
     gates = planned.config.gates
     record.extra.update(target_key=key, fraction=fraction, target=getattr(gates, key),
-                        seed=seed, distill=distill,
-                        target_heads=head_costs.target_open_heads(planned.config,
-                                                                  self.base_model),
-                        by_gates=decision.get("by_gates"), changed=decision.get("changed"))
+                        seed=seed, distill=distill, groups=groups,
+                        target_heads=None if groups else head_costs.target_open_heads(
+                            planned.config, self.base_model),
+                        by_gates=decision.get("by_gates"), changed=decision.get("changed"),
+                        decision=decision)
     return record
 
   def heuristic(self, method: str, num_remove: int, seed: int = 0) -> tuple[Record, Record]:
@@ -298,6 +309,7 @@ class Experiment:
         name=name, kind=kind, metric=results["metric"],
         valid=results["valid"], test=results["test"],
         heads_per_layer=list(cfg.layer_heads),
+        persistent_per_layer=head_costs.persistent_per_layer(cfg),
         params_non_embedding=head_costs.param_counts(cfg)["params_non_embedding"],
         macs_per_token=head_costs.macs_per_token(
             cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],

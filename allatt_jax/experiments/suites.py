@@ -15,6 +15,7 @@ and txl_widths read only the keys of any plan (plan.Plan); the others need an
   budget        the Lagrangian controller (budget.py): requested vs reached budget
   distill       budget runs with and without distillation from the baseline
                 (distill.py), at equal head sparsities, against `continued`
+  persistent    MAC budgets pruned by heads, persistent groups or both (persistent.py)
 """
 import dataclasses
 import glob
@@ -67,7 +68,7 @@ def _total_heads(exp) -> int:
 
 
 # The suites that read an ExperimentPlan's keys beyond the common Plan's.
-FULL_PLAN_SUITES = ("ablation", "heuristics", "budget", "distill")
+FULL_PLAN_SUITES = ("ablation", "heuristics", "budget", "distill", "persistent")
 
 
 def check_plan(plan: plan_lib.Plan, names) -> None:
@@ -76,10 +77,10 @@ def check_plan(plan: plan_lib.Plan, names) -> None:
   for hours)."""
   for name in names:
     if name in FULL_PLAN_SUITES:
-      _full_plan(plan, name)
+      full_plan(plan, name)
 
 
-def _full_plan(plan: plan_lib.Plan, suite: str) -> plan_lib.ExperimentPlan:
+def full_plan(plan: plan_lib.Plan, suite: str) -> plan_lib.ExperimentPlan:
   """The plan of a suite that needs an ExperimentPlan's keys: checked before the
   suite's first run."""
   if not isinstance(plan, plan_lib.ExperimentPlan):
@@ -141,7 +142,7 @@ def _cost_table(curves) -> str:
 
 
 def ablation(exp: runs_lib.Experiment) -> Report:
-  s, total = _full_plan(exp.plan, "ablation"), _total_heads(exp)
+  s, total = full_plan(exp.plan, "ablation"), _total_heads(exp)
   lam = s.ablation_lambda
   variants = {v: [exp.l0(lam, seed, v) for seed in s.seeds] for v in runs_lib.ABLATIONS}
   full = {r.extra["seed"]: r for r in variants["full"]}
@@ -200,7 +201,7 @@ def txl_widths(exp: runs_lib.Experiment) -> Report:
 
 
 def heuristics(exp: runs_lib.Experiment) -> Report:
-  s, total = _full_plan(exp.plan, "heuristics"), _total_heads(exp)
+  s, total = full_plan(exp.plan, "heuristics"), _total_heads(exp)
   l0_runs = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.heuristic_lambdas}
   # Each heuristic removes as many heads as the seed-0 L0 run of that λ did.
   removals = sorted({total - rs[0].heads for rs in l0_runs.values()} - {0})
@@ -246,7 +247,7 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
 
 def budget(exp: runs_lib.Experiment) -> Report:
   """Each budget's run against the fixed-λ run (seed 0) of the nearest sparsity."""
-  s, total = _full_plan(exp.plan, "budget"), _total_heads(exp)
+  s, total = full_plan(exp.plan, "budget"), _total_heads(exp)
   base = exp.baseline()
   records = [exp.budget(key, value, seed) for key, value in s.budgets
              for seed in s.budget_seeds]
@@ -285,7 +286,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
 def distill(exp: runs_lib.Experiment) -> Report:
   """At each head sparsity: the plain budget run and each distillation variant, all
   with exactly the same heads allowed, against the unpruned `continued` (seed 0)."""
-  s, total = _full_plan(exp.plan, "distill"), _total_heads(exp)
+  s, total = full_plan(exp.plan, "distill"), _total_heads(exp)
   base = exp.baseline()
   continued = exp.continued(0)
   variants = ("", *s.distill_variants)
@@ -370,14 +371,14 @@ def _l0_runs(exp, lam_key: str, seeds, variant: str = "full") -> list[runs_lib.P
 
 
 def _budget_runs(exp) -> list[runs_lib.PlannedRun]:
-  s = _full_plan(exp.plan, "budget")
+  s = full_plan(exp.plan, "budget")
   return ([exp.budget_run(key, value, seed) for key, value in s.budgets
            for seed in s.budget_seeds]
           + _l0_runs(exp, "budget_reference_lambdas", (0,)))
 
 
 def _distill_runs(exp) -> list[runs_lib.PlannedRun]:
-  s = _full_plan(exp.plan, "distill")
+  s = full_plan(exp.plan, "distill")
   return _continued_runs(exp, (0,)) + [
       exp.budget_run("target_sparsity", sparsity, 0, variant, "distill_sparsities")
       for sparsity in s.distill_sparsities for variant in ("", *s.distill_variants)]
@@ -390,12 +391,12 @@ PLANNED_RUNS = {
     "lambda_sweep": lambda exp: (_continued_runs(exp, exp.plan.seeds)
                                  + _l0_runs(exp, "lambdas", exp.plan.seeds)),
     "ablation": lambda exp: [run for variant in runs_lib.ABLATIONS for run in _l0_runs(
-        exp, "ablation_lambda", _full_plan(exp.plan, "ablation").seeds, variant)],
+        exp, "ablation_lambda", full_plan(exp.plan, "ablation").seeds, variant)],
     "txl_widths": lambda exp: ([exp.txl_run(width) for width in exp.plan.txl_widths]
                                + _continued_runs(exp, exp.plan.seeds)
                                + _l0_runs(exp, "lambdas", exp.plan.seeds)),
     "heuristics": lambda exp: (
-        _l0_runs(exp, "heuristic_lambdas", _full_plan(exp.plan, "heuristics").seeds)
+        _l0_runs(exp, "heuristic_lambdas", full_plan(exp.plan, "heuristics").seeds)
         + _continued_runs(exp, exp.plan.seeds)),
     "budget": _budget_runs,
     "distill": _distill_runs,
