@@ -6,6 +6,7 @@
   model.generate("the city", num_tokens=50)           # the continuation, as text
   logp, memory = model.log_probs(ids)                 # Transformer-XL memory carried
   smaller = model.prune_heads({0: [1, 3]})            # export's head surgery
+  leaner = model.prune_persistent_groups({0: {2: [0, 5]}}, group_size=64)
   smaller.save("DIR")                                 # a standalone exported model
 
 Everything the CLIs do goes through the same functions (`likelihood.score_text`,
@@ -122,11 +123,50 @@ class Model:
     Raises:
       ConfigError: a layer or head that does not exist.
     """
+    return self._pruned(heads)
+
+  def _pruned(self, heads, slots=None) -> "Model":
     host_variables = jax.device_get(self.variables)
-    pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads)
+    pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads, slots)
     config = exported_model.exported_config(self.config, pruned_cfg)
     return Model(trained_model.LoadedModel(config, model_lib.TransformerLM.from_config(config),
                                     jax.device_put({"params": params}), self.tokenizer))
+
+  def prune_persistent_groups(self, groups: Mapping[int, Mapping[int, Iterable[int]]],
+                              group_size: int | None = None) -> "Model":
+    """A smaller model without the persistent groups `groups` ({layer: {head:
+    [group, ...]}}, indices of this model's heads; group g is slots g·G .. (g+1)·G − 1
+    of the head's current slots), cut as an export cuts closed groups: the heads
+    keep their other slots (a head may keep none), each layer's heads ordered by the
+    slots they keep, most first. A gated model's closed heads and groups go too.
+
+    `group_size`: G, by default the gated model's `gates.persistent_group`.
+
+    Raises:
+      ConfigError: a layer, head or group that does not exist, or no group size.
+    """
+    size = group_size or self.config.gates.persistent_group
+    if not size or size < 1:
+      raise errors.ConfigError("prune_persistent_groups needs the slots per group: pass "
+                               "group_size=G (this model has no persistent group gates).")
+    cfg, slots = self.lm.cfg, {}
+    for layer, by_head in groups.items():
+      slots[layer] = {}
+      for head, head_groups in by_head.items():
+        exists = (isinstance(layer, int) and 0 <= layer < cfg.num_layers
+                  and isinstance(head, int) and 0 <= head < cfg.layer_heads[layer])
+        if not exists:
+          raise errors.ConfigError(
+              f"Layer {layer!r} has no head {head!r} (heads per layer: "
+              f"{list(cfg.layer_heads)}). Give groups as {{layer: {{head: [group, ...]}}}}.")
+        count = cfg.head_slots(layer)[head] // size
+        bad = [g for g in head_groups if not isinstance(g, int) or not 0 <= g < count]
+        if bad:
+          raise errors.ConfigError(
+              f"Head {head} of layer {layer} has no persistent group(s) {bad} of {size} "
+              f"slots: its groups are 0 .. {count - 1}.")
+        slots[layer][head] = [n for g in head_groups for n in range(g * size, (g + 1) * size)]
+    return self._pruned({}, slots)
 
   def save(self, directory, overwrite: bool = False) -> None:
     """Writes this model as a standalone export (config, params, tokenizer and its

@@ -45,6 +45,8 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
   full_heads = sum(baseline_model[0].cfg.layer_heads)
   pruned_heads = list(pruned_model[0].cfg.layer_heads)
+  slots = {name: head_costs.persistent_per_layer(lm.cfg)
+           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
   key = prune_config.gates.budget_target
   return {
       "dataset": baseline_config.data.name,
@@ -52,7 +54,8 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
       "baseline": {
           "valid": baseline["valid"], "test": baseline["test"],
           "params_non_embedding": cost["baseline"]["params_non_embedding"],
-          "heads_per_layer": list(baseline_model[0].cfg.layer_heads)},
+          "heads_per_layer": list(baseline_model[0].cfg.layer_heads),
+          "persistent_per_layer": slots["baseline"]},
       "pruned": {
           "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'
           "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
@@ -60,6 +63,11 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "params_non_embedding": cost["pruned"]["params_non_embedding"],
           "heads_per_layer": pruned_heads,
           "sparsity": 1.0 - sum(pruned_heads) / full_heads,
+          # Persistent slots kept per layer (summed over its heads), and the fraction
+          # of all removed (with their heads, or as closed persistent groups).
+          "persistent_per_layer": slots["pruned"],
+          "persistent_sparsity": (1.0 - sum(slots["pruned"]) / sum(slots["baseline"])
+                                  if sum(slots["baseline"]) else 0.0),
           # A fixed λ, or the budget asked for and what it decided at the freeze.
           "lambda": None if key else prune_config.gates.lam,
           "budget": ({"key": key, "value": getattr(prune_config.gates, key),
@@ -75,6 +83,16 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
   }
 
 
+def _groups_pruned(report: dict) -> bool:
+  """Whether the pruned model lost persistent vectors beyond those of its removed
+  heads (else the table's head rows say it all, as they did before such gates)."""
+  b, p = report["baseline"], report["pruned"]
+  per_head = [n // h if h else 0 for n, h in zip(b["persistent_per_layer"],
+                                                 b["heads_per_layer"])]
+  return any(n != h * k for n, h, k in zip(p.get("persistent_per_layer", []),
+                                           p["heads_per_layer"], per_head))
+
+
 def summary_table(report: dict) -> str:
   metric, b, p, s = report["metric"], report["baseline"], report["pruned"], report["speed"]
   rows = [
@@ -85,6 +103,9 @@ def summary_table(report: dict) -> str:
       ("heads per layer", " ".join(map(str, b["heads_per_layer"])),
        " ".join(map(str, p["heads_per_layer"]))),
       ("head sparsity", "0%", f"{100 * p['sparsity']:.1f}%"),
+      *([("persistent vectors", " ".join(map(str, b["persistent_per_layer"])),
+          " ".join(map(str, p["persistent_per_layer"])))]
+        if _groups_pruned(report) else []),
       ("inference tokens/s", f"{s['baseline_tokens_per_s']:,.0f}",
        f"{s['pruned_tokens_per_s']:,.0f}"),
       ("MACs per token", "1.00", f"{s['macs_ratio']:.2f}"),

@@ -184,10 +184,15 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
   gaps = np.diff(steps) if len(steps) > 1 else np.array([1.0])
   edges = np.concatenate([[steps[0] - gaps[0] / 2], steps[:-1] + gaps / 2,
                           [steps[-1] + gaps[-1] / 2]])
-  fig, axes = plt.subplots(len(layer_heads), 1, sharex=True, squeeze=False,
-                           layout="constrained",
-                           figsize=(9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
-                           gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads]))
+  groups = records[-1].get("persistent_decided")
+  fig, axes = plt.subplots(len(layer_heads), 2 if groups else 1, sharex="col",
+                           squeeze=False, layout="constrained",
+                           figsize=(12 if groups else 9,
+                                    1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
+                           gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads],
+                                            **({"width_ratios": [3, 1]} if groups else {})))
+  if groups:
+    _draw_group_decisions(axes[:, 1], groups, kept, layer_heads)
   image = None
   # Histories written before the decision was recorded show probabilities throughout.
   decided = [r.get("decided") if r["step"] > gates.freeze_step else None for r in records]
@@ -224,6 +229,11 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
   sparsity = 1.0 - sum(len(k) for k in kept) / total
   key = gates.budget_target
   strength = f"budget {key}={getattr(gates, key)}" if key else f"λ={gates.lam:g}"
+  if groups:
+    kept_groups = sum(sum(groups[i][h]) for i, heads in enumerate(kept) for h in heads)
+    strength += (f"; persistent groups of {gates.persistent_group} slots kept: "
+                 f"{kept_groups} of {sum(len(g) for layer in groups for g in layer)} "
+                 "(right: the decision per head, a removed head's row grey)")
   fig.suptitle(f"Head gates during pruning: {strength}, final head sparsity "
                f"{100 * sparsity:.1f}%\nheads kept per layer: "
                f"{' '.join(str(len(k)) for k in kept)} of "
@@ -232,3 +242,22 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
   with out_file.open("wb") as f:   # matplotlib cannot write to a bucket
     fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
   plt.close(fig)
+
+
+def _draw_group_decisions(axes, groups, kept, layer_heads) -> None:
+  """Per layer, each head's persistent groups as the export keeps them (1) or cuts
+  them (0); the groups of a removed head go with it (grey)."""
+  cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+  for i, ax in enumerate(axes):
+    decided_HxG = np.array(groups[i], float).reshape(layer_heads[i], -1)
+    if not decided_HxG.size:
+      ax.set_axis_off()
+      continue
+    decided_HxG[[h for h in range(layer_heads[i]) if h not in kept[i]]] = np.nan
+    ax.imshow(np.ma.masked_invalid(decided_HxG), cmap=cmap, vmin=0.0, vmax=1.0,
+              aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(layer_heads[i]), [f"h{h}" for h in range(layer_heads[i])],
+                  fontsize=7)
+    kept_groups = int(np.nansum(decided_HxG))
+    ax.set_title(f"layer {i}: {kept_groups} groups kept", fontsize=8)
+  axes[-1].set_xlabel("persistent group (final decision)")
