@@ -15,6 +15,7 @@ from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
+from allatt_jax import pipeline
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files
@@ -117,6 +118,13 @@ def test_valid_config_passes(tmp_path):
   check_run(tiny_config(), tmp_path / "new" / "run")
 
 
+def test_the_relative_table_may_be_exactly_as_long_as_the_longest_context(tmp_path):
+  # train and eval: T + S = 16 + 16.
+  check_run(tiny_config(model=dict(max_relative_len=32)), tmp_path / "run")
+  with pytest.raises(ConfigError, match=r"max_relative_len=31 is shorter .* = 32"):
+    check_run(tiny_config(model=dict(max_relative_len=31)), tmp_path / "run")
+
+
 def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
   """Without the check, the model's own trace-time ValueError would come after loading
   the dataset and building the state."""
@@ -212,6 +220,32 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
   assert "train.num_steps" not in message
   # A change that keeps the shapes (a longer run) resumes.
   check_run(tiny_config(train=dict(num_steps=60)), workdir)
+
+
+def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_path,
+                                                              text8_dirs):
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  saved = (workdir / run_files.CONFIG_FILE).read_bytes()
+  manual_dir, data_dir = text8_dirs
+  changed = tiny_config(train=dict(learning_rate=0.01),
+                        data=dict(manual_dir=manual_dir, data_dir=data_dir))
+  with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
+    train.train_and_evaluate(changed, workdir)
+  assert (workdir / run_files.CONFIG_FILE).read_bytes() == saved
+
+
+def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
+  stage = run_config.RunConfig.of(tiny_config(
+      gates=dict(enabled=True, lam=0.1, freeze_step=15), init_from=str(tmp_path / "b")))
+  (tmp_path / "pruned").mkdir()
+  run_files.save_config(tmp_path / "pruned", stage)
+  assert pipeline.pruning_stage_dir(tmp_path, stage) == (tmp_path / "pruned", "")
+  folder, why = pipeline.pruning_stage_dir(
+      tmp_path, run_config.derived_run(stage, gates=dict(lam=0.2)))
+  assert folder == tmp_path / "pruned-2"
+  assert why == (f"{tmp_path / 'pruned'} holds a pruning stage with other settings "
+                 "(gates.lam: 0.1 -> 0.2), kept as it is")
 
 
 def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
