@@ -147,9 +147,7 @@ def test_identical_models_have_no_kl_and_no_hidden_difference():
 
 
 def _tiny_pruning_config(**distill_keys):
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.model.vocab_size = 27
   config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=0, freeze_step=2))
   config.train.num_steps = 4

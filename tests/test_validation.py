@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import data_fixtures
+import helpers
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
@@ -33,9 +34,7 @@ TEXT8_VOCABULARY = run_files.vocabulary_fingerprint("text8", tokenization.TEXT8_
 
 def tiny_config(**sections):
   """configs/demo.py:tiny as a single run; `sections` update config sections."""
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.name = "text8"
   config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   for name, values in sections.items():
@@ -115,7 +114,11 @@ def test_bad_config_is_named(tmp_path, monkeypatch, sections, devices, match):
 
 
 def test_valid_config_passes(tmp_path):
-  check_run(tiny_config(), tmp_path / "new" / "run")
+  setup, checkpoints = start_run(tiny_config(), tmp_path / "new" / "run", TEXT8_VOCABULARY)
+  checkpoints.close()
+  # The workdir is made (its parents too) and holds nothing to resume.
+  assert (tmp_path / "new" / "run").is_dir() and not checkpoints.steps()
+  assert setup.run.model.vocab_size == 27 and setup.lm.cfg.layer_heads == (4, 4)
 
 
 def test_the_relative_table_may_be_exactly_as_long_as_the_longest_context(tmp_path):
@@ -156,7 +159,14 @@ def test_read_only_workdir(tmp_path):
 
 def test_init_from_baseline_passes(baseline, tmp_path):
   config = tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
-  check_run(config, tmp_path)
+  setup, checkpoints = start_run(config, tmp_path, TEXT8_VOCABULARY)
+  checkpoints.close()
+  # The baseline's parameters are those of the pruning run's model, gates aside.
+  prefix = "variables/params/"
+  assert checkpointing.model_param_shapes(run_files.run_path(baseline), prefix) == {
+      prefix + key: shape for key, shape in checkpointing.tree_shapes(
+          setup.abstract_state.variables["params"]).items()}
+  assert setup.run.init_source == str(baseline)
 
 
 @pytest.mark.parametrize("make,match", [
