@@ -283,11 +283,13 @@ def word_output(run: RunConfig) -> dict:
 
 
 def _output_and_layer_macs(run: RunConfig) -> tuple[float, float]:
-  """MACs per token of the model's output layer and of all its layers (train lengths)."""
+  """MACs per token of the model's output layer (as it runs, its tail clusters at their
+  capacity) and of all its layers, at the train lengths."""
   cfg = model_lib.ModelConfig.from_config(run)
   t = run.train
-  return (head_costs.output_macs_per_token(cfg), head_costs.macs_per_token(
-      cfg, t.seq_len, t.mem_len, t.batch_size)["macs_per_token_non_embedding"])
+  return (head_costs.output_macs_per_token(cfg, t.batch_size * t.seq_len),
+          head_costs.macs_per_token(cfg, t.seq_len, t.mem_len,
+                                    t.batch_size)["macs_per_token_non_embedding"])
 
 
 def output_note(run: RunConfig) -> str:

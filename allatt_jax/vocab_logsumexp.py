@@ -37,9 +37,9 @@ LOGITS_MEMORY_SHARE = 1 / 16
 
 @functools.cache
 def device_memory_bytes() -> int:
-  """Memory of the default device: an accelerator's usable HBM, or the host's RAM on
-  CPU (where XLA allocates from it)."""
-  stats = jax.devices()[0].memory_stats() or {}
+  """Memory of this process's first device: an accelerator's usable HBM, or the host's
+  RAM on CPU (where XLA allocates from it). Another process's device cannot be asked."""
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
     return int(stats["bytes_limit"])
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,14 +1,46 @@
-"""Helpers shared by several test files: the start of a run, a checkpoint's saved
-state, bit-exact comparison of trees."""
+"""Helpers shared by several test files: the demo's tiny model as a single run, the
+start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
+a coordinator."""
+import pathlib
+import random
+import socket
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from allatt_jax import checkpointing
+from allatt_jax import config_base
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax import validation
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_run():
+  """`configs/demo.py:tiny` as a single run: the demo's baseline, without its pipeline."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  with config.unlocked():
+    del config["pipeline"]
+  return config
+
+
+def free_port() -> int:
+  """A port for a coordinator, free now and below Linux's ephemeral range (from
+  32768), where the kernel would hand it to another process's outgoing connection
+  before the coordinator binds it."""
+  rng = random.Random()
+  while True:
+    port = rng.randrange(20000, 32000)
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return port
 
 
 def start_run(config, workdir, vocabulary: dict | None = None):

@@ -134,7 +134,13 @@ def test_benchmark_cli_writes_a_complete_report(tmp_path):
     assert 0 < step["fraction_of_matmul_peak"]
   # bench_cpu.py leaves distillation off: the benchmark times its own.
   assert report["train"]["distill_settings"]["weight"] == 0.5
-  assert report["train"]["distill_overhead"] > -1 and report["train"]["distill_temp_ratio"] > 0
+  train = report["train"]
+  assert train["distill_overhead"] == pytest.approx(
+      train["distill"]["step_s"] / train["gated"]["step_s"] - 1)
+  assert train["distill_temp_ratio"] == pytest.approx(
+      train["distill"]["xla_temp_bytes"] / train["gated"]["xla_temp_bytes"])
+  # The teacher's forward pass and the KL are work the gated step does not do.
+  assert train["distill"]["proxy"]["flops"] > 1.2 * train["gated"]["proxy"]["flops"]
   assert report["matmul"]["gflops_per_s"] > 0
   kept = [r["heads_kept"] for r in report["inference"]]
   assert kept == [1.0, 0.5]

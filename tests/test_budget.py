@@ -119,6 +119,24 @@ def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
   assert float(grad[0][1]) > float(grad[0][0]) > float(grad[1][1]) > float(grad[0][2])
 
 
+def test_the_controller_steers_the_sharpened_count_after_the_target_warm_up():
+  """`Penalty.of` gives the controller the count it steers: the expected count until
+  the target warm-up ends, then sharper, k rising to `budget_sharpness` at the freeze."""
+  section = run_config.GatesSection.from_dict({
+      **config_base.base_config().gates.to_dict(), "enabled": True,
+      "target_sparsity": 0.5, "freeze_step": 100, "budget_warmup_steps": 60,
+      "budget_sharpness": 10.0})
+  gate = gates_lib.GateConfig()
+  penalty = budget.Penalty.of(section, gate, CFG.layer_heads, allowed=6)
+  gates = gates_of([3.0, 0.5, -1.0, 2.0], [0.1, 4.0, 0.2, -2.0], [1.0, 1.5, -0.3, 0.4])
+  variables = {"gates": gates}
+  for step, k in ((30, 1.0), (60, 1.0), (80, 5.5), (100, 10.0)):
+    np.testing.assert_allclose(penalty.open_count(variables, step),
+                               budget.expected_open(gate, gates, k), rtol=1e-6)
+  assert abs(float(penalty.open_count(variables, 80))
+             - float(budget.expected_open(gate, gates))) > 0.1
+
+
 @pytest.mark.slow
 def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")

@@ -15,17 +15,16 @@ import shutil
 import pytest
 
 import data_fixtures
+import helpers
 from helpers import assert_bit_identical
 from helpers import saved_state
 from allatt_jax import checkpointing
-from allatt_jax import config_base
 from allatt_jax import exported_model
 from allatt_jax import train
 from allatt_jax.errors import CheckpointError
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, EVERY = 6, 2
 
 
@@ -48,9 +47,7 @@ def finished_run(tmp_path_factory):
   """(config, workdir) of a finished tiny pruning run with checkpoints 2, 4 and 6."""
   root = tmp_path_factory.mktemp("fallback")
   manual_dir, data_dir = data_fixtures.prepared_text8(root)
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.update(dict(name="text8", manual_dir=manual_dir, data_dir=data_dir))
   config.model.dropout = 0.1     # the RNG must resume where the skipped step left it
   config.train.update(dict(num_steps=NUM_STEPS, log_every_steps=2))

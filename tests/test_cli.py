@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+import helpers
 from allatt_jax import checkpointing
 from allatt_jax import cli
 from allatt_jax import config_base
@@ -49,9 +50,7 @@ def assert_one_error_line(result, *names):
 
 @pytest.fixture(scope="module")
 def prune_config():
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.gates.update(dict(enabled=True, freeze_step=15))
   config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   return config
@@ -282,15 +281,17 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
   config = prune_config.copy_and_resolve_references()
   config.init_from = "none"
   config.data.data_dir = str(tmp_path / "tfds")
-  _, checkpoints = start_run(config, tmp_path / "run")
+  setup, checkpoints = start_run(config, tmp_path / "run")
   checkpoints.close()
+  # A gated run from fresh parameters: nothing to read, a new workdir, no checkpoint.
+  assert setup.run.init_from == "none" and setup.run.init_source == ""
+  assert "gates" in setup.abstract_state.variables
+  assert (tmp_path / "run").is_dir() and not checkpoints.steps()
 
 
 @pytest.mark.slow
 def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.data_dir = str(tmp_path / "tfds")
   config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   workdir = tmp_path / "run"
@@ -406,11 +407,23 @@ def test_help_describes_the_flags():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["score", "sample", "evaluate", "export", "data"])
-def test_help_is_a_success(name):
+@pytest.mark.parametrize("name, own_flags", [
+    ("score", ("--checkpoint", "--step", "--text_file", "--out")),
+    ("sample", ("--checkpoint", "--prompt", "--num_tokens", "--top_k", "--seed")),
+    ("evaluate", ("--checkpoint", "--split", "--text_file")),
+    ("export", ("--workdir", "--out", "--step", "--overwrite")),
+    ("data", ("--dataset", "--manual_dir", "--data_dir", "--level", "--files")),
+])
+def test_help_is_a_success_and_lists_the_commands_flags(name, own_flags):
   result = command(f"allatt_jax.{name}", "--help")
   assert result.returncode == 0, result.stdout + result.stderr
-  assert "--" in result.stdout
+  # Each flag of the command, with its help text on its line or the next.
+  lines = result.stdout.splitlines()
+  for flag in own_flags:
+    names = (flag + ":", "--[no]" + flag[2:] + ":")   # a bool flag's negation too
+    at = next((i for i, line in enumerate(lines) if line.strip().startswith(names)), None)
+    assert at is not None, (flag, result.stdout)
+    assert len(" ".join(lines[at:at + 2]).strip()) > len(flag) + 10, (flag, lines[at])
 
 
 @pytest.mark.parametrize("argv,verbose", [

@@ -115,6 +115,28 @@ def test_kl_at_once_equals_the_blocked_scan_values_and_grads(cutoffs, div_val):
       a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max())), at_once, scanned)
 
 
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_the_loss_is_the_formula_term_by_term(alpha):
+  """(1 − α)·CE + α·τ²·KL(teacher_τ ‖ student_τ) + β·Σ_l MSE, with τ = 2 and β > 0, each
+  term against its own definition: the KL from both models' full log-probabilities,
+  the MSE from the layer outputs."""
+  student, teacher = _two_output_layers(())
+  nll = jnp.float32(2.75)
+  rng = np.random.default_rng(0)
+  student_layers = [jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32) for _ in range(2)]
+  teacher_layers = [jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32) for _ in range(2)]
+  settings = run_config.DistillSection(weight=alpha, temperature=2.0, hidden_weight=0.3)
+  total, terms = distill.loss(settings, nll, _clusters(student), _clusters(teacher),
+                              student_layers, teacher_layers)
+  kl = float(_exact_kl(student, teacher, 2.0).mean())
+  mse = sum(float(np.mean((np.asarray(s) - np.asarray(t)) ** 2))
+            for s, t in zip(student_layers, teacher_layers))
+  np.testing.assert_allclose(terms["distill_kl"], kl, rtol=1e-5)
+  np.testing.assert_allclose(terms["distill_hidden"], mse, rtol=1e-6)
+  np.testing.assert_allclose(total, (1 - alpha) * 2.75 + alpha * 4.0 * kl + 0.3 * mse,
+                             rtol=1e-5)
+
+
 def test_identical_models_have_no_kl_and_no_hidden_difference():
   student, _ = _two_output_layers((10, 20, 35), 2)
   kl = distill.kl_divergence(_clusters(student), _clusters(student), 3.0)
@@ -125,9 +147,7 @@ def test_identical_models_have_no_kl_and_no_hidden_difference():
 
 
 def _tiny_pruning_config(**distill_keys):
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.model.vocab_size = 27
   config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=0, freeze_step=2))
   config.train.num_steps = 4
@@ -164,6 +184,32 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   helpers.assert_bit_identical(jax.device_get(states[0].replace(teacher=None)),
                                jax.device_get(states[1].replace(teacher=None)))
   helpers.assert_bit_identical(jax.device_get(metrics[0]), jax.device_get(metrics[1]))
+
+
+def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
+  """The teacher's params leave a step bit for bit as they came; its memory is its own
+  forward pass's on the batch, not the student's and not the old one."""
+  setup = resolver.resolve(_tiny_pruning_config(weight=0.5, hidden_weight=0.1))
+  state = setup.new_state()
+  # A teacher other than the student, so that their memories differ.
+  teacher = {**state.teacher, "params": jax.tree.map(lambda p: p * 1.5 + 0.01,
+                                                     state.teacher["params"])}
+  state = jax.device_put(state.replace(teacher=teacher), setup.state_sharding)
+  before = jax.device_get(state.teacher)
+  tokens = np.random.default_rng(1).integers(0, 27, (4, 17), dtype=np.int32)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  with sharding.activate(setup.mesh):
+    state, _ = setup.train_step(sample_gates=True)(state, inputs, targets)
+  after = jax.device_get(state.teacher)
+  helpers.assert_bit_identical(after["params"], before["params"])
+  teacher_lm = train_step.teacher_model(setup.lm)
+  _, memory, _ = teacher_lm.apply({"params": before["params"]}, inputs, targets,
+                                  before["memory"])
+  # (A jitted step and an eager forward pass round apart by ~1e-6.)
+  np.testing.assert_allclose(after["memory"]["hidden"], memory["hidden"], atol=2e-5)
+  assert int(after["memory"]["length"]) == int(memory["length"]) > 0
+  student_memory = jax.device_get(state.memory)["hidden"]
+  assert not np.allclose(student_memory, memory["hidden"], atol=1e-3)
 
 
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):

@@ -9,10 +9,8 @@ the processes and the heads across each process's devices.
 import json
 import os
 import pathlib
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 
@@ -50,21 +49,6 @@ def get_config(arg=None):
 '''
 # The LoggingWriter line of a logging step: "[step] ..., loss=..., ...".
 _LOSS_LINE = re.compile(r"\] \[(\d+)\] .*\bloss=([-+.\deE]+)")
-
-
-def _free_port() -> int:
-  """A port for the coordinator, free now and below Linux's ephemeral range (from
-  32768), where the kernel would hand it to another process's outgoing connection
-  before the coordinator binds it."""
-  rng = random.Random()
-  while True:
-    port = rng.randrange(20000, 32000)
-    with socket.socket() as s:
-      try:
-        s.bind(("127.0.0.1", port))
-      except OSError:
-        continue
-      return port
 
 
 def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=None,
@@ -129,10 +113,10 @@ def runs(tmp_path_factory):
   data_lib.load_corpus("wikitext_chars", data_dir)    # prepared once, before all read it
   single, multi = root / "single", root / "multi"
   reference = _launch(config_file, single, data_dir, 6)
-  port = _free_port()
+  port = helpers.free_port()
   first = _wait([_launch(config_file, multi, data_dir, 3, process_id=i, port=port, devices=2)
                  for i in range(2)])
-  port = _free_port()
+  port = helpers.free_port()
   second = _wait([_launch(config_file, multi, data_dir, 6, process_id=i, port=port, devices=2)
                   for i in range(2)])
   return single, multi, _wait([reference])[0], first, second

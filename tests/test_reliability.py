@@ -193,7 +193,7 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
   config_path, config = run_config
   workdir, stall, marker = tmp_path / "run", tmp_path / "stall", tmp_path / "stalled"
   run = Run(config_path, workdir, tmp_path / "run.log",
-            command=(str(ROOT / "tests" / "stalled_save_worker.py"), str(stall),
+            command=(str(ROOT / "tests" / "stalled_save_worker.py"), f"file:{stall}",
                      str(marker)))
   run.wait_for_step(random.Random().randrange(CHECKPOINT_EVERY + 1, 3 * CHECKPOINT_EVERY))
   stall.touch()
@@ -220,7 +220,8 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, un
   workdir, marker = tmp_path / "run", tmp_path / "stalled"
   stalled = 2 * CHECKPOINT_EVERY
   run = Run(config_path, workdir, tmp_path / "run.log",
-            command=(str(ROOT / "tests" / "slow_save_worker.py"), str(stalled), str(marker)))
+            command=(str(ROOT / "tests" / "stalled_save_worker.py"), f"step:{stalled}",
+                     str(marker)))
   run.wait_until(marker.exists, f"the save of step {stalled}")
   assert run.stop(signal.SIGKILL) == -signal.SIGKILL
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from allatt_jax import config_base
+import helpers
 from allatt_jax import data as data_lib
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
@@ -28,9 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   # The run ends by evaluating all of valid and test: wide rows make that quick. The
   # eval lengths, which scoring and sampling use, stay those of the tiny config.

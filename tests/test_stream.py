@@ -2,7 +2,6 @@
 read of segments."""
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import helpers
 from allatt_jax.data import eval_batches
 from allatt_jax.data import SegmentStream
 from allatt_jax.data import to_global_array
@@ -181,17 +181,11 @@ _TWO_PROCESS_WORKER = textwrap.dedent('''
 ''')
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_assemble_the_global_batch(tmp_path):
   script = tmp_path / 'worker.py'
   script.write_text(_TWO_PROCESS_WORKER)
-  port = str(_free_port())
+  port = str(helpers.free_port())
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(REPO)}
   workers = [subprocess.Popen([sys.executable, str(script), port, str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -242,7 +242,7 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
   note = resolver.output_note(completed)
   assert note.startswith('Word level, 33,278 types: an adaptive softmax (cutoffs 2496, '
-                         '4992, 24958; div_val 4) costs 0.60M MACs per token, where a '
+                         '4992, 24958; div_val 4) costs 0.40M MACs per token, where a '
                          'plain one would cost 4.26M, 7.5x the 0.57M of all the layers')
   assert '--config.model.auto_cutoffs=False' in note
   # Where the plain softmax is the smaller part, or not asked for, nothing changes.

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
@@ -29,9 +30,7 @@ def data_dir(tmp_path_factory):
 
 
 def tiny_config(data_dir, **train_overrides):
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.data_dir = data_dir
   config.model.vocab_size = 27   # resolver.resolve comes after prepare fills it in
   config.eval.batch_size = 64      # the final evaluation of all of valid and test: quick

@@ -11,10 +11,12 @@ import jax
 import pytest
 
 import data_fixtures
+import helpers
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
 from allatt_jax import model as model_lib
+from allatt_jax import pipeline
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files
@@ -32,9 +34,7 @@ TEXT8_VOCABULARY = run_files.vocabulary_fingerprint("text8", tokenization.TEXT8_
 
 def tiny_config(**sections):
   """configs/demo.py:tiny as a single run; `sections` update config sections."""
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  with config.unlocked():
-    del config["pipeline"]
+  config = helpers.tiny_run()
   config.data.name = "text8"
   config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
   for name, values in sections.items():
@@ -114,7 +114,18 @@ def test_bad_config_is_named(tmp_path, monkeypatch, sections, devices, match):
 
 
 def test_valid_config_passes(tmp_path):
-  check_run(tiny_config(), tmp_path / "new" / "run")
+  setup, checkpoints = start_run(tiny_config(), tmp_path / "new" / "run", TEXT8_VOCABULARY)
+  checkpoints.close()
+  # The workdir is made (its parents too) and holds nothing to resume.
+  assert (tmp_path / "new" / "run").is_dir() and not checkpoints.steps()
+  assert setup.run.model.vocab_size == 27 and setup.lm.cfg.layer_heads == (4, 4)
+
+
+def test_the_relative_table_may_be_exactly_as_long_as_the_longest_context(tmp_path):
+  # train and eval: T + S = 16 + 16.
+  check_run(tiny_config(model=dict(max_relative_len=32)), tmp_path / "run")
+  with pytest.raises(ConfigError, match=r"max_relative_len=31 is shorter .* = 32"):
+    check_run(tiny_config(model=dict(max_relative_len=31)), tmp_path / "run")
 
 
 def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
@@ -148,7 +159,14 @@ def test_read_only_workdir(tmp_path):
 
 def test_init_from_baseline_passes(baseline, tmp_path):
   config = tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(baseline))
-  check_run(config, tmp_path)
+  setup, checkpoints = start_run(config, tmp_path, TEXT8_VOCABULARY)
+  checkpoints.close()
+  # The baseline's parameters are those of the pruning run's model, gates aside.
+  prefix = "variables/params/"
+  assert checkpointing.model_param_shapes(run_files.run_path(baseline), prefix) == {
+      prefix + key: shape for key, shape in checkpointing.tree_shapes(
+          setup.abstract_state.variables["params"]).items()}
+  assert setup.run.init_source == str(baseline)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -212,6 +230,32 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
   assert "train.num_steps" not in message
   # A change that keeps the shapes (a longer run) resumes.
   check_run(tiny_config(train=dict(num_steps=60)), workdir)
+
+
+def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_path,
+                                                              text8_dirs):
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  saved = (workdir / run_files.CONFIG_FILE).read_bytes()
+  manual_dir, data_dir = text8_dirs
+  changed = tiny_config(train=dict(learning_rate=0.01),
+                        data=dict(manual_dir=manual_dir, data_dir=data_dir))
+  with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
+    train.train_and_evaluate(changed, workdir)
+  assert (workdir / run_files.CONFIG_FILE).read_bytes() == saved
+
+
+def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
+  stage = run_config.RunConfig.of(tiny_config(
+      gates=dict(enabled=True, lam=0.1, freeze_step=15), init_from=str(tmp_path / "b")))
+  (tmp_path / "pruned").mkdir()
+  run_files.save_config(tmp_path / "pruned", stage)
+  assert pipeline.pruning_stage_dir(tmp_path, stage) == (tmp_path / "pruned", "")
+  folder, why = pipeline.pruning_stage_dir(
+      tmp_path, run_config.derived_run(stage, gates=dict(lam=0.2)))
+  assert folder == tmp_path / "pruned-2"
+  assert why == (f"{tmp_path / 'pruned'} holds a pruning stage with other settings "
+                 "(gates.lam: 0.1 -> 0.2), kept as it is")
 
 
 def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
