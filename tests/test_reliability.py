@@ -196,6 +196,9 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
             command=(str(ROOT / "tests" / "stalled_save_worker.py"), f"file:{stall}",
                      str(marker)))
   run.wait_for_step(random.Random().randrange(CHECKPOINT_EVERY + 1, 3 * CHECKPOINT_EVERY))
+  # Saves commit in the background: stall only once one has finished, to restore below.
+  run.wait_until(lambda: any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir()),
+                 "a finished checkpoint")
   stall.touch()
   run.process.send_signal(signal.SIGINT)
   run.wait_until(marker.exists, "the save of the interrupted step")
