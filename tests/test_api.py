@@ -22,6 +22,7 @@ from allatt_jax import figures
 from allatt_jax import gates as gates_lib
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
+from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax import run_files
@@ -171,6 +172,35 @@ def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
   assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
   (tmp_path / "empty").mkdir()
   model.save(tmp_path / "empty")          # an empty folder is as good as a new one
+
+
+def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
+  model = untrained_model()          # 2 layers of 4 heads of 16 slots: groups of 4
+  ids = jnp.asarray(np.arange(24) % 27)
+  smaller = model.prune_persistent_groups({0: {1: [0, 3]}, 1: {2: [0, 1, 2, 3]}},
+                                          group_size=4)
+  assert smaller.lm.cfg.persistent_slots == ((16, 16, 16, 8), (16, 16, 16, 0))
+  expected_cfg, expected = prune.remove_heads(
+      model.lm.cfg, jax.device_get(model.variables),
+      slots={0: {1: [0, 1, 2, 3, 12, 13, 14, 15]}, 1: {2: list(range(16))}})
+  assert smaller.lm.cfg == expected_cfg
+  for a, b in zip(jax.tree.leaves(jax.device_get(smaller.variables["params"])),
+                  jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  # Costs count the slots kept: 24 of 128 gone, 2·dh parameters each.
+  dh = model.lm.cfg.head_dim
+  assert (model.costs()["params_non_embedding"] - smaller.costs()["params_non_embedding"]
+          == 24 * 2 * dh)
+  smaller.save(tmp_path / "smaller")
+  loaded = allatt_jax.load(tmp_path / "smaller")
+  assert loaded.lm.cfg.persistent_slots == smaller.lm.cfg.persistent_slots
+  np.testing.assert_array_equal(np.asarray(loaded.log_probs(ids)[0]),
+                                np.asarray(smaller.log_probs(ids)[0]))
+  with pytest.raises(ConfigError, match=r"Head 1 of layer 0 has no persistent group\(s\) "
+                     r"\[4\] of 4 slots: its groups are 0 \.\. 3"):
+    model.prune_persistent_groups({0: {1: [4]}}, group_size=4)
+  with pytest.raises(ConfigError, match="pass group_size=G"):
+    model.prune_persistent_groups({0: {1: [0]}})
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from allatt_jax import model as model_lib
 from allatt_jax import resolver
 from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
+from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
@@ -154,7 +155,7 @@ def planned_check(config, suite, **plan_keys):
   plan = plan_lib.ExperimentPlan.from_dict({**config.experiments.to_dict(), **plan_keys})
   experiment = runs_lib.Experiment(resolver.resolve_config(config, vocab_from_data=True),
                                    plan, "unused", read_data=False)
-  experiment.check(suites.PLANNED_RUNS[suite](experiment), suite)
+  experiment.check(cli.PLANNED_RUNS[suite](experiment), suite)
 
 
 @pytest.mark.parametrize("suite, plan_keys, named", [
@@ -173,6 +174,10 @@ def planned_check(config, suite, **plan_keys):
     ("distill", dict(distill_variants=dict(logit=dict(weight=2.0))),
      ["run budget_sparsity0.5_s0_distill_logit",
       "Set --config.experiments.distill_variants.logit.weight to a value in [0, 1]"]),
+    ("persistent", dict(persistent_group=5),
+     ["--suite=persistent, run budget_macs0.6_heads_groups5_s0 (0.6 of the baseline's",
+      "config.experiments.persistent_group=5 does not divide config.model.num_persistent"
+      "=32", "Choose one of [1, 2, 4, 8, 16, 32]"]),
     ("heuristics", dict(prune_gates=dict(freeze_step=10**6)),
      ["Set --config.experiments.prune_gates.freeze_step to at most",
       "raise --config.experiments.prune_train.num_steps"]),
@@ -186,7 +191,7 @@ def test_every_run_of_a_suite_is_checked_naming_the_experiment_flags(
 
 
 def test_the_shipped_plan_passes_its_checks(experiment):
-  for suite in suites.PLANNED_RUNS:
+  for suite in cli.ALL:
     planned_check(experiment, suite)
   assert not pathlib.Path(experiment.data.data_dir).exists()   # no data read
 

@@ -242,10 +242,10 @@ def test_a_section_of_the_common_keys_is_a_plan_for_the_suites_that_need_no_more
   # A suite that needs more says so before its first run.
   for suite in suites.FULL_PLAN_SUITES:
     with pytest.raises(ConfigError, match=rf"--suite={suite} needs .*: ablation_lambda, "):
-      suites.SUITES[suite](types.SimpleNamespace(plan=plan))
+      cli.SUITES[suite](types.SimpleNamespace(plan=plan))
   # And --suite=all before any suite's run: the suites before ablation need no more.
   with pytest.raises(ConfigError, match=r"--suite=ablation needs "):
-    suites.check_plan(plan, list(suites.SUITES))
+    suites.check_plan(plan, list(cli.ALL))
   suites.check_plan(plan, ["lambda_sweep", "txl_widths"])
 
 
@@ -269,7 +269,7 @@ def monkeypatch_module():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("suite", list(suites.SUITES))
+@pytest.mark.parametrize("suite", list(cli.ALL))
 def test_suite_writes_its_table_and_figures(experiment, suite):
   report = cli.run_suite(suite, experiment)
   text = (experiment.workdir / f"{suite}.md").read_text()

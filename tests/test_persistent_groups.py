@@ -1,6 +1,7 @@
 """Gates on groups of persistent slots: their variables, the softmax without closed
 groups, the export that cuts them, their costs and the budget's rule over both kinds."""
 import dataclasses
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -11,11 +12,17 @@ import pytest
 from allatt_jax import attention
 from allatt_jax import attention_kernel
 from allatt_jax import budget
+from allatt_jax import config_base
+from allatt_jax import config_checks
 from allatt_jax import gates as gates_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import persistent_groups
 from allatt_jax import prune
+from allatt_jax import run_config
+from allatt_jax.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 VOCAB = 41
 SEQ_LEN = 8
@@ -283,3 +290,79 @@ def test_l0_and_controller_count_heads_and_groups_by_cost():
   gates = {"layer_0": {"attention": {"logits": jnp.array([30.0, -30.0]),
                                      "persistent_logits": jnp.array([[30.0, -30.0]] * 2)}}}
   np.testing.assert_allclose(budget.expected_size(HARD, gates, share), 0.75, atol=1e-6)
+
+
+@pytest.mark.parametrize("rate,head_block,remat", [(0.0, 3, False), (0.3, 1, False),
+                                                   (0.3, 3, True)])
+def test_the_core_backward_with_slot_weights_is_autodiff_of_its_forward(rate, head_block,
+                                                                       remat):
+  """The hand-written backward pass, slot weights included (a closed slot's ∂L/∂w is
+  the gradient a straight-through gate needs to reopen it), equals autodiff."""
+  x = _core_inputs()
+  # Closed, open and (as a soft gate would give) fractional slot weights; a head all closed.
+  pw_HxN = jnp.array([[1, 0, 1, 0.5, 0, 1], [0, 0, 0, 0, 0, 0], [1, 1, 0.25, 1, 1, 0]],
+                     jnp.float32)
+  args = (x["qu"], x["qv"], x["qp"], x["k"], x["v"], x["r_pad"], x["pk"], x["pv"])
+  keys = jnp.array([[5, 6], [7, 8]], jnp.uint32) if rate else None
+  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, jnp.float32,
+                                              *a[:-1], x["mask"], keys, a[-1])
+  plain = lambda *a: attention_kernel._attend_fwd(rate, 3, False, jnp.float32, *a[:-1],
+                                                  x["mask"], keys, a[-1])[0]
+  out, custom_vjp = jax.vjp(custom, *args, pw_HxN)
+  expected_out, plain_vjp = jax.vjp(plain, *args, pw_HxN)
+  np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
+  dout = jax.random.normal(jax.random.key(3), out.shape)
+  grads, expected_grads = custom_vjp(dout), plain_vjp(dout)
+  for got, expected in zip(grads, expected_grads):
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+  # The closed slots have a gradient (to reopen); their vectors none (they take no mass).
+  assert np.abs(np.asarray(grads[-1])[pw_HxN == 0]).min() > 0
+  np.testing.assert_array_equal(np.asarray(grads[7])[1], 0.0)
+
+
+
+def _group_config(**gates):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")   # N = 16
+  config.model.vocab_size = 27
+  config.gates.update({"enabled": True, "persistent_group": 4, "freeze_step": 20, **gates})
+  return config
+
+
+@pytest.mark.parametrize("gates, model, match", [
+    (dict(persistent_group=0, heads=False), {}, r"heads=False leaves the heads without "
+     r"gates.*Set --config.gates.persistent_group=64"),
+    (dict(persistent_group=5), {}, r"does not divide config.model.num_persistent=16.*"
+     r"Choose one of \[1, 2, 4, 8, 16\]"),
+    (dict(hard=False), {}, r"needs hard gates.*--config.gates.hard=True"),
+    (dict(target_sparsity=0.5), {}, r"target_sparsity=0.5 is a fraction of heads.*"
+     r"--config.gates.target_params or --config.gates.target_macs"),
+    ({}, dict(kind="txl", num_persistent=0, d_ff=64), r"this model has none of"),
+    (dict(heads=False, target_macs=1.0), {}, r"below the .* that pruning persistent "
+     r"groups alone leaves.*The smallest budget that is met: --config.gates.target_macs="),
+    (dict(target_params=10), {}, r"no head holds"),
+])
+def test_bad_group_configs_are_refused_with_the_fix(gates, model, match):
+  config = _group_config(**gates)
+  config.model.update(model)
+  with pytest.raises(ConfigError, match=match):
+    config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_the_fused_kernels_are_refused_and_auto_runs_the_xla_core():
+  config = _group_config(lam=0.1)
+  config_checks.check_config(run_config.RunConfig.of(config), 1)   # 'auto' is fine
+  message = config_checks._check_persistent_groups
+  config.model.attention_impl = "pallas"
+  with pytest.raises(ConfigError, match=r"cannot weight persistent slots.*attention_impl=auto"):
+    message(run_config.RunConfig.of(config))
+
+
+def test_a_config_saved_before_group_gates_reads_them_off():
+  saved = run_config.RunConfig.of(config_base.base_config()).to_dict()
+  del saved["gates"]["persistent_group"], saved["gates"]["heads"]
+  del saved["model"]["persistent_slots"]
+  config = run_config.RunConfig.from_dict(saved)
+  assert (config.gates.persistent_group, config.gates.heads) == (0, True)
+  assert config.model.persistent_slots is None
+  cfg = model_lib.ModelConfig.from_config(config)
+  assert cfg.gate.persistent_group == 0 and cfg.persistent_slots is None

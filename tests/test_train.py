@@ -92,9 +92,11 @@ def test_exported_model_scores_like_gated_model(demo_run):
     np.testing.assert_allclose(export_logp, gated_logp, atol=1e-5, rtol=0)
 
 
-def test_gates_frozen_bit_identical_while_params_train(data_dir):
+@pytest.mark.parametrize("persistent_group", [0, 4], ids=["heads", "heads_and_groups"])
+def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_group):
   config = tiny_config(data_dir, num_steps=8)
-  config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0))
+  config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0,
+                           persistent_group=persistent_group))
   setup = resolver.resolve(config)
   state = setup.new_state()
   step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
@@ -113,11 +115,22 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir):
       np.testing.assert_array_equal(a, b)
   assert any(np.any(a != b) for a, b in zip(leaves(history[3]["params"]),
                                             leaves(history[5]["params"])))
+  if persistent_group:   # the group gates train, under the L0 term, until the freeze
+    groups = [h["gates"]["layer_0"]["attention"]["persistent_logits"] for h in history]
+    assert groups[0].shape == (4, 16 // persistent_group)
+    assert np.all(groups[2] != config.gates.init) and np.any(groups[1] != groups[2])
+    np.testing.assert_array_equal(groups[2], groups[5])
 
 
-def test_resume_continues_exactly(tmp_path, data_dir):
-  """Restarting from a mid-run checkpoint ends with bit-identical parameters."""
+@pytest.mark.parametrize("persistent_group", [None, 4], ids=["baseline", "groups_pruned"])
+def test_resume_continues_exactly(tmp_path, data_dir, persistent_group):
+  """Restarting from a mid-run checkpoint ends with bit-identical parameters (and
+  gates: a pruning run with persistent groups frozen between the two saves)."""
   config = tiny_config(data_dir, num_steps=10)
+  if persistent_group:
+    config.gates.update(dict(enabled=True, lam=0.1, freeze_step=7, l0_warmup_steps=0,
+                             persistent_group=persistent_group))
+    config.init_from = "none"
   config.checkpoint.every_steps = 5
   config.eval.every_steps = 0
   train.train_and_evaluate(config, tmp_path)
