@@ -149,19 +149,31 @@ def _scratch(g: kernels.Geometry, num_heads: int, batch: int, blocks: int):
           jax.ShapeDtypeStruct((num_heads, batch, blocks * g.rows, 2 * g.rows), jnp.float32))
 
 
+def _query_block_specs(g: kernels.Geometry, first_Q, last_Q, seeds):
+  """Specs of lo, hi, first_Q, last_Q, seeds, qu, qv, k, v and the table."""
+  queries = _tile(g.rows, g.dh_pad)
+  return [pl.BlockSpec((g.rows,), lambda h, b, i: (i,))] * 2 + [
+      _whole(first_Q.shape), _whole(last_Q.shape), _whole(seeds.shape), queries, queries,
+      _sequence(g.k_pad, g.dh_pad), _sequence(g.k_pad, g.dh_pad),
+      _per_head(g.table_rows, g.dh_pad)]
+
+
+def _slot_specs(g: kernels.Geometry):
+  """Specs of qp and the head's persistent keys and values."""
+  return [_tile(g.rows, g.dh_pad), _per_head(g.n_pad, g.dh_pad),
+          _per_head(g.n_pad, g.dh_pad)]
+
+
 def _forward(g: kernels.Geometry, padded, seeds, bounds):
   qu, qv, qp, k, v, table, pk, pv = padded
   (lo, hi), (first_Q, last_Q), _ = bounds
   num_heads, batch = qu.shape[:2]
   has_slots = pk is not None
   queries = _tile(g.rows, g.dh_pad)
-  in_specs = [pl.BlockSpec((g.rows,), lambda h, b, i: (i,))] * 2 + [
-      _whole(first_Q.shape), _whole(last_Q.shape), _whole(seeds.shape), queries, queries,
-      _sequence(g.k_pad, g.dh_pad), _sequence(g.k_pad, g.dh_pad),
-      _per_head(g.table_rows, g.dh_pad)]
+  in_specs = _query_block_specs(g, first_Q, last_Q, seeds)
   args = [lo, hi, first_Q, last_Q, seeds, qu, qv, k, v, table]
   if has_slots:
-    in_specs += [queries, _per_head(g.n_pad, g.dh_pad), _per_head(g.n_pad, g.dh_pad)]
+    in_specs += _slot_specs(g)
     args += [qp, pk, pv]
   scratch_spec, scratch_shape = _scratch(g, num_heads, batch, g.q_blocks)
   out, lse, _ = _call(
@@ -181,15 +193,12 @@ def _query_grads(g: kernels.Geometry, padded, seeds, bounds, lse, delta, dout):
   num_heads, batch = qu.shape[:2]
   has_slots = pk is not None
   queries = _tile(g.rows, g.dh_pad)
-  in_specs = [pl.BlockSpec((g.rows,), lambda h, b, i: (i,))] * 2 + [
-      _whole(first_Q.shape), _whole(last_Q.shape), _whole(seeds.shape), queries, queries,
-      _sequence(g.k_pad, g.dh_pad), _sequence(g.k_pad, g.dh_pad),
-      _per_head(g.table_rows, g.dh_pad), _stats(g.rows, tiled=True),
-      _stats(g.rows, tiled=True), queries]
+  in_specs = _query_block_specs(g, first_Q, last_Q, seeds) + [
+      _stats(g.rows, tiled=True), _stats(g.rows, tiled=True), queries]
   args = [lo, hi, first_Q, last_Q, seeds, qu, qv, k, v, table, lse, delta, dout]
   grads = 3 if has_slots else 2
   if has_slots:
-    in_specs += [queries, _per_head(g.n_pad, g.dh_pad), _per_head(g.n_pad, g.dh_pad)]
+    in_specs += _slot_specs(g)
     args += [qp, pk, pv]
   # Each program's share of the table gradient: k_blocks + 1 blocks of rows.
   share = (g.k_blocks + 1) * g.rows
