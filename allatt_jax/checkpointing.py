@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+from allatt_jax import run_config
 from allatt_jax import run_files
 from allatt_jax.errors import CheckpointError
 
@@ -219,12 +220,7 @@ def latest_finished_step(workdir) -> int:
   return step
 
 
-def restore_variables(workdir, step: int | None = None) -> dict:
-  """The model variables of a run's checkpoint, as host arrays (see restore_step)."""
-  return restore_step(run_files.run_path(workdir), step)[1]
-
-
-def restore_step(workdir: epath.Path, step: int | None = None) -> tuple[int, dict]:
+def _restore_step(workdir: epath.Path, step: int | None = None) -> tuple[int, dict]:
   """(step, model variables as host arrays) of a run's checkpoint (`workdir` as
   run_files.run_path gives it).
 
@@ -284,29 +280,20 @@ def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[in
   return {k: v for k, v in shapes.items() if k.startswith(prefix)}
 
 
-def load_model(directory, step: int | None = None):
-  """(run config, variables) of an exported model, or of a run's checkpoint (`step`,
-  or by default the newest that restores: see `restore_variables`)."""
-  return load_model_and_step(directory, step)[:2]
+def read_model(directory, step: int | None = None
+               ) -> tuple[run_config.RunConfig, dict, int | None]:
+  """(run config, model variables as host arrays, the checkpoint step read) of an
+  exported model (step None) or of a run's workdir: its checkpoint `step`, by
+  default the newest that restores (see `_restore_step`).
 
-
-def load_model_and_step(directory, step: int | None = None):
-  """(run config, variables, the checkpoint step used: None for an exported model)."""
+  Raises:
+    CheckpointError: no config.json, no such (readable) checkpoint, or a step asked
+      of an export.
+  """
   directory = run_files.run_path(directory)
   # The config first: a folder without one gets load_config's advice (a pipeline's
   # workdir, say), not a missing checkpoint's.
   config = run_files.load_config(directory)
-  return (config, *_load_variables(directory, step))
-
-
-def load_params(directory: epath.Path):
-  """The parameters of an exported model, or of a run's newest checkpoint that
-  restores, as host arrays (`directory` as run_files.run_path gives it)."""
-  return _load_variables(directory, None)[0]["params"]
-
-
-def _load_variables(directory: epath.Path, step: int | None) -> tuple[dict, int | None]:
-  """(variables, the checkpoint step used: None for an exported model)."""
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(
@@ -314,6 +301,6 @@ def _load_variables(directory: epath.Path, step: int | None) -> tuple[dict, int 
           "Leave out the step, or point at the training run's workdir.")
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
-    return {"params": jax.tree.map(np.asarray, params)}, None
-  used, variables = restore_step(directory, step)
-  return variables, used
+    return config, {"params": jax.tree.map(np.asarray, params)}, None
+  step, variables = _restore_step(directory, step)
+  return config, variables, step

@@ -213,8 +213,9 @@ def trained_model_config(checkpoint, step: int | None = None
                          ) -> tuple[run_config.RunConfig, model_lib.ModelConfig]:
   """(run config, the model as it runs) of a run's workdir or an export: an export's
   heads, or a run's with its closed gates removed (the heads its export would keep)."""
-  config, lm, variables = trained_model.load_lm(checkpoint, step)
-  return config, prune.running_model_config(lm.cfg, variables)
+  config, variables, _ = checkpointing.read_model(checkpoint, step)
+  return config, prune.running_model_config(model_lib.ModelConfig.from_config(config),
+                                            variables)
 
 
 def export_run(workdir, out_dir=None, step: int | None = None, *,
@@ -231,17 +232,15 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
   """
   workdir = run_files.run_path(workdir)
   validation.check_export(workdir)
-  config = run_files.load_config(workdir)
-  tokenizer = trained_model.load_tokenizer(workdir, config)
-  step, variables = checkpointing.restore_step(workdir, step)
-  pruned_cfg, params = prune.remove_heads(model_lib.ModelConfig.from_config(config),
-                                          variables)
+  model = trained_model.load(workdir, step)
+  config, step = model.config, model.step
+  pruned_cfg, params = prune.remove_heads(model.lm.cfg, jax.device_get(model.variables))
   # The default folder is named after the step that restored, so the check of the
   # folder waits for it (it still comes before anything is written).
   out_dir = (run_files.run_path(out_dir) if out_dir
              else default_export_dir(workdir, config, step))
   _check_target(out_dir, overwrite)
-  save(out_dir, config, pruned_cfg, params, tokenizer)
+  save(out_dir, config, pruned_cfg, params, model.tokenizer)
   return out_dir
 
 

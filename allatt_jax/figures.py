@@ -171,7 +171,7 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
         "pruning runs (gates.enabled=True) have gates to plot.")
   records = [json.loads(line) for line in history_file.read_text().splitlines()]
   cfg = model_lib.ModelConfig.from_config(config)
-  kept = prune.surviving_heads(cfg, checkpointing.restore_variables(workdir)["gates"])
+  kept = prune.surviving_heads(cfg, checkpointing.read_model(workdir)[1]["gates"])
   out_file = epath.Path(out_file) if out_file else workdir / "gates.png"
   _draw_gates(records, kept, cfg.layer_heads, config.gates, out_file)
   return out_file

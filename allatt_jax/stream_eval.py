@@ -106,11 +106,12 @@ class Evaluator:
 
   def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
     """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
-    # Host arrays (a loaded or exported model's) go to the devices once, not with
-    # every batch's step.
+    # Arrays not already on this mesh (host arrays, or a loaded model's on one device)
+    # go to its devices once, not with every batch's step.
+    mesh_devices = set(self.mesh.devices.flat)
     variables = jax.tree.map(
-        lambda x: jax.device_put(x, self._replicated) if isinstance(x, np.ndarray) else x,
-        variables)
+        lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == mesh_devices
+        else jax.device_put(np.asarray(x), self._replicated), variables)
     memory = self._empty_memory()
     shape = (self.batch_size, self.seq_len)
 

@@ -94,7 +94,7 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
     # A pruning run starts from the params of `init_from` (a run or an exported
     # model), whose shapes `open_checkpoints` checked; its gates and optimizer start
     # fresh.
-    params = checkpointing.load_params(source) if source else None
+    params = checkpointing.read_model(source)[1]["params"] if source else None
     state = setup.new_state(params)
   gated = setup.lm.cfg.gated
   # Phase results count only for the state they were computed from: the last step's,

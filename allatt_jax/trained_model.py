@@ -24,13 +24,6 @@ OLD_MODEL_ADVICE = ("Its dataset is needed, as the model has no tokenizer.json: 
                     "files back where its config.json says (data.manual_dir).")
 
 
-def load_lm(checkpoint, step: int | None = None
-            ) -> tuple[run_config.RunConfig, model_lib.TransformerLM, Any]:
-  """(run config, model, host variables) of a run workdir or an exported model."""
-  config, variables = checkpointing.load_model(checkpoint, step)
-  return config, model_lib.TransformerLM.from_config(config), variables
-
-
 def load_dataset(checkpoint, manual_dir: str | None = None,
                  data_dir: str | None = None) -> data_lib.Corpus:
   """The dataset a model was trained on, read before the model itself: from its
@@ -56,7 +49,7 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
   return corpus
 
 
-def load_tokenizer(checkpoint, config: run_config.RunConfig) -> tokenization.Tokenizer:
+def _load_tokenizer(checkpoint, config: run_config.RunConfig) -> tokenization.Tokenizer:
   """The tokenizer saved with a run or export; for older ones, its dataset's.
 
   Raises:
@@ -87,9 +80,9 @@ def load(checkpoint, step: int | None = None) -> LoadedModel:
       vocabulary size is not its tokenizer's.
     DataError: no saved tokenizer and the run's dataset cannot be loaded.
   """
-  config, variables, step = checkpointing.load_model_and_step(checkpoint, step)
+  config, variables, step = checkpointing.read_model(checkpoint, step)
   lm = model_lib.TransformerLM.from_config(config)
-  tokenizer = load_tokenizer(checkpoint, config)
+  tokenizer = _load_tokenizer(checkpoint, config)
   if tokenizer.vocab_size != lm.cfg.vocab_size:
     raise errors.CheckpointError(
         f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "

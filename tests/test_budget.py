@@ -249,7 +249,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   assert saved.gates.lam == 0.0 and saved.gates.target_sparsity == 0.5
   assert saved.model.vocab_size == 27          # taken from the dataset (demo: 0)
   # Export, results, the gate figure's marks and Model.costs() agree on the heads.
-  gated = checkpointing.restore_variables(workdir / "pruned")
+  gated = checkpointing.read_model(workdir / "pruned")[1]
   cfg = model_lib.ModelConfig.from_config(saved)
   kept = [len(h) for h in prune.surviving_heads(cfg, gated["gates"])]
   results = json.loads((workdir / "pruned" / "results.json").read_text())

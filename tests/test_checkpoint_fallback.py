@@ -102,25 +102,27 @@ def test_readers_and_export_fall_back_but_an_explicit_step_does_not(finished_run
   expected = saved_state(finished, 4)["state"]["variables"]
 
   with caplog.at_level(logging.WARNING):
-    assert_bit_identical(checkpointing.restore_variables(workdir), expected)
-    assert_bit_identical(checkpointing.load_model(workdir)[1], expected)
+    _, variables, step = checkpointing.read_model(workdir)
+    assert_bit_identical(variables, expected)
+    assert step == 4
     exported_model.export_run(workdir, tmp_path / "export")
   assert f"Checkpoint {workdir / 'checkpoints' / str(NUM_STEPS)} is unreadable (" in (
       caplog.text)
   assert (f"Using the checkpoint of step 4 in {workdir / 'checkpoints'}, the newest that "
           f"restores (skipped: {NUM_STEPS}).") in caplog.text
   assert (workdir / "checkpoints" / str(NUM_STEPS)).is_dir()   # readers move nothing
-  assert_bit_identical(checkpointing.restore_variables(workdir, step=4), expected)
+  assert_bit_identical(checkpointing.read_model(workdir, step=4)[1], expected)
 
   with pytest.raises(CheckpointError, match=rf"Checkpoint .*/checkpoints/{NUM_STEPS} is "
                      r"unreadable \(UnicodeDecodeError: .*\)\. Leave out the step"):
-    checkpointing.restore_variables(workdir, step=NUM_STEPS)
+    checkpointing.read_model(workdir, step=NUM_STEPS)
   with pytest.raises(CheckpointError, match=r"No checkpoint of step 5 in .*; it holds "
                      r"steps \[2, 4, 6\]"):
-    checkpointing.load_model(workdir, step=5)
+    checkpointing.read_model(workdir, step=5)
   with pytest.raises(CheckpointError, match="is an exported model: it has one set of "
                      "parameters, no steps"):
-    checkpointing.load_model(tmp_path / "export", step=4)
+    checkpointing.read_model(tmp_path / "export", step=4)
+  assert checkpointing.read_model(tmp_path / "export")[2] is None
 
 
 def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):

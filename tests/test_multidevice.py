@@ -89,8 +89,9 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
   """The (4, 2) mesh's checkpoint, exported there and here on one device."""
   out_dir, _, _ = runs
   workdir = out_dir / "pruning_run"
-  there_config, there = checkpointing.load_model(workdir / "export")
-  here_config, here = checkpointing.load_model(exported_model.export_run(workdir, tmp_path / "export"))
+  there_config, there, _ = checkpointing.read_model(workdir / "export")
+  here_config, here, _ = checkpointing.read_model(
+      exported_model.export_run(workdir, tmp_path / "export"))
   assert here_config.to_dict() == there_config.to_dict()
   assert 0 < sum(here_config.model.heads_per_layer) < 8, "some heads should be removed"
   for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):
@@ -98,7 +99,7 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
   # The smaller model computes what the gated one does with deterministic gates.
   gated_lm, here_lm = (model_lib.TransformerLM.from_config(c)
                        for c in (run_files.load_config(workdir), here_config))
-  gated_vars = checkpointing.restore_variables(workdir)
+  gated_vars = checkpointing.read_model(workdir)[1]
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 27)
   logp = [lm.apply(v, tokens, model_lib.init_memory(lm.cfg, 2, 16), method=lm.log_probs)[0]
           for lm, v in ((gated_lm, gated_vars), (here_lm, here))]

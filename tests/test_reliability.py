@@ -211,7 +211,7 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
   # The save cut short is left where restore ignores it; the one before restores.
   last = checkpointing.latest_finished_step(workdir)
   assert list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp"))
-  checkpointing.restore_variables(workdir, last)
+  checkpointing.read_model(workdir, last)
   train.train_and_evaluate(config, workdir)
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
@@ -231,7 +231,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, un
   half_written = workdir / "checkpoints" / f"{stalled}.orbax-checkpoint-tmp"
   assert half_written.is_dir() and not (workdir / "checkpoints" / str(stalled)).exists()
   assert checkpointing.latest_finished_step(workdir) == CHECKPOINT_EVERY
-  checkpointing.restore_variables(workdir)           # readers skip it too
+  checkpointing.read_model(workdir)           # readers skip it too
 
   train.train_and_evaluate(config, workdir)
   assert not half_written.exists()
@@ -280,8 +280,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
       r"checkpoint, step 4, predates it.*skip_nonfinite_steps=True")):
     train.train_and_evaluate(short_config(run_config), tmp_path)
   assert checkpointing.latest_finished_step(tmp_path) == 4
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(checkpointing.restore_variables(
-      tmp_path)))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(checkpointing.read_model(
+      tmp_path)[1]))
 
 
 @pytest.mark.slow

@@ -76,8 +76,8 @@ def test_exported_model_scores_like_gated_model(demo_run):
 
   gated_config = run_files.load_config(workdir / "pruned")
   gated_lm = model_lib.TransformerLM.from_config(gated_config)
-  gated_vars = checkpointing.restore_variables(workdir / "pruned")
-  export_config, export_vars = checkpointing.load_model(workdir / "pruned" / "export")
+  gated_vars = checkpointing.read_model(workdir / "pruned")[1]
+  export_config, export_vars, _ = checkpointing.read_model(workdir / "pruned" / "export")
   export_lm = model_lib.TransformerLM.from_config(export_config)
   assert "gates" not in export_vars
 
@@ -134,10 +134,10 @@ def test_resume_continues_exactly(tmp_path, data_dir, persistent_group):
   config.checkpoint.every_steps = 5
   config.eval.every_steps = 0
   train.train_and_evaluate(config, tmp_path)
-  uninterrupted = checkpointing.restore_variables(tmp_path)
+  uninterrupted = checkpointing.read_model(tmp_path)[1]
   # Lose the last checkpoint, as if the run had died after step 5, and restart it.
   shutil.rmtree(tmp_path / "checkpoints" / "10")
   train.train_and_evaluate(config, tmp_path)
-  resumed = checkpointing.restore_variables(tmp_path)
+  resumed = checkpointing.read_model(tmp_path)[1]
   for a, b in zip(jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed)):
     np.testing.assert_array_equal(a, b)

@@ -118,12 +118,14 @@ def _by_gates(decision: dict, units: head_costs.UnitCosts) -> str:
 def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   """Each export's inference tokens/s over the baseline's, measured in turns."""
   corpus = data_lib.load_run_corpus(exp.base)
-  baseline_model = trained_model.load_lm(exp.run_dir(base.name))[1:]
+  baseline = trained_model.load(exp.run_dir(base.name))
   speed = {}
   for r in runs.values():
     export = exp.run_dir(r.name) / "export"
+    pruned = trained_model.load(export)
     measured = demo_report.measure_speed(exp.base, corpus.splits["valid"], batches,
-                                         baseline_model, trained_model.load_lm(export)[1:])
+                                         (baseline.lm, baseline.variables),
+                                         (pruned.lm, pruned.variables))
     speed[r.name] = measured["pruned_tokens_per_s"] / measured["baseline_tokens_per_s"]
   return speed
 

@@ -328,7 +328,7 @@ class Experiment:
       shutil.rmtree(directory, ignore_errors=True)
     _all_processes_reach(f"cleared {directory}")
     start = time.perf_counter()
-    base_config, variables = checkpointing.load_model(self.run_dir("baseline"))
+    base_config, variables, _ = checkpointing.read_model(self.run_dir("baseline"))
     setup = resolver.resolve(self.base)
     corpus = data_lib.load_run_corpus(self.base)
     train_cfg = self.base.train
