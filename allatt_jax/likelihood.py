@@ -12,7 +12,6 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax import data as data_lib
@@ -23,30 +22,23 @@ from allatt_jax import stream_eval
 from allatt_jax import trained_model
 
 
-@functools.partial(jax.jit, static_argnames="lm", donate_argnums=(1,))
-def _segment_nll(variables, memory, batch, *, lm):
-  """Per-token NLL of one `eval_batches` batch (its weights are read outside)."""
-  inputs_1xT, targets_1xT, _ = batch
-  nll_1xT, memory, _ = lm.apply(variables, inputs_1xT, targets_1xT, memory)
-  return nll_1xT, memory
+@functools.lru_cache(maxsize=8)
+def _evaluator(lm: model_lib.TransformerLM, batch_size: int, seq_len: int,
+               mem_len: int) -> stream_eval.Evaluator:
+  """An evaluator on this host's first device (a model trained on a mesh evaluates
+  anywhere, at any batch size), kept so that repeated calls compile once."""
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return stream_eval.Evaluator(lm, mesh, batch_size=batch_size, seq_len=seq_len,
+                               mem_len=mem_len)
 
 
 def token_log_probs(lm: model_lib.TransformerLM, variables, tokens: np.ndarray, *,
                     seq_len: int, mem_len: int) -> np.ndarray:
-  """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats.
-
-  One row read in segments of `seq_len` with `mem_len` positions of memory
-  (`stream_eval.read_stream`), batched like `stream_eval.Evaluator` with a batch of one,
-  so the mean of the negated values is that evaluator's NLL.
-  """
-  batches = list(data_lib.eval_batches(tokens, 1, seq_len))
-  nll_segments, _ = stream_eval.read_stream(
-      functools.partial(_segment_nll, variables, lm=lm), batches,
-      model_lib.init_memory(lm.cfg, 1, mem_len))
-  # One transfer at the end keeps the device busy instead of syncing per segment.
-  nll = np.asarray(jnp.concatenate(nll_segments, axis=1)).ravel()
-  weights = np.concatenate([batch_weights for *_, batch_weights in batches], axis=1)
-  return -nll[weights.ravel() > 0].astype(np.float64)
+  """ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats: one row read in segments
+  of `seq_len` with `mem_len` positions of memory, by the evaluator's own step, so the
+  mean of the negated values is its NLL."""
+  return -_evaluator(lm, 1, seq_len, mem_len).token_nll(variables, tokens)
 
 
 def _text_ids(model: trained_model.LoadedModel, text: str) -> tuple[np.ndarray, int]:
@@ -82,26 +74,18 @@ def score_text(model: trained_model.LoadedModel, text: str) -> tuple[dict, np.nd
 def evaluate_model(model: trained_model.LoadedModel, *, split: str | None = None,
                    text: str | None = None, corpus: data_lib.Corpus | None = None) -> dict:
   """{'tokens', metric, 'nll'} of a loaded model on a split of its dataset (`corpus`,
-  by default read from the run's config; at the run's eval batch and lengths) or on
-  `text` (one row, as `score_text` reads it).
+  by default read from the run's config; at the run's eval batch and lengths), or
+  `score_text`'s summary of `text`.
 
   Raises:
     DataError: the dataset cannot be loaded, or the text has fewer than 2 tokens.
   """
-  e = model.config.eval
   if text is not None:
-    tokens, _ = _text_ids(model, text)
-    batch_size = 1
-  else:
-    corpus = corpus or data_lib.load_run_corpus(model.config)
-    tokens = corpus.splits[split]
-    batch_size = e.batch_size
-  # One device: a model trained on a mesh evaluates anywhere, at any batch size.
-  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  evaluator = stream_eval.Evaluator(model.lm, mesh, batch_size=batch_size,
-                                   seq_len=e.seq_len, mem_len=e.mem_len)
-  scored = evaluator.score(model.variables, tokens)
+    return score_text(model, text)[0]
+  e = model.config.eval
+  corpus = corpus or data_lib.load_run_corpus(model.config)
+  evaluator = _evaluator(model.lm, e.batch_size, e.seq_len, e.mem_len)
+  scored = evaluator.score(model.variables, corpus.splits[split])
   metric = model.tokenizer.metric
   return {"tokens": scored["tokens"], metric: stream_eval.metric_value(scored["nll"], metric),
           "nll": scored["nll"]}

@@ -35,9 +35,11 @@ def metric_value(mean_nll: float, metric: str) -> float:
 
 def eval_step(variables, memory, inputs_BxT, targets_BxT, weights_BxT, *,
               lm: model_lib.TransformerLM):
-  """Weighted NLL sum and token count of one eval batch, and the next memory."""
+  """((weighted NLL sum, token count), per-token NLL) of one eval batch, and the next
+  memory: the one jitted step that scores a stream, for a split's mean or a text's
+  tokens."""
   nll_BxT, memory, _ = lm.apply(variables, inputs_BxT, targets_BxT, memory)
-  return (jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), memory
+  return ((jnp.sum(nll_BxT * weights_BxT), jnp.sum(weights_BxT)), nll_BxT), memory
 
 
 def read_stream(step: Callable[[Any, Any], tuple[Any, Any]], segments: Iterable,
@@ -80,7 +82,8 @@ class Evaluator:
     self._jitted = jax.jit(
         functools.partial(eval_step, lm=lm),
         in_shardings=(None, self._memory, self._batch, self._batch, self._batch),
-        out_shardings=(self._replicated, self._memory), donate_argnums=(1,))
+        out_shardings=((self._replicated, self._batch), self._memory),
+        donate_argnums=(1,))
     self._step = sharding.on_mesh(mesh, self._jitted)
     # Made on the devices, in their shards, rather than copied there from the host.
     self._empty_memory = sharding.on_mesh(mesh, jax.jit(
@@ -104,14 +107,17 @@ class Evaluator:
       return self._jitted.lower(variables, self._empty_memory(), tokens, tokens,
                                 weights).compile()
 
-  def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
-    """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
-    # Arrays not already on this mesh (host arrays, or a loaded model's on one device)
-    # go to its devices once, not with every batch's step.
+  def _placed(self, variables):
+    """`variables` on this mesh: arrays not already there (host arrays, or a loaded
+    model's on one device) go to its devices once, not with every batch's step."""
     mesh_devices = set(self.mesh.devices.flat)
-    variables = jax.tree.map(
+    return jax.tree.map(
         lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == mesh_devices
         else jax.device_put(np.asarray(x), self._replicated), variables)
+
+  def score(self, variables, tokens: np.ndarray, max_batches: int = 0) -> dict:
+    """Mean NLL, token count and throughput over `tokens` (or its first batches)."""
+    variables = self._placed(variables)
     memory = self._empty_memory()
     shape = (self.batch_size, self.seq_len)
 
@@ -121,8 +127,8 @@ class Evaluator:
       memory, (nll_sum, num_tokens) = memory_and_sums
       inputs, targets, weights = (data_lib.to_global_array(a, self._batch, shape)
                                   for a in arrays)
-      (batch_nll, batch_tokens), memory = self._step(variables, memory, inputs, targets,
-                                                     weights)
+      ((batch_nll, batch_tokens), _), memory = self._step(variables, memory, inputs,
+                                                          targets, weights)
       return None, (memory, (nll_sum + batch_nll, num_tokens + batch_tokens))
 
     start = time.perf_counter()
@@ -134,6 +140,26 @@ class Evaluator:
     seconds = time.perf_counter() - start
     return {"nll": float(nll_sum) / max(num_tokens, 1.0), "tokens": int(num_tokens),
             "tokens_per_s": num_tokens / seconds if seconds else 0.0}
+
+  def token_nll(self, variables, tokens: np.ndarray) -> np.ndarray:
+    """-ln p(tokens[i] | tokens[:i]) for i = 1 .. N-1, in nats, read as `score` reads
+    `tokens` (so their mean is its NLL). One process: its rows are all the rows."""
+    variables = self._placed(variables)
+    shape = (self.batch_size, self.seq_len)
+    batches = list(data_lib.eval_batches(tokens, self.batch_size, self.seq_len))
+
+    def step(memory, arrays):
+      inputs, targets, weights = (data_lib.to_global_array(a, self._batch, shape)
+                                  for a in arrays)
+      (_, nll_BxT), memory = self._step(variables, memory, inputs, targets, weights)
+      return nll_BxT, memory
+
+    nll_segments, _ = read_stream(step, batches, self._empty_memory())
+    # One transfer at the end keeps the device busy instead of syncing per segment;
+    # rows are contiguous stretches of `tokens`, so row-major order is text order.
+    nll = np.asarray(jnp.concatenate(nll_segments, axis=1)).ravel()
+    weights = np.concatenate([batch_weights for *_, batch_weights in batches], axis=1)
+    return nll[weights.ravel() > 0].astype(np.float64)
 
 
 def evaluate_splits(evaluator: Evaluator, variables, corpus: data_lib.Corpus,

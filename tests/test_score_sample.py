@@ -104,6 +104,18 @@ def test_score_matches_evaluate(model, corpus):
       stream_eval.metric_value(expected["nll"], "bpc"), rel=1e-5)
 
 
+def test_score_and_evaluate_give_the_same_number_for_a_text(model, corpus, workdir,
+                                                           tmp_path):
+  text_file = tmp_path / "text.txt"
+  text_file.write_text(model.tokenizer.decode(corpus.splits["test"][:5 * 16 + 8]))
+  scored = json.loads(run_cli("score", f"--checkpoint={workdir}",
+                              f"--text_file={text_file}"))
+  evaluated = json.loads(run_cli("evaluate", f"--checkpoint={workdir}",
+                                 f"--text_file={text_file}"))
+  assert scored["tokens"] == evaluated["tokens"] == 5 * 16 + 7
+  assert scored["bpc"] == evaluated["bpc"] and scored["nll"] == evaluated["nll"]
+
+
 def test_sampling_is_deterministic_per_seed(model, corpus):
   sampler = sampler_lib.Sampler(model.lm, seq_len=16, mem_len=16)
   prompt = np.asarray(corpus.splits["valid"][:40])

@@ -110,7 +110,7 @@ class AllattText(tfds.core.DatasetBuilder):
     source_files = self._known_source_files or sources.fingerprint(paths)
     if len(spec.files) == 1:  # One file cut into splits: text8, enwik8, wikitext_chars.
       texts, split_rule = sources.split_stream(
-          spec, sources.read_stream(spec, paths[spec.files[0]]))
+          spec, sources.read_single_file(spec, paths[spec.files[0]]))
       vocab, splits = encoding_lib.encode_texts(spec, texts)
     else:
       files = {split: paths[name] for split, name in zip(specs.SPLITS, spec.files)}

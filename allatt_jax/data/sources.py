@@ -166,7 +166,7 @@ def check_reachable(spec: specs.DatasetSpec) -> None:
     raise spec.not_found(f'cannot reach {parts.hostname} to download it: {e}') from e
 
 
-def read_stream(spec: specs.DatasetSpec, path: pathlib.Path) -> bytes:
+def read_single_file(spec: specs.DatasetSpec, path: pathlib.Path) -> bytes:
   """The whole text of a single-file dataset, checked."""
   data = path.read_bytes()
   if path.suffix == '.xz':
