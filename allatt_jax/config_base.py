@@ -215,6 +215,27 @@ def pruning_gates(**overrides) -> ml_collections.ConfigDict:
   return gates
 
 
+def txl_model(d_model: int) -> dict:
+  """The model keys that make an All-att config its Transformer-XL: same depth and
+  heads, a feed-forward of 4d, no persistent vectors."""
+  return dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0)
+
+
+def paper_pruning(config: ml_collections.ConfigDict, lam: float, init_from: str
+                  ) -> ml_collections.ConfigDict:
+  """The paper's pruning recipe (Shim et al. 2021, §4.1.2) on top of a baseline config
+  file's ConfigDict, which it changes (so that flags still override it) and returns.
+
+  Gates at π = 2, λ warmed up over 4K steps, gates frozen at 16K of 80K steps, peak
+  learning rate 1e-3 decayed to 1e-4.
+  """
+  config.train.update(dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4))
+  config.gates.update(dict(enabled=True, lam=lam, init=2.0, l0_warmup_steps=4000,
+                           freeze_step=16_000))
+  config.init_from = init_from
+  return config
+
+
 def parse_arg(arg: str | None, **defaults):
   """Parses a config argument like 'lam=0.015,tiny' against typed defaults.
 

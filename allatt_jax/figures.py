@@ -13,6 +13,7 @@ import matplotlib
 import numpy as np
 
 from allatt_jax import checkpointing
+from allatt_jax import config_base
 from allatt_jax import errors
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
@@ -34,7 +35,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 def as_txl(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
   """The Transformer-XL of the same width and heads (d_ff = 4d, no persistent)."""
-  return dataclasses.replace(cfg, **run_config.txl_model(cfg.d_model))
+  return dataclasses.replace(cfg, **config_base.txl_model(cfg.d_model))
 
 
 def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]:

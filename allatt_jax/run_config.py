@@ -271,27 +271,6 @@ class PipelineConfig:
   speed_batches: int
 
 
-def txl_model(d_model: int) -> dict:
-  """The model keys that make an All-att config its Transformer-XL: same depth and
-  heads, a feed-forward of 4d, no persistent vectors."""
-  return dict(kind="txl", d_model=d_model, d_ff=4 * d_model, num_persistent=0)
-
-
-def paper_pruning(config, lam: float, init_from: str):
-  """The paper's pruning recipe (Shim et al. 2021, §4.1.2) on top of a baseline config
-  file's ConfigDict, which it changes (so that flags still override it) and returns.
-
-  Gates at π = 2, λ warmed up over 4K steps, gates frozen at 16K of 80K steps, peak
-  learning rate 1e-3 decayed to 1e-4.
-  """
-  stage = pruning_stage(
-      RunConfig.of(config), init_from,
-      train=dict(num_steps=80_000, learning_rate=1e-3, final_learning_rate=1e-4),
-      gates=dict(lam=lam, init=2.0, l0_warmup_steps=4000, freeze_step=16_000))
-  config.update(stage.to_dict())
-  return config
-
-
 def derived_run(base: RunConfig, *, init_from: str | None = None, train=None,
                 gates=None, model=None, distill=None) -> RunConfig:
   """`base` with some keys of its train, gates, model and distill sections replaced

@@ -9,11 +9,10 @@ persistent vectors. The paper compares pruned All-att against d = 512, 480, 448,
 `configs/txl_wt103_base.py:tiny` is a 2-layer variant for tests and smoke runs.
 """
 from allatt_jax import config_base
-from allatt_jax import run_config
 
 
 def get_config(arg=None):
   args = config_base.parse_arg(arg, d_model=512, tiny=False)
   c = config_base.load_sibling(__file__, "wt103_base.py", "tiny" if args.tiny else None)
-  c.model.update(run_config.txl_model(64 if args.tiny else args.d_model))
+  c.model.update(config_base.txl_model(64 if args.tiny else args.d_model))
   return c

@@ -18,7 +18,6 @@ Arguments: lam (0.01, 0.015, 0.02 in the paper), init_from, txl (prune a Transfo
 baseline instead, of width d_model), tiny.
 """
 from allatt_jax import config_base
-from allatt_jax import run_config
 
 
 def get_config(arg=None):
@@ -27,7 +26,7 @@ def get_config(arg=None):
   base = "txl_wt103_base.py" if args.txl else "wt103_base.py"
   base_arg = ",".join(
       ([f"d_model={args.d_model}"] if args.txl else []) + (["tiny"] if args.tiny else []))
-  c = run_config.paper_pruning(
+  c = config_base.paper_pruning(
       config_base.load_sibling(__file__, base, base_arg or None), args.lam, args.init_from)
   if args.tiny:
     c.gates.update(dict(l0_warmup_steps=5, freeze_step=10))

@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from allatt_jax import checkpointing
+from allatt_jax import config_base
 from allatt_jax import config_checks
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
@@ -163,7 +164,7 @@ class Experiment:
         distill=self.plan.distill_variants[distill] if distill else None)
 
   def txl_run(self, width: int) -> PlannedRun:
-    config = run_config.derived_run(self.base, model=run_config.txl_model(width))
+    config = run_config.derived_run(self.base, model=config_base.txl_model(width))
     return PlannedRun(f"txl_d{width}", "txl", config,
                       {"model.d_model": "experiments.txl_widths",
                        "model.d_ff": "experiments.txl_widths"})
