@@ -110,10 +110,8 @@ class ModelConfig:
     same shape reads the same): the one place a model's hyper-parameters are read."""
     config = run_config.RunConfig.of(config)
     fields = {f.name for f in dataclasses.fields(cls)}
+    # The typed section already holds tuples where JSON has lists.
     values = {k: v for k, v in config.model.to_dict().items() if k in fields}
-    for key in ("heads_per_layer", "cutoffs", "tie_projs", "cluster_fractions"):
-      if values.get(key) is not None:
-        values[key] = tuple(values[key])
     values["max_relative_len"] = config.relative_table_len
     if not values.get("cutoffs") and values.get("div_val", 1) > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
