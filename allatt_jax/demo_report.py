@@ -10,10 +10,11 @@ from allatt_jax import head_costs
 from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax.run_config import RunConfig
+from allatt_jax.trained_model import LoadedModel
 
 
-def measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned_model,
-                   repeats: int = 3) -> dict:
+def measure_speed(config: RunConfig, tokens, num_batches, baseline_model: LoadedModel,
+                  pruned_model: LoadedModel, repeats: int = 3) -> dict:
   """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
   lengths, on its mesh) of both models on `tokens`, the valid split.
 
@@ -22,9 +23,10 @@ def measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned
   """
   mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
   evaluators = {}
-  for name, (lm, variables) in (("baseline", baseline_model), ("pruned", pruned_model)):
-    evaluators[name] = (stream_eval.Evaluator.from_config(lm, mesh, config), variables)
-    evaluators[name][0].score(variables, tokens, max_batches=1)   # compile, untimed
+  for name, model in (("baseline", baseline_model), ("pruned", pruned_model)):
+    evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
+                        model.variables)
+    evaluators[name][0].score(model.variables, tokens, max_batches=1)   # compile, untimed
   speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
   for _ in range(repeats):
     for name, (evaluator, variables) in evaluators.items():
@@ -35,18 +37,19 @@ def measure_speed(config: RunConfig, tokens, num_batches, baseline_model, pruned
 
 
 def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, baseline: dict,
-          pruned: dict, baseline_model, pruned_model, speed: dict) -> dict:
+          pruned: dict, baseline_model: LoadedModel, pruned_model: LoadedModel,
+          speed: dict) -> dict:
   """report.json's content: the stages' results (`train.train_and_evaluate`'s),
-  both models ((model, variables) as loaded) with their costs at the eval lengths,
+  both models with their costs at the eval lengths,
   the pruning goal and the budget's decision, and `speed` (`measure_speed`)."""
   t = baseline_config.eval
   cost = {name: {**head_costs.param_counts(lm.cfg),
                  **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
-          for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
-  full_heads = sum(baseline_model[0].cfg.layer_heads)
-  pruned_heads = list(pruned_model[0].cfg.layer_heads)
+          for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
+  full_heads = sum(baseline_model.lm.cfg.layer_heads)
+  pruned_heads = list(pruned_model.lm.cfg.layer_heads)
   slots = {name: head_costs.persistent_per_layer(lm.cfg)
-           for name, (lm, _) in (("baseline", baseline_model), ("pruned", pruned_model))}
+           for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
   key = prune_config.gates.budget_target
   return {
       "dataset": baseline_config.data.name,
@@ -54,7 +57,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
       "baseline": {
           "valid": baseline["valid"], "test": baseline["test"],
           "params_non_embedding": cost["baseline"]["params_non_embedding"],
-          "heads_per_layer": list(baseline_model[0].cfg.layer_heads),
+          "heads_per_layer": list(baseline_model.lm.cfg.layer_heads),
           "persistent_per_layer": slots["baseline"]},
       "pruned": {
           "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'

@@ -106,9 +106,8 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
     if is_main:
       console.banner("Evaluation: inference speed of both models on valid "
                      f"({config.speed_batches} batches, best of 3)")
-    baseline_model, pruned_model = (
-        (m.lm, m.variables) for m in (trained_model.load(workdir / "baseline"),
-                                      trained_model.load(pruned["export"]["directory"])))
+    baseline_model = trained_model.load(workdir / "baseline")
+    pruned_model = trained_model.load(pruned["export"]["directory"])
     speed = demo_report.measure_speed(baseline_config, corpus.splits["valid"],
                                       config.speed_batches, baseline_model, pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",

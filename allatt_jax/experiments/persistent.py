@@ -122,10 +122,8 @@ def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   speed = {}
   for r in runs.values():
     export = exp.run_dir(r.name) / "export"
-    pruned = trained_model.load(export)
     measured = demo_report.measure_speed(exp.base, corpus.splits["valid"], batches,
-                                         (baseline.lm, baseline.variables),
-                                         (pruned.lm, pruned.variables))
+                                         baseline, trained_model.load(export))
     speed[r.name] = measured["pruned_tokens_per_s"] / measured["baseline_tokens_per_s"]
   return speed
 
