@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from allatt_jax import attention_kernel
 from allatt_jax import attention_pallas
 from allatt_jax import gates as gates_lib
+from allatt_jax import run_config
 
 SAME_LENGTH_KEYS = ("mem_len+1", "mem_len")
 
@@ -106,7 +107,7 @@ class RelativeAttention(nn.Module):
   # persistent values' scale).
   slot_counts: tuple[int, ...] | None = None
   gated: bool = False
-  gate: gates_lib.GateConfig = gates_lib.GateConfig()
+  gate: run_config.GatesSection = run_config.GatesSection()
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact

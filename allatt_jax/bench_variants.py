@@ -30,8 +30,7 @@ from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 
 # The sections a variant may override: those of a run config.
-SECTIONS = {f.name: f.type for f in dataclasses.fields(run_config.RunConfig)
-            if dataclasses.is_dataclass(f.type)}
+SECTIONS = run_config.RunConfig.sections()
 
 
 def _split(text: str) -> list[str]:

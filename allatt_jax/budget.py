@@ -72,7 +72,7 @@ def lambda_schedule(gates: run_config.GatesSection) -> optax.Schedule:
   return optax.linear_schedule(0.0, gates.lam, gates.l0_warmup_steps)
 
 
-def expected_open(gate: gates_lib.GateConfig, gates, sharpness=1.0) -> jax.Array:
+def expected_open(gate: run_config.GatesSection, gates, sharpness=1.0) -> jax.Array:
   """The expected number of heads open in the gated forward pass; with `sharpness`
   k > 1, nearer the deterministic count (`gates.forward_open_probability`).
 
@@ -83,7 +83,7 @@ def expected_open(gate: gates_lib.GateConfig, gates, sharpness=1.0) -> jax.Array
              for logits_H in jax.tree.leaves(gates))
 
 
-def expected_size(gate: gates_lib.GateConfig, gates, group_share: float,
+def expected_size(gate: run_config.GatesSection, gates, group_share: float,
                   sharpness=1.0) -> jax.Array:
   """The expected size of the model in heads when persistent groups are gated too:
   each head's open probability times the share of its cost its expected open groups
@@ -128,7 +128,7 @@ class Penalty:
   gates, its target and sharpness schedules already constants of the run.
   """
   lam: optax.Schedule
-  gate: gates_lib.GateConfig
+  gate: run_config.GatesSection
   target: optax.Schedule | None = None      # t(step), only with a budget
   # n*, the heads a budget allows; with persistent groups, the budget's value.
   allowed: float | None = None
@@ -138,15 +138,15 @@ class Penalty:
   units: Any = None
 
   @classmethod
-  def of(cls, gates: run_config.GatesSection, gate: gates_lib.GateConfig,
-         layer_heads, allowed: float | None, units=None) -> "Penalty":
+  def of(cls, gates: run_config.GatesSection, layer_heads, allowed: float | None,
+         units=None) -> "Penalty":
     """The run's L0 term: the fixed-λ schedule, or, with a budget of `allowed` heads
     (n*, `head_costs.target_open_heads`), the controller whose target t(step) moves
     from the initial expected open heads (`layer_heads` at the gates' init) down to
     n* over `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
     With persistent groups (`units`, `head_costs.UnitCosts`), `allowed` is the
     budget's value and the count is the expected size (`expected_size`)."""
-    lam = lambda_schedule(gates)
+    lam, gate = lambda_schedule(gates), gates
     if allowed is None:
       return cls(lam, gate, units=units)
     warmup = target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)

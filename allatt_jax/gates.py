@@ -10,42 +10,17 @@ The formulas are the paper's (Shim et al. 2021, §3.2) on top of Louizos et al.:
   u ~ U(eps, 1-eps),  s = σ((log u - log(1-u) + π) / β),  g = clip(s(ζ-γ) + γ, 0, 1)
   P(g > 0) = σ(π - β log(-γ/ζ))
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+
+from allatt_jax import run_config
 
 GAMMA = -0.1
 ZETA = 1.1
 _EPS = 1e-6
 
 
-@dataclasses.dataclass(frozen=True)
-class GateConfig:
-  """How gates behave; each of the paper's three techniques can be switched off.
-
-  Attributes:
-    init: initial gate logit π (technique 2: 2.0 ≈ 88% open; 0.0 for the ablation).
-    temperature: β of the hard-concrete distribution (Louizos: 2/3, paper's code: 1/3).
-    hard: straight-through discrete gates (the paper) instead of soft ones.
-    scale_output: multiply each layer's output by s_g = H / Σg (technique 3).
-    open_at_zero: in hard mode, a deterministic gate is open iff π >= 0, as in the code
-      behind the paper (where σ(π)(ζ-γ)+γ >= 1/2); False: iff π > 0. Only a logit of
-      exactly 0 tells them apart: the starting point of the π = 0 ablation.
-    persistent_group: persistent slots per gate of a head's persistent memory (0: no
-      such gates, the paper's recipe); the same distribution, penalty and freeze.
-    heads: gate the heads themselves (False: only the persistent groups).
-  """
-  init: float = 2.0
-  temperature: float = 1.0 / 3.0
-  hard: bool = True
-  scale_output: bool = True
-  open_at_zero: bool = True
-  persistent_group: int = 0
-  heads: bool = True
-
-
-def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:
+def sample(logits_H: jax.Array, rng: jax.Array, cfg: run_config.GatesSection) -> jax.Array:
   """Stochastic gates for training; hard mode is straight-through."""
   u_H = jax.random.uniform(rng, logits_H.shape, minval=_EPS, maxval=1.0 - _EPS)
   s_H = jax.nn.sigmoid((jnp.log(u_H) - jnp.log1p(-u_H) + logits_H) / cfg.temperature)
@@ -56,7 +31,7 @@ def sample(logits_H: jax.Array, rng: jax.Array, cfg: GateConfig) -> jax.Array:
   return soft_H + jax.lax.stop_gradient(hard_H - soft_H)
 
 
-def deterministic(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
+def deterministic(logits_H: jax.Array, cfg: run_config.GatesSection) -> jax.Array:
   """Gates for evaluation and after the freeze: open iff π >= 0 (hard mode)."""
   if cfg.hard:
     is_open = logits_H >= 0 if cfg.open_at_zero else logits_H > 0
@@ -64,12 +39,12 @@ def deterministic(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
   return jnp.clip(jax.nn.sigmoid(logits_H) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
 
-def open_probability(logits_H: jax.Array, cfg: GateConfig) -> jax.Array:
+def open_probability(logits_H: jax.Array, cfg: run_config.GatesSection) -> jax.Array:
   """P(g > 0) per head; its sum over heads is the expected L0 norm."""
   return jax.nn.sigmoid(logits_H - cfg.temperature * jnp.log(-GAMMA / ZETA))
 
 
-def forward_open_probability(logits_H: jax.Array, cfg: GateConfig,
+def forward_open_probability(logits_H: jax.Array, cfg: run_config.GatesSection,
                              sharpness=1.0) -> jax.Array:
   """P(the sampled gate is open in the forward pass) per head.
 
@@ -83,7 +58,7 @@ def forward_open_probability(logits_H: jax.Array, cfg: GateConfig,
   return jax.nn.sigmoid(sharpness * (logits_H - offset))
 
 
-def output_scale(gates_H: jax.Array, cfg: GateConfig) -> jax.Array:
+def output_scale(gates_H: jax.Array, cfg: run_config.GatesSection) -> jax.Array:
   """s_g = H / Σg, at most H (all gates closed), without gradient (technique 3)."""
   num_heads = gates_H.shape[-1]
   if not cfg.scale_output:

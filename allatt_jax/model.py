@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from allatt_jax import adaptive
 from allatt_jax import attention
-from allatt_jax import gates as gates_lib
 from allatt_jax import run_config
 
 KINDS = ("allatt", "txl")
@@ -33,60 +32,11 @@ HEADLESS_OUT_BIAS = "attention_out_bias"
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture hyper-parameters (see configs/ for the paper's values)."""
-  kind: str = "allatt"
-  vocab_size: int = 256
-  num_layers: int = 2
-  d_model: int = 64
-  num_heads: int = 4                 # H of the unpruned model: head_dim = d_model // H
-  heads_per_layer: tuple[int, ...] | None = None   # a pruned model's per-layer counts
-  num_persistent: int = 0            # N persistent key/value vectors per head (All-att)
-  # An export's persistent slots per layer and head, non-increasing in each layer
-  # (pruned persistent groups); None: every head keeps num_persistent.
-  persistent_slots: tuple[tuple[int, ...], ...] | None = None
-  d_ff: int = 0                      # feed-forward width (TXL)
-  rel_pos: str = "learned"           # 'learned' (shared table) or 'sinusoidal'
-  max_relative_len: int = 0          # learned table length, at least T + S of any use
-  # Every query sees the same number of context keys (on in every official run):
-  # S + 1 ('mem_len+1', the official window) or S ('mem_len', Transformer-XL's).
-  same_length: bool = True
-  same_length_keys: str = "mem_len+1"
-  out_bias: bool = True              # W_O has a bias (official)
-  layer_norm_eps: float = 1e-5       # official (PyTorch's default); flax's is 1e-6
-  final_norm: bool = False           # a LayerNorm after the last layer (official: none)
-  # Persistent logits (q + u)·P_K instead of the official q·P_K (u, the content bias,
-  # belongs to Transformer-XL's context term).
-  persistent_content_bias: bool = False
-  # Heads per step of the attention core's loop over heads; 0 = all heads in one step.
-  # 1 keeps each head's softmax weights in cache: fastest on CPU. Keep 0 when heads are
-  # sharded over devices (mesh.model > 1), where a loop would serialise the shards.
-  head_block: int = 0
-  # Recompute the attention weights in the backward pass instead of keeping them: the
-  # (B, H, T, S+T+N) weights of every layer dominate training memory. Costs about a
-  # third more attention matmuls (the logits) and one more softmax per layer.
-  remat: bool = False
-  # The attention core: 'xla', 'pallas' (fused GPU kernels) or 'auto' (the kernels
-  # where they run); attention_pallas.use_kernel decides. The model is the same;
-  # head_block and remat apply to the XLA core only.
-  attention_impl: str = "auto"
-  dropout: float = 0.0               # hidden activations
-  dropout_attn: float = 0.0          # attention weights
-  dropout_emb: float = 0.0           # embeddings and relative positions
-  cutoffs: tuple[int, ...] = ()      # adaptive input/softmax; () = plain tied softmax
-  div_val: int = 1
-  tie_projs: tuple[bool, ...] | None = None
-  dtype: str = "float32"             # compute dtype; parameters stay float32
-  # Attention scores and weights in memory: 'compute' (dtype) or 'float32'.
-  score_dtype: str = "compute"
-  # The output layer (adaptive.AdaptiveEmbedding): vocabulary rows per block of its
-  # log-sum-exp (0 = sized to the device), tail clusters' capacity factor (0 = every
-  # position pays for every tail) and each cluster's share of the training tokens.
-  vocab_block: int = 0
-  tail_capacity: float = 2.0
-  cluster_fractions: tuple[float, ...] = ()
+class ModelConfig(run_config.ModelSection):
+  """The `model` section as a run builds it: `max_relative_len` resolved (the run's
+  longest context where 0), and the gates the model creates."""
   gated: bool = False                # create head gates at init
-  gate: gates_lib.GateConfig = gates_lib.GateConfig()
+  gate: run_config.GatesSection = run_config.GatesSection()
 
   @property
   def head_dim(self) -> int:
@@ -106,24 +56,17 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, config: run_config.RunConfig, **overrides) -> "ModelConfig":
-    """The ModelConfig of a run config (model and gates sections; a ConfigDict of the
-    same shape reads the same): the one place a model's hyper-parameters are read."""
+    """The ModelConfig of a run config (a ConfigDict of the same shape reads the same):
+    the one place a model's hyper-parameters are read."""
     config = run_config.RunConfig.of(config)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    # The typed section already holds tuples where JSON has lists.
-    values = {k: v for k, v in config.model.to_dict().items() if k in fields}
+    section = config.model
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     values["max_relative_len"] = config.relative_table_len
-    if not values.get("cutoffs") and values.get("div_val", 1) > 1:
+    if not section.cutoffs and section.div_val > 1:
       # Adaptive input/softmax asked for (div_val) without cutoffs: sized from the vocabulary.
-      values["cutoffs"] = adaptive.default_cutoffs(config.data.name,
-                                                  values["vocab_size"])
-    values["gated"] = config.gates.enabled
-    values["gate"] = gates_lib.GateConfig(**{
-        f.name: getattr(config.gates, f.name)
-        for f in dataclasses.fields(gates_lib.GateConfig)})
-    values.update(overrides)
-    return cls(**values)
-
+      values["cutoffs"] = adaptive.default_cutoffs(config.data.name, section.vocab_size)
+    return cls(**{**values, "gated": config.gates.enabled, "gate": config.gates,
+                  **overrides})
 
 
 def init_memory(cfg: ModelConfig, batch_size: int, mem_len: int) -> dict[str, jax.Array]:

@@ -26,6 +26,7 @@ from allatt_jax import errors
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import persistent_groups
+from allatt_jax import run_config
 
 # Where the head axis sits in each attention parameter, keyed by its path under
 # `layer_{i}/attention`: kernels (d, H, dh) / (H, dh, d), biases (H, dh),
@@ -75,7 +76,7 @@ def _gate_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
   return logits
 
 
-def _deterministic(logits: list[np.ndarray], gate: gates_lib.GateConfig) -> list[np.ndarray]:
+def _deterministic(logits: list[np.ndarray], gate: run_config.GatesSection) -> list[np.ndarray]:
   """Per layer, the deterministic gate values of `logits`."""
   return [np.asarray(gates_lib.deterministic(jnp.asarray(logits_H), gate))
           if logits_H.size else logits_H for logits_H in logits]
@@ -211,7 +212,7 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
   else:
     logits = [np.full((num_heads,), _CERTAIN_LOGIT, np.float32)
               for num_heads in cfg.layer_heads]
-    gate = gates_lib.GateConfig(hard=True, scale_output=False)
+    gate = run_config.GatesSection(hard=True, scale_output=False)
   for layer, layer_heads in removed.items():
     logits[layer][layer_heads] = -_CERTAIN_LOGIT
   values = _deterministic(logits, gate)
@@ -257,7 +258,7 @@ def _pruned_config(cfg: model_lib.ModelConfig, keep, slots) -> model_lib.ModelCo
 
 
 def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
-               gate: gates_lib.GateConfig, keep, slots) -> tuple[model_lib.ModelConfig, dict]:
+               gate: run_config.GatesSection, keep, slots) -> tuple[model_lib.ModelConfig, dict]:
   """Slices out the heads `keep` leaves out and the slots `slots` does (padding each
   layer's persistent arrays to its largest count), and folds g_i · s_g into W_O."""
   combine = []

@@ -203,7 +203,7 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   allowed = (None if not run.gates.budget_target
              else head_costs.target_open_heads(run, cfg) if units is None
              else getattr(run.gates, run.gates.budget_target))
-  penalty = budget.Penalty.of(run.gates, cfg.gate, cfg.layer_heads, allowed, units)
+  penalty = budget.Penalty.of(run.gates, cfg.layer_heads, allowed, units)
   rates = optim.schedules(run)
   optimizer = optim.make_optimizer(run.train, rates,
                                    budget.COLLECTION if penalty.controlled else None)

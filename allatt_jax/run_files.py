@@ -15,9 +15,9 @@ import json
 
 from etils import epath
 
-from allatt_jax import config_base
 from allatt_jax import run_config
 from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
@@ -103,10 +103,10 @@ def load_config(directory) -> run_config.RunConfig:
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
   # Any other key it lacks (a setting that changes no trained model, such as where
   # the data lies) takes today's default.
-  for section, defaults in config_base.base_config().to_dict().items():
-    if isinstance(defaults, dict):
-      saved[section] = {**defaults, **saved.get(section, {})}
-  return run_config.RunConfig.from_dict(saved)
+  try:
+    return run_config.RunConfig.from_dict(saved, flag="config")
+  except ConfigError as e:
+    raise CheckpointError(f"{path} does not read as a run's config: {e}") from None
 
 
 def vocabulary_fingerprint(name: str, vocab) -> dict:

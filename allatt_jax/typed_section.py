@@ -53,6 +53,10 @@ def _typed(hint, value):
   origin, args = typing.get_origin(hint), typing.get_args(hint)
   if hint is Any:
     return value
+  if origin is types.UnionType:   # X | None
+    if value is None and type(None) in args:
+      return None
+    return _typed(next(a for a in args if a is not type(None)), value)
   if hint is bool and isinstance(value, bool):
     return value
   if hint is float and _number(value):
@@ -72,6 +76,8 @@ def _typed(hint, value):
 
 def _describe(hint) -> str:
   origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin is types.UnionType:
+    return " or ".join("None" if a is type(None) else _describe(a) for a in args)
   if origin is tuple and args[-1] is Ellipsis:
     return f"a tuple of {_describe(args[0])}"
   if origin is tuple:

@@ -33,7 +33,7 @@ def make_config(accum, gated):
 
 def fixed_lambda(config, lm):
   """The L0 term of these configs, which set no budget."""
-  return budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None)
+  return budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
 
 
 def make_state(config):

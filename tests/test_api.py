@@ -85,7 +85,7 @@ def ids(model):
 def masked_log_probs(model, ids, removed):
   """The unpruned model with `removed` heads masked by hard gates (no output scale)."""
   cfg = dataclasses.replace(model.lm.cfg, gated=True,
-                            gate=gates_lib.GateConfig(hard=True, scale_output=False))
+                            gate=run_config.GatesSection(hard=True, scale_output=False))
   gates = {f"layer_{i}": {"attention": {"logits": np.array(
       [-1.0 if h in removed.get(i, ()) else 1.0 for h in range(heads)], np.float32)}}
            for i, heads in enumerate(cfg.layer_heads)}

@@ -242,7 +242,7 @@ def test_train_step_updates_match(kernels_run_here):
   for impl in ("pallas", "xla"):
     config = tiny_model(attention_impl=impl)
     lm = model_lib.TransformerLM.from_config(config)
-    penalty = budget.Penalty.of(config.gates, lm.cfg.gate, lm.cfg.layer_heads, None)
+    penalty = budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
     settings = train_step.StepConfig.from_config(config, optim.schedules(config))
     state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
                                       settings))(jax.random.key(0))

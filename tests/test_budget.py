@@ -88,7 +88,7 @@ def test_the_rule_changes_nothing_when_the_gates_agree_and_is_idempotent():
 
 
 def test_soft_gates_and_a_budget_out_of_range():
-  soft = dataclasses.replace(CFG, gate=gates_lib.GateConfig(hard=False))
+  soft = dataclasses.replace(CFG, gate=run_config.GatesSection(hard=False))
   # Soft gates are open down to σ(π) = 1/12 (π ≈ -2.4).
   gates = gates_of([-2.0, -3.0, 0.0, 1.0], [-4.0] * 4, [-4.0] * 4)
   new, decision = prune.keep_open_heads(soft, gates, 2)
@@ -103,7 +103,7 @@ def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
   k = budget.sharpness_schedule(warmup_steps=200, freeze_step=1000, final=4.0)
   np.testing.assert_allclose([k(0), k(200), k(600), k(1000)], [1.0, 1.0, 2.5, 4.0])
   logits = [jnp.array([0.3, -0.2, 2.0]), jnp.array([-1.0, 0.5])]
-  hard, soft = gates_lib.GateConfig(), gates_lib.GateConfig(hard=False)
+  hard, soft = run_config.GatesSection(), run_config.GatesSection(hard=False)
   expected = sum(jnp.sum(jax.nn.sigmoid(l)) for l in logits)
   np.testing.assert_allclose(budget.expected_open(hard, logits), expected, rtol=1e-6)
   # Soft gates count P(g > 0), Louizos' open probability.
@@ -122,12 +122,9 @@ def test_the_count_sharpens_from_the_expected_count_after_the_warm_up():
 def test_the_controller_steers_the_sharpened_count_after_the_target_warm_up():
   """`Penalty.of` gives the controller the count it steers: the expected count until
   the target warm-up ends, then sharper, k rising to `budget_sharpness` at the freeze."""
-  section = run_config.GatesSection.from_dict({
-      **config_base.base_config().gates.to_dict(), "enabled": True,
-      "target_sparsity": 0.5, "freeze_step": 100, "budget_warmup_steps": 60,
-      "budget_sharpness": 10.0})
-  gate = gates_lib.GateConfig()
-  penalty = budget.Penalty.of(section, gate, CFG.layer_heads, allowed=6)
+  gate = run_config.GatesSection(enabled=True, target_sparsity=0.5, freeze_step=100,
+                                 budget_warmup_steps=60, budget_sharpness=10.0)
+  penalty = budget.Penalty.of(gate, CFG.layer_heads, allowed=6)
   gates = gates_of([3.0, 0.5, -1.0, 2.0], [0.1, 4.0, 0.2, -2.0], [1.0, 1.5, -0.3, 0.4])
   variables = {"gates": gates}
   for step, k in ((30, 1.0), (60, 1.0), (80, 5.5), (100, 10.0)):
@@ -163,7 +160,7 @@ def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
   config = config_base.base_config()
   config.gates.update(dict(enabled=True, freeze_step=40, lagrangian_lr=0.01))
   config.train.grad_clip = 0.25      # the gaps' gradients are larger: not clipped
-  gate = gates_lib.GateConfig()
+  gate = run_config.GatesSection()
   tx = optim.make_optimizer(config.train, optim.schedules(config), budget.COLLECTION)
 
   def step(logit, target, step, multipliers=None):

@@ -13,15 +13,16 @@ from allatt_jax import gates as gates_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
+from allatt_jax import run_config
 
 VOCAB = 41
 SEQ_LEN = 8
 # Layer 0 mixes open and closed heads in both modes (-4 is closed even in soft mode,
 # -1 is closed only in hard mode), layer 1 is fully closed, layer 2 fully open.
 LOGITS = ((3.0, -4.0, 1.0, -1.0), (-3.0, -3.0, -3.0, -3.0), (2.0, 2.0, 2.0, 2.0))
-HARD = gates_lib.GateConfig(hard=True)
-SOFT = gates_lib.GateConfig(hard=False)
-SOFT_UNSCALED = gates_lib.GateConfig(hard=False, scale_output=False)
+HARD = run_config.GatesSection(hard=True)
+SOFT = run_config.GatesSection(hard=False)
+SOFT_UNSCALED = run_config.GatesSection(hard=False, scale_output=False)
 
 
 def make_cfg(kind, gate=HARD, **overrides):
@@ -178,7 +179,7 @@ def test_variables_that_do_not_fit_the_config_are_refused():
 
 @pytest.mark.parametrize("open_at_zero,expected", [(True, [0, 1]), (False, [0])])
 def test_logit_of_exactly_zero_is_open_as_in_the_official_code(open_at_zero, expected):
-  cfg = make_cfg("allatt", gates_lib.GateConfig(open_at_zero=open_at_zero), num_layers=1)
+  cfg = make_cfg("allatt", run_config.GatesSection(open_at_zero=open_at_zero), num_layers=1)
   gates = {"layer_0": {"attention": {"logits": jnp.array([1.0, 0.0, -1e-6, -2.0])}}}
   assert prune.surviving_heads(cfg, gates)[0].tolist() == expected
 

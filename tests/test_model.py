@@ -10,6 +10,7 @@ import pytest
 from allatt_jax import attention_kernel
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import run_config
 
 VOCAB = 37
 
@@ -115,7 +116,7 @@ def test_memory_is_truncated_and_counts_valid_slots():
 
 
 def test_hard_gate_open_rate_is_sigmoid_of_logit():
-  cfg = gates_lib.GateConfig(temperature=1 / 3, hard=True)
+  cfg = run_config.GatesSection(temperature=1 / 3, hard=True)
   logits = jnp.array([-2.0, -0.5, 0.0, 1.0, 2.0])
   keys = jax.random.split(jax.random.key(0), 20000)
   g = jax.vmap(lambda k: gates_lib.sample(logits, k, cfg))(keys)
@@ -124,7 +125,7 @@ def test_hard_gate_open_rate_is_sigmoid_of_logit():
 
 
 def test_l0_penalty_is_expected_open_count_in_soft_mode():
-  cfg = gates_lib.GateConfig(temperature=2 / 3, hard=False)
+  cfg = run_config.GatesSection(temperature=2 / 3, hard=False)
   logits = jnp.array([-2.0, -0.5, 0.0, 1.0, 2.0])
   keys = jax.random.split(jax.random.key(1), 20000)
   g = jax.vmap(lambda k: gates_lib.sample(logits, k, cfg))(keys)
@@ -134,7 +135,7 @@ def test_l0_penalty_is_expected_open_count_in_soft_mode():
 
 
 def test_straight_through_gradient_flows_through_soft_gate():
-  cfg = gates_lib.GateConfig(hard=True)
+  cfg = run_config.GatesSection(hard=True)
   key = jax.random.key(3)
   grad_hard = jax.grad(lambda p: gates_lib.sample(p, key, cfg).sum())(jnp.zeros(6))
   soft_cfg = dataclasses.replace(cfg, hard=False)
@@ -150,7 +151,7 @@ def _with_gate_logits(variables, value):
 @pytest.mark.parametrize("scale_output", [False, True])
 @pytest.mark.parametrize("kind", ["allatt", "txl"])
 def test_open_gates_reproduce_ungated_model(kind, scale_output):
-  gate = gates_lib.GateConfig(scale_output=scale_output)
+  gate = run_config.GatesSection(scale_output=scale_output)
   cfg = make_cfg(kind, gated=True, gate=gate)
   lm, variables = init(cfg)
   x, y = tokens(5, (2, 8)), tokens(6, (2, 8))
@@ -164,7 +165,7 @@ def test_open_gates_reproduce_ungated_model(kind, scale_output):
 
 @pytest.mark.slow
 def test_closed_layer_is_scaled_safely():
-  gate = gates_lib.GateConfig(scale_output=True)
+  gate = run_config.GatesSection(scale_output=True)
   assert float(gates_lib.output_scale(jnp.zeros(8), gate)) == 8.0
   assert float(gates_lib.output_scale(jnp.array([1.0, 1, 0, 0]), gate)) == 2.0
   assert float(gates_lib.output_scale(jnp.array([0.3, 0.2, 0, 0]), gate)) == 4.0

@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 41
 SEQ_LEN = 8
 GROUP = 2          # slots per group: 4 groups of the 8 slots of each head
-HARD = gates_lib.GateConfig(hard=True, persistent_group=GROUP)
+HARD = run_config.GatesSection(hard=True, persistent_group=GROUP)
 # Head logits: layer 0 closes head 1; layer 1 keeps all four.
 HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
 # Group logits (H, 4): uneven open groups per head (4, 1, 0, 2 in layer 0 and
@@ -81,7 +81,7 @@ def test_group_gates_live_beside_the_head_gates_in_the_gates_collection():
   groups_only = init_variables(make_cfg(dataclasses.replace(HARD, heads=False)))
   assert set(groups_only["gates"]["layer_1"]["attention"]) == {"persistent_logits"}
   # Off (the default) and ungated models have none.
-  heads_only = init_variables(make_cfg(gates_lib.GateConfig()))
+  heads_only = init_variables(make_cfg(run_config.GatesSection()))
   assert set(heads_only["gates"]["layer_0"]["attention"]) == {"logits"}
   assert "gates" not in init_variables(make_cfg(gated=False))
 
@@ -185,7 +185,7 @@ def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
 
 @pytest.mark.parametrize("key", ["target_params", "target_macs"])
 def test_unit_costs_add_up_to_the_cost_model(key):
-  cfg = make_cfg(gated=False, gate=gates_lib.GateConfig())
+  cfg = make_cfg(gated=False, gate=run_config.GatesSection())
   lengths = (SEQ_LEN, SEQ_LEN, 2)
   units = head_costs.UnitCosts.of(cfg, key, lengths, GROUP)
   measure = lambda c: head_costs._budget_cost(c, key, lengths)

@@ -18,6 +18,7 @@ import pytest
 
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
+from allatt_jax import run_config
 
 VOCAB, D, H, N, D_FF = 29, 16, 4, 5, 24
 T, S = 4, 6          # segments shorter than the memory: it fills partly, then fully
@@ -143,7 +144,7 @@ def perturbed_model(cfg, gate_logits):
 # Layer 0 has an open, a closed and a logit-0 head (open iff open_at_zero); layer 1
 # keeps one head, so s_g = 4 there.
 GATE_LOGITS = ((1.5, -0.7, 0.0, 2.5), (-3.0, 0.4, -1.0, -2.0))
-HARD = gates_lib.GateConfig(hard=True)
+HARD = run_config.GatesSection(hard=True)
 CASES = {
     "allatt": dict(),
     "allatt_txl_window": dict(same_length_keys="mem_len"),
@@ -154,10 +155,10 @@ CASES = {
                                                    layer_norm_eps=1e-6),
     "allatt_hard_gates": dict(gated=True, gate=HARD),
     "allatt_hard_gates_closed_at_zero": dict(
-        gated=True, gate=gates_lib.GateConfig(open_at_zero=False)),
+        gated=True, gate=run_config.GatesSection(open_at_zero=False)),
     "allatt_hard_gates_unscaled": dict(
-        gated=True, gate=gates_lib.GateConfig(scale_output=False)),
-    "allatt_soft_gates": dict(gated=True, gate=gates_lib.GateConfig(hard=False)),
+        gated=True, gate=run_config.GatesSection(scale_output=False)),
+    "allatt_soft_gates": dict(gated=True, gate=run_config.GatesSection(hard=False)),
     "txl": dict(kind="txl"),
     "txl_sinusoidal_hard_gates": dict(kind="txl", rel_pos="sinusoidal", gated=True,
                                       gate=HARD),
@@ -210,7 +211,7 @@ def test_reference_tells_the_recipe_choices_apart():
             "length": S}
   official, _, _ = reference_hidden(base, params, gates, x_BxTxD, memory)
   for change in (dict(persistent_content_bias=True), dict(same_length_keys="mem_len"),
-                 dict(same_length=False), dict(gate=gates_lib.GateConfig(open_at_zero=False)),
+                 dict(same_length=False), dict(gate=run_config.GatesSection(open_at_zero=False)),
                  dict(out_bias=False)):
     other, _, _ = reference_hidden(dataclasses.replace(base, **change), params, gates,
                                    x_BxTxD, memory)

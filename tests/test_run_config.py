@@ -1,0 +1,51 @@
+"""The run config's one schema: its defaults, and the one reader of a run's keys."""
+import json
+
+import pytest
+
+from allatt_jax import config_base
+from allatt_jax import model as model_lib
+from allatt_jax import run_files
+from allatt_jax.errors import CheckpointError
+from allatt_jax.errors import ConfigError
+from allatt_jax.run_config import RunConfig
+
+
+def test_the_config_files_start_from_the_sections_defaults():
+  assert RunConfig.of(config_base.base_config()) == RunConfig()
+  # The model a run builds has no defaults of its own: an unset key reads as the section's.
+  cfg = model_lib.ModelConfig.from_config(RunConfig())
+  assert (cfg.vocab_size, cfg.dropout, cfg.dropout_attn) == (0, 0.1, 0.2)
+  assert cfg.gate == RunConfig().gates
+
+
+def test_a_key_whose_default_is_none_can_be_set():
+  config = config_base.base_config()
+  config.gates.target_macs = 5e5
+  config.model.heads_per_layer = (2, 3)
+  run = RunConfig.of(config)
+  assert (run.gates.target_macs, run.model.heads_per_layer) == (5e5, (2, 3))
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("model", "num_head", 4, "Unknown key --config.model.num_head; known: kind,"),
+    ("gates", "lam", "high", "--config.gates.lam is 'high'; it takes float."),
+    ("train", "num_steps", 1.5, "--config.train.num_steps is 1.5; it takes int."),
+])
+def test_a_key_or_value_the_schema_lacks_is_refused(section, key, value, message):
+  values = config_base.base_config().to_dict()
+  values[section][key] = value
+  with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+    RunConfig.from_dict(values)
+
+
+def test_a_saved_config_with_an_unknown_key_is_refused_naming_the_file(tmp_path):
+  saved = RunConfig().to_dict()
+  saved["model"]["num_head"] = 4
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  with pytest.raises(CheckpointError, match=r"config\.json does not read as a run's config: "
+                     r"Unknown key config\.model\.num_head"):
+    run_files.load_config(tmp_path)
+  del saved["model"]["num_head"], saved["distill"]
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  assert run_files.load_config(tmp_path) == RunConfig()   # a section it predates: defaults
