@@ -144,7 +144,7 @@ def resolve(run: run_config.RunConfig, variants: Mapping[str, Any]
   for name, sections in variants.items():
     variant = _overridden(run, name, sections)
     try:
-      configs[name] = resolver.resolve_config(variant)
+      configs[name] = resolver.checked_config(variant)
     except ConfigError as e:
       raise ConfigError(f"Variant {name!r}: {e}") from None
   return configs

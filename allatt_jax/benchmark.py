@@ -46,7 +46,7 @@ def main(argv: Sequence[str]) -> None:
       plan, profile=plan.profile or _PROFILE.value,
       variants=bench_variants.from_flags(_VARIANT.value, plan.variants))
   report = throughput.measure(
-      resolver.resolve_config(_CONFIG.value, vocab_from_data=True), plan)
+      resolver.checked_config(_CONFIG.value), plan)
   print(bench_summary.summary(report))
   print(json.dumps(report, indent=2))
   if _OUT.value:

@@ -77,9 +77,9 @@ def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
   """Lowers and compiles the train step of `config` (a ConfigDict or a RunConfig) on a
   mesh of these sizes of the current devices."""
   # The mesh first: the config is checked on the mesh it compiles for, not its own.
-  config = resolver.with_vocab_size(dataclasses.replace(
-      run_config.RunConfig.of(config), mesh=run_config.MeshSection(*mesh_shape)))
-  setup = resolver.resolve(config)
+  config = resolver.with_vocab_size(resolver.checked_config(dataclasses.replace(
+      run_config.RunConfig.of(config), mesh=run_config.MeshSection(*mesh_shape))))
+  setup = resolver.run_setup(config)
   mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)
   gated = "gates" in abstract.variables

@@ -1,5 +1,5 @@
-"""The checks of a run config alone, made when a command resolves it, before any data
-is loaded or code compiled (`resolver.resolve_config`).
+"""The checks of a run config alone, made once when a command resolves it, before any
+data is loaded or code compiled (resolver.py).
 
 A failed check raises one ConfigError (or DataError, for dataset options) that names
 the config key, with the flag that sets it, and how to fix it, instead of a
@@ -52,31 +52,54 @@ _WHY_NOT_NEGATIVE = {
 }
 
 
-def check_config(config: run_config.RunConfig, num_devices: int, *,
-                 vocab_from_data: bool = False, starts_run: bool = False
-                 ) -> tuple[int, int]:
+def check_config(config: run_config.RunConfig, num_devices: int) -> tuple[int, int]:
   """The checks of the config alone, before any of it is built; returns the (data,
-  model) sizes `config.mesh` gives on `num_devices` devices.
-
-  `vocab_from_data`: the caller loads the dataset next and takes an unset
-  `model.vocab_size` from it (`resolver.prepare`). `starts_run`: the config of a run
-  about to train, whose starting point is checked too: pruning an untrained model is
-  almost always a forgotten flag, which would only show in the results after the
-  whole pruning schedule (from scratch is an explicit choice), and a distilling run
-  needs its teacher.
+  model) sizes `config.mesh` gives on `num_devices` devices. An unset
+  `model.vocab_size` is the dataset's, which the caller reads next, or refuses
+  (`check_vocab_size_set`).
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.
   """
   _check_ranges(config)
   _check_names(config)
-  _check_model(config, vocab_from_data)
+  _check_model(config)
   _check_lengths(config)
   _check_persistent_groups(config)
   _check_budget(config)
-  if starts_run:
-    _check_starting_point(config)
   return _checked_mesh(config, num_devices)
+
+
+def check_starting_point(config: run_config.RunConfig) -> None:
+  """The config of a run about to train says what it starts from: pruning an
+  untrained model is almost always a forgotten flag, which would only show in the
+  results after the whole pruning schedule (from scratch is an explicit choice), and
+  a distilling run needs its teacher.
+
+  Raises:
+    ConfigError: a pruning or distilling run without `init_from`.
+  """
+  _check_teacher(config)
+  if config.gates.enabled and not config.init_from:
+    raise ConfigError(
+        "config.gates.enabled=True makes this a pruning run, which starts from a "
+        "trained baseline, but config.init_from is not set. Add "
+        "--config.init_from=BASELINE_WORKDIR (a finished baseline run's --workdir, or "
+        "an exported model); to prune a model trained from scratch, "
+        f"--config.init_from={run_config.FROM_SCRATCH}.")
+
+
+def check_vocab_size_set(config: run_config.RunConfig) -> None:
+  """A command that reads no dataset needs `model.vocab_size`.
+
+  Raises:
+    ConfigError: it is unset.
+  """
+  if not config.model.vocab_size:
+    raise ConfigError(
+        "config.model.vocab_size is unset, which means 'the dataset's', and this "
+        "command reads no dataset. Set --config.model.vocab_size=V (python -m "
+        "allatt_jax.data --dataset=NAME prints V).")
 
 
 def named_as(message: str, flags: Mapping[str, str]) -> str:
@@ -92,17 +115,6 @@ def named_as(message: str, flags: Mapping[str, str]) -> str:
       return f"config.{flags[section]}" + (f".{key}" if key else "")
     return match.group(0)
   return re.sub(r"(?<![\w.])config\.(\w+)(?:\.(\w+))?", rename, message)
-
-
-def _check_starting_point(config: run_config.RunConfig) -> None:
-  _check_teacher(config)
-  if config.gates.enabled and not config.init_from:
-    raise ConfigError(
-        "config.gates.enabled=True makes this a pruning run, which starts from a "
-        "trained baseline, but config.init_from is not set. Add "
-        "--config.init_from=BASELINE_WORKDIR (a finished baseline run's --workdir, or "
-        "an exported model); to prune a model trained from scratch, "
-        f"--config.init_from={run_config.FROM_SCRATCH}.")
 
 
 def _check_teacher(config: run_config.RunConfig) -> None:
@@ -315,13 +327,8 @@ def _check_names(config):
                       "use 'float32', or 'bfloat16' on accelerators.")
 
 
-def _check_model(config, vocab_from_data: bool):
+def _check_model(config):
   m = config.model
-  if not m.vocab_size and not vocab_from_data:
-    raise ConfigError(
-        "config.model.vocab_size is unset, which means 'the dataset's', and this "
-        "command reads no dataset. Set --config.model.vocab_size=V (python -m "
-        "allatt_jax.data --dataset=NAME prints V).")
   if m.d_model % m.num_heads:
     divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0]
     raise ConfigError(

@@ -48,8 +48,7 @@ def main(argv: Sequence[str]) -> None:
     config, cfg = exported_model.trained_model_config(_CHECKPOINT.value, _STEP.value)
     result = head_costs.model_report(config, cfg, _HEADS_KEPT.value)
   else:
-    config = resolver.with_vocab_size(
-        resolver.resolve_config(_CONFIG.value, vocab_from_data=True))
+    config = resolver.with_vocab_size(resolver.checked_config(_CONFIG.value))
     train = config.train
     result = head_costs.report(model_lib.ModelConfig.from_config(config), train.seq_len,
                                train.mem_len, train.batch_size, _HEADS_KEPT.value)

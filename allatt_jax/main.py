@@ -40,9 +40,10 @@ def main(argv):
     logging.info("JAX process %d/%d, local devices: %s", jax.process_index(),
                  jax.process_count(), jax.local_devices())
   if config.get("pipeline"):
-    pipeline.run(resolver.resolve_pipeline(config), _WORKDIR.value)
+    stages = pipeline.prepare(resolver.checked_pipeline(config), _WORKDIR.value)
+    pipeline.run(stages, _WORKDIR.value)
   else:
-    train.train_and_evaluate(resolver.resolve_config(config, vocab_from_data=True),
+    train.train_and_evaluate(resolver.prepared_run(resolver.checked_config(config)),
                              _WORKDIR.value)
 
 

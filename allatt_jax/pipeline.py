@@ -4,13 +4,13 @@ The config describes the baseline run; its `pipeline` section holds what the pru
 run changes: `prune_train` (keys of the train section), `prune_gates` (its whole
 gates section: a fixed λ, or a size through `target_sparsity`, `target_params` or
 `target_macs`) and `prune_distill` (its distill section: the baseline as teacher);
-the command resolves it into a `PipelineConfig` (`resolver.resolve_pipeline`). Each
+the command resolves it into a `PipelineConfig` (`resolver.checked_pipeline`). Each
 stage is an ordinary run in its own subfolder of the workdir, so a rerun resumes
 whatever was not finished and reuses what was: the baseline in `baseline/`, the
 pruning stage in `pruned/`, or, when `pruned/` (and every other `pruned-N/`) was
 trained with other pruning settings, in the first free `pruned-N/`.
 Nothing trained is overwritten or mixed. Both stages are checked before the baseline
-trains (`resolver.resolve_pipeline`). SIGTERM or Ctrl-C stops the pipeline at the next
+trains (`resolver.checked_pipeline`). SIGTERM or Ctrl-C stops the pipeline at the next
 safe point (a training step, the end of a phase or a stage; see preemption.py) with
 exit status 143 or 130, and a rerun goes on from there.
 
@@ -62,8 +62,9 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                 f"({'; '.join(differences)}), kept as it is")
 
 
-def run(config: run_config.PipelineConfig, workdir) -> dict:
-  """Runs (or resumes) the pipeline in `workdir`; returns the report.
+def prepare(config: run_config.PipelineConfig, workdir) -> resolver.PreparedPipeline:
+  """The stages of a checked pipeline (`resolver.checked_pipeline`) in `workdir`, built
+  from one read of their dataset, the pruning stage starting from WORKDIR/baseline.
 
   Raises:
     ConfigError: `workdir` holds a single run or an export, not a pipeline.
@@ -76,10 +77,16 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
         "but this config is a pipeline, whose runs go in WORKDIR/baseline and "
         "WORKDIR/pruned. Give the pipeline's own --workdir (the folder above its "
         "baseline/), or a new one.")
-  # Completed here, as each stage will save it, so that the pruning stage's folder is
-  # chosen by the settings it will really train with.
-  baseline_config, prune_config, corpus = resolver.prepare_pipeline(
-      config, workdir / "baseline")
+  return resolver.prepared_pipeline(config, workdir / "baseline")
+
+
+def run(stages: resolver.PreparedPipeline, workdir) -> dict:
+  """Runs (or resumes) the pipeline's stages (`prepare`) in `workdir`; returns the
+  report."""
+  workdir = run_files.run_path(workdir)
+  baseline_config, prune_config = stages.baseline.run, stages.pruning.run
+  corpus = stages.baseline.corpus
+  # Its folder is chosen by the settings it will really train with, as completed.
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: a signal between stages stops it there too.
@@ -88,8 +95,7 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
       console.banner(f"Baseline: {baseline_config.train.num_steps} steps of "
                      f"{baseline_config.model.kind} on {baseline_config.data.name} in "
                      f"{workdir / 'baseline'}")
-    baseline = train.train_and_evaluate(baseline_config, workdir / "baseline",
-                                        watch=watch)
+    baseline = train.train_and_evaluate(stages.baseline, workdir / "baseline", watch=watch)
     watch.stop_if_asked(f"the baseline stage (in {workdir / 'baseline'})",
                         "go on with the pruning stage")
     if is_main:
@@ -98,18 +104,18 @@ def run(config: run_config.PipelineConfig, workdir) -> dict:
       console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline "
                      f"with L0 gates ({_pruning_goal(prune_config)}, frozen at "
                      f"step {prune_config.gates.freeze_step}) in {pruned_dir}")
-    pruned = train.train_and_evaluate(prune_config, pruned_dir, watch=watch,
+    pruned = train.train_and_evaluate(stages.pruning, pruned_dir, watch=watch,
                                       gate_flags=GATE_FLAGS)
     watch.stop_if_asked(f"the pruning stage (in {pruned_dir})",
                         "go on with the speed comparison and the report")
 
     if is_main:
       console.banner("Evaluation: inference speed of both models on valid "
-                     f"({config.speed_batches} batches, best of 3)")
+                     f"({stages.speed_batches} batches, best of 3)")
     baseline_model = trained_model.load(workdir / "baseline")
     pruned_model = trained_model.load(pruned["export"]["directory"])
     speed = demo_report.measure_speed(baseline_config, corpus.splits["valid"],
-                                      config.speed_batches, baseline_model, pruned_model)
+                                      stages.speed_batches, baseline_model, pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",
                         "measure it again and write the report")
     # The last safe point is behind: a SIGTERM now lets the report (a second's work)

@@ -1,16 +1,14 @@
-"""The resolver: a command's config becomes, once, the typed objects a run is made of.
+"""A command's config becomes, once, the checked and typed objects its runs are made of.
 
-`resolve_config` turns a command's ConfigDict into a frozen `RunConfig` and checks it
-(config_checks.py) before any data is read or code traced; `resolve_pipeline` does
-the same for the demo's two stages (a `PipelineConfig`). `resolve` builds from a
-config the model, mesh, optimizer, L0 term, train-step constants, state shapes and
-evaluator (a `RunSetup`); everything below (`train_step`, `stream_eval`,
-`validation`'s state checks, export) receives these objects. `prepare` makes the
-config's checks, then reads its dataset, then completes the config from it
-(`model.vocab_size` 0 means the dataset's; own word-level text's adaptive softmax,
-`word_output`), which is what a run resolves and saves;
-`prepare_run` does both for a run about to train, and `prepare_pipeline` for the
-demo's stages.
+`checked_config` reads a command's ConfigDict into a `RunConfig` and checks it
+(config_checks.py) before any data is read or code traced; `checked_pipeline` does so
+for both stages of a pipeline (configs/demo.py). `prepared_run` then reads the
+dataset, completes the config from it (`model.vocab_size` 0 is the dataset's; own
+word-level text's adaptive softmax, `word_output`) and builds the run's objects (a
+`RunSetup`: model, mesh, optimizer, L0 term, step constants, state shapes);
+`prepared_pipeline` does that for both stages with one read of the dataset.
+`run_setup` builds a setup without data, for commands that only compile or measure.
+Everything below receives these objects.
 """
 import dataclasses
 import functools
@@ -103,34 +101,43 @@ class RunSetup:
             for sample in ((True, False) if self.lm.cfg.gated else (False,))}
 
 
-def resolve_config(config, *, vocab_from_data: bool = False) -> RunConfig:
-  """The checked RunConfig of a command's ConfigDict (or of a RunConfig).
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+  """A run about to train: its objects and its dataset."""
+  setup: RunSetup
+  corpus: data_lib.Corpus
 
-  `vocab_from_data`: the caller loads the dataset next and takes an unset
-  `model.vocab_size` from it (`prepare`).
+  @property
+  def run(self) -> RunConfig:
+    return self.setup.run
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPipeline:
+  """A pipeline's two stages, built from one read of their dataset; the pruning
+  stage starts from (and distills from) the baseline's folder."""
+  baseline: PreparedRun
+  pruning: PreparedRun
+  speed_batches: int
+
+
+def checked_config(config) -> RunConfig:
+  """The checked RunConfig of a command's ConfigDict (or of a RunConfig); an unset
+  `model.vocab_size` is left for the dataset to complete.
 
   Raises:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
-  return _checked(config, vocab_from_data)[0]
-
-
-def _checked(config, vocab_from_data: bool = False, starts_run: bool = False
-             ) -> tuple[RunConfig, tuple[int, int]]:
-  """(the checked RunConfig, its mesh's (data, model) sizes on this machine);
-  `starts_run`: also what a run that trains it starts from (its `init_from`)."""
   run = RunConfig.of(config)
-  mesh_shape = config_checks.check_config(run, jax.device_count(),
-                                          vocab_from_data=vocab_from_data,
-                                          starts_run=starts_run)
-  return run, mesh_shape
+  config_checks.check_config(run, jax.device_count())
+  return run
 
 
-def resolve_pipeline(config) -> run_config.PipelineConfig:
+def checked_pipeline(config) -> run_config.PipelineConfig:
   """The checked stages of a pipeline config (configs/demo.py): its run sections are
   the baseline; its `pipeline` section says how the pruning stage differs
   (`prune_train`, `prune_gates`, `prune_distill`) and how long the speed comparison
-  reads (`speed_batches`).
+  reads (`speed_batches`). Each stage is checked once, here, before any data is read.
 
   Raises:
     ConfigError: the config sets its own gates or distill section, which the baseline
@@ -148,55 +155,110 @@ def resolve_pipeline(config) -> run_config.PipelineConfig:
           f"{section}; the pruning stage's are config.pipeline.{stage_section}. Use "
           f"--config.pipeline.{stage_section}.{key}={value} instead.")
   stages = config.pipeline
-  baseline = resolve_config(config, vocab_from_data=True)
-  # Its init_from, the baseline's folder, is the pipeline's to set (pipeline.run).
+  baseline = checked_config(config)
+  # Its init_from, the baseline's folder, is the pipeline's to set (prepared_pipeline).
   pruning = run_config.pruning_stage(
       baseline, "", train=stages.prune_train.to_dict(),
       gates=stages.prune_gates.to_dict(),
       distill=stages.get("prune_distill", defaults.distill).to_dict())
-  # Checked in full now, before the baseline trains: its errors name the pipeline's
-  # flags for the keys the pipeline section sets.
+  # Its errors name the pipeline's flags for the keys the pipeline section sets.
   flags = {"gates": "pipeline.prune_gates",
            **{f"train.{key}": f"pipeline.prune_train.{key}" for key in stages.prune_train}}
   if "prune_distill" in stages:
     flags["distill"] = "pipeline.prune_distill"
   try:
-    pruning = resolve_config(pruning, vocab_from_data=True)
+    pruning = checked_config(pruning)
   except ConfigError as e:
     raise ConfigError(config_checks.named_as(str(e), flags)) from None
   return run_config.PipelineConfig(baseline=baseline, pruning=pruning,
                                    speed_batches=stages.speed_batches)
 
 
-def resolve(config, *, starts_run: bool = False) -> RunSetup:
-  """The run's objects, after checking the config (a ConfigDict or a RunConfig);
-  `starts_run`: the setup of a run about to train, whose starting point (`init_from`)
-  is checked too.
+def prepared_run(run: RunConfig, corpus: data_lib.Corpus | None = None) -> PreparedRun:
+  """A run about to train, of a checked config (`checked_config`): what it starts from
+  checked, then its dataset read (`corpus`, where the caller has read it already) and
+  the config completed from it (`RunConfig.completed`), as the run saves it.
 
   Raises:
-    ConfigError: an inconsistent or out-of-range config (see config_checks.py), or a
-      pruning or distilling run that does not say what it starts from.
-  """
-  return _build(*_checked(config, starts_run=starts_run))
-
-
-def prepare_run(config) -> tuple[RunSetup, data_lib.Corpus]:
-  """(the objects of a run about to train, its dataset): its config checked (and what
-  it starts from) before the dataset is read, then completed from the dataset
-  (`RunConfig.completed`), as the run saves it.
-
-  Raises:
-    ConfigError: as `prepare`.
+    ConfigError: a pruning or distilling run that does not say what it starts from,
+      or a `model.vocab_size` that is not the dataset's.
     DataError: the dataset cannot be loaded.
   """
-  run, corpus, mesh_shape = _prepared(config)
-  return _build(run, mesh_shape), corpus
+  config_checks.check_starting_point(run)
+  corpus = corpus or _read_corpus(run)
+  return _prepared(_completed(run, corpus), corpus)
 
 
-def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
+def prepared_pipeline(config: run_config.PipelineConfig, baseline_dir) -> PreparedPipeline:
+  """Both stages of a checked pipeline (`checked_pipeline`) from one read of their
+  dataset, the pruning stage starting from `baseline_dir`, the baseline's folder,
+  which is also its teacher when it distills."""
+  corpus = _read_corpus(config.baseline)
+  pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
+  return PreparedPipeline(
+      baseline=_prepared(_completed(config.baseline, corpus), corpus),
+      pruning=_prepared(_completed(pruning, corpus), corpus),
+      speed_batches=config.speed_batches)
+
+
+def completed_config(run: RunConfig) -> tuple[RunConfig, data_lib.Corpus]:
+  """(a checked config completed from its dataset (`RunConfig.completed`), the
+  dataset), for a command that reads a dataset without training on it.
+
+  Raises:
+    ConfigError: a `model.vocab_size` that is not the dataset's.
+    DataError: the dataset cannot be loaded.
+  """
+  run = RunConfig.of(run)
+  corpus = _read_corpus(run)
+  return _completed(run, corpus), corpus
+
+
+def run_setup(run: RunConfig) -> RunSetup:
+  """The objects of a run of a checked config without its dataset, for commands that
+  compile or measure steps: `model.vocab_size` must be set (`with_vocab_size`).
+
+  Raises:
+    ConfigError: an unset `model.vocab_size`.
+  """
+  run = RunConfig.of(run)
+  config_checks.check_vocab_size_set(run)
+  return _build(run)
+
+
+def with_vocab_size(run: RunConfig) -> RunConfig:
+  """A checked config with its `model.vocab_size` set, from its dataset (which is
+  then read) where it is unset, and the output layer a run would complete it with
+  (`word_output`): for commands that build a model without training it."""
+  run = RunConfig.of(run)
+  if not run.model.vocab_size:
+    run = run_config.derived_run(run, model=dict(
+        vocab_size=completed_config(run)[0].model.vocab_size))
+  return run_config.derived_run(run, model=word_output(run))
+
+
+def _prepared(run: RunConfig, corpus: data_lib.Corpus) -> PreparedRun:
+  return PreparedRun(_build(run), corpus)
+
+
+def _read_corpus(run: RunConfig) -> data_lib.Corpus:
+  """The run's dataset, whose vocabulary a set `model.vocab_size` must match."""
+  corpus = data_lib.load_run_corpus(run)
+  vocab_size = run.model.vocab_size
+  if vocab_size and corpus.vocab_size != vocab_size:
+    raise ConfigError(
+        f"config.model.vocab_size is {vocab_size} but dataset {run.data.name!r} has "
+        f"{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, "
+        "or 0 to take it from the dataset.")
+  data_lib.warn_if_unk_untrained(corpus)
+  return corpus
+
+
+def _build(run: RunConfig) -> RunSetup:
+  """The objects of a checked, completed config."""
   cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
-  mesh = sharding.make_mesh(mesh_shape)
+  mesh = sharding.make_mesh(sharding.mesh_shape(run.mesh, jax.device_count()))
   # A budget becomes its number of open heads n* here, once; a bad one fails at setup.
   # With persistent groups it stays a size, in the units each kind of gate prunes.
   units = head_costs.budget_units(run, cfg)
@@ -212,36 +274,6 @@ def _build(run: RunConfig, mesh_shape: tuple[int, int]) -> RunSetup:
   return RunSetup(run=run, lm=lm, mesh=mesh, optimizer=optimizer, penalty=penalty,
                   step_config=step_config, abstract_state=abstract,
                   state_sharding=shardings, rows=sharding.process_rows(mesh))
-
-
-def prepare(config) -> tuple[RunConfig, data_lib.Corpus]:
-  """(the config completed from its dataset (`RunConfig.completed`), the dataset).
-
-  The config's own checks come first, so a bad config fails before any dataset is
-  read or prepared.
-
-  Raises:
-    ConfigError: as `config_checks.check_config`, or a
-      `model.vocab_size` that is not the dataset's.
-    DataError: the dataset cannot be loaded.
-  """
-  return _prepared(config)[:2]
-
-
-def _prepared(config, starts_run: bool = True
-              ) -> tuple[RunConfig, data_lib.Corpus, tuple[int, int]]:
-  """(the checked config completed from its dataset, the dataset, the mesh shape);
-  `starts_run`: also what a run that trains it starts from (its `init_from`)."""
-  run, mesh_shape = _checked(config, vocab_from_data=True, starts_run=starts_run)
-  corpus = data_lib.load_run_corpus(run)
-  vocab_size = run.model.vocab_size
-  if vocab_size and corpus.vocab_size != vocab_size:
-    raise ConfigError(
-        f"config.model.vocab_size is {vocab_size} but dataset {run.data.name!r} has "
-        f"{corpus.vocab_size} types; set --config.model.vocab_size={corpus.vocab_size}, "
-        "or 0 to take it from the dataset.")
-  data_lib.warn_if_unk_untrained(corpus)
-  return _completed(run, corpus), corpus, mesh_shape
 
 
 def _completed(run: RunConfig, corpus: data_lib.Corpus) -> RunConfig:
@@ -306,29 +338,3 @@ def output_note(run: RunConfig) -> str:
           f"costs {adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
           f"{plain / 1e6:.2f}M, {plain / layers:.1f}x the {layers / 1e6:.2f}M of all the "
           "layers (--config.model.auto_cutoffs=False keeps the plain softmax).")
-
-
-def prepare_pipeline(config: run_config.PipelineConfig, baseline_dir
-                     ) -> tuple[RunConfig, RunConfig, data_lib.Corpus]:
-  """(baseline config, pruning config, the dataset): both stages completed from their
-  dataset (`prepare`), the pruning stage starting from `baseline_dir`, the
-  baseline's folder, which is also its teacher when it distills."""
-  baseline, corpus = prepare(config.baseline)
-  pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
-  return baseline, _completed(pruning, corpus), corpus
-
-
-def vocab_size(config) -> int:
-  """The config's `model.vocab_size`, or, when unset, its dataset's (which is then
-  read): for commands that build a model without training it, and so need no
-  `init_from`."""
-  return (config.model.vocab_size
-          or _prepared(config, starts_run=False)[0].model.vocab_size)
-
-
-def with_vocab_size(config) -> RunConfig:
-  """The RunConfig of `config` with its `model.vocab_size` set (`vocab_size`), and
-  the output layer a run would complete it with (`word_output`)."""
-  run = RunConfig.of(config)
-  run = run_config.derived_run(run, model=dict(vocab_size=vocab_size(run)))
-  return run_config.derived_run(run, model=word_output(run))

@@ -158,7 +158,7 @@ class TrainStep:
         # steps of a run whose freeze may lie beyond the config's step count.
         train=dict(num_steps=max(config.train.num_steps, config.gates.freeze_step)))
     self.config = config
-    setup = resolver.resolve(config)
+    setup = resolver.run_setup(config)
     mesh = setup.mesh
     self.lm = setup.lm
     self._state = setup.new_state()

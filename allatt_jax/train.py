@@ -32,11 +32,13 @@ PHASES_FILE = "finished_phases.json"
 BUDGET_FILE = "budget_decision.json"    # budget runs: the heads decided at the freeze
 
 
-def train_and_evaluate(config: RunConfig, workdir: str,
+def train_and_evaluate(prepared: resolver.PreparedRun, workdir: str,
                        deadline: float | None = None,
                        watch: preemption.PreemptionWatch | None = None,
                        gate_flags: str = "--config.gates") -> dict:
-  """Trains (or resumes) the run in `workdir`; returns the final metrics.
+  """Trains (or resumes) the run in `workdir` (`resolver.prepared_run`: its config
+  checked and its dataset read before this opens the folder, so a wrong config or
+  data folder leaves nothing behind); returns the final metrics.
 
   `gate_flags`: how the caller's command line names the gates section, for advice
   (a pipeline's pruning stage is set under --config.pipeline.prune_gates).
@@ -49,13 +51,8 @@ def train_and_evaluate(config: RunConfig, workdir: str,
   if deadline is not None and jax.process_count() > 1:
     raise ConfigError("A training deadline needs a single process.")
   workdir = run_files.run_path(workdir)
+  setup, corpus = prepared.setup, prepared.corpus
   with preemption.watching(watch) as watch:
-    # The config, then its dataset, are checked before the checkpoints are opened
-    # (which makes the workdir), so a wrong config or data folder leaves nothing behind.
-    setup, corpus = resolver.prepare_run(config)
-    # Reading (or preparing) a dataset can take minutes: a signal meanwhile stops here.
-    watch.stop_if_asked("reading its config and dataset (no step trained by this "
-                        "command)", "start again")
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
     checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
                                               vocabulary)

@@ -5,7 +5,7 @@ state, the loss gains the L0 term (`budget.Penalty`) and gates are sampled (befo
 the freeze) or deterministic (after it). With a teacher in the state (distill.py) the
 loss learns from it too. The step is jitted once per gate mode by `train.py`.
 Everything it needs besides the state and the batch (model, optimizer, penalty,
-`StepConfig`) is built once at setup (`resolver.resolve`): the trace reads no config.
+`StepConfig`) is built once at setup (`resolver.run_setup`): the trace reads no config.
 """
 import dataclasses
 import functools

@@ -11,9 +11,11 @@ import orbax.checkpoint as ocp
 
 from allatt_jax import checkpointing
 from allatt_jax import config_base
+from allatt_jax import config_checks
+from allatt_jax import pipeline
 from allatt_jax import resolver
-from allatt_jax import run_config
 from allatt_jax import run_files
+from allatt_jax import train
 from allatt_jax import validation
 
 
@@ -43,18 +45,32 @@ def free_port() -> int:
       return port
 
 
+def train_run(config, workdir, **kwargs) -> dict:
+  """`train.train_and_evaluate` of a config (a ConfigDict or a RunConfig), resolved as
+  the main command resolves it."""
+  return train.train_and_evaluate(resolver.prepared_run(resolver.checked_config(config)),
+                                  workdir, **kwargs)
+
+
+def run_pipeline(config, workdir) -> dict:
+  """`pipeline.run` of a pipeline config, resolved as the main command resolves it."""
+  return pipeline.run(pipeline.prepare(resolver.checked_pipeline(config), workdir), workdir)
+
+
 def start_run(config, workdir, vocabulary: dict | None = None):
   """(setup, checkpoints) of a run about to train, after the checks a run makes
   before it compiles (config and starting point before its dataset is read; then
   `init_from`, workdir, resume and vocabulary), as `train.train_and_evaluate` makes
   them. `vocabulary`: the fingerprint of the config's dataset where the test does
   not hold that dataset (else it is loaded, as a run loads it)."""
+  run = resolver.checked_config(config)
   if vocabulary is None:
-    setup, corpus = resolver.prepare_run(config)
+    prepared = resolver.prepared_run(run)
+    setup, corpus = prepared.setup, prepared.corpus
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
   else:   # completed as a run completes it (a budget's λ is 0)
-    run = run_config.RunConfig.of(config)
-    setup = resolver.resolve(run.completed(run.model.vocab_size), starts_run=True)
+    config_checks.check_starting_point(run)
+    setup = resolver.run_setup(run.completed(run.model.vocab_size))
   return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
                                             run_files.run_path(workdir), vocabulary)
 

@@ -35,7 +35,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # resolver.resolve comes after prepare fills it in
+  config.model.vocab_size = 27   # resolver.run_setup reads no dataset to fill it in
   config.mesh.data, config.mesh.model = mesh
   # Dropout checks that random masks do not depend on how arrays are sharded.
   config.model.update(dict(dropout=0.1, dropout_attn=0.1, dropout_emb=0.1))
@@ -50,7 +50,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
 
 def train_steps(config, num_steps: int = NUM_STEPS):
   """(state, losses, last inputs, stream) after `num_steps` sampled-gate steps."""
-  setup = resolver.resolve(config)
+  setup = resolver.run_setup(config)
   state = setup.new_state()
   batch = sharding.batch_sharding(setup.mesh)
   step_fn = setup.train_step(sample_gates=True)

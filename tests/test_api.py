@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import allatt_jax
+from helpers import train_run
 from allatt_jax import api
 from allatt_jax import config_base
 from allatt_jax import exported_model
@@ -45,7 +46,7 @@ def stages(tmp_path_factory):
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
-  stages = resolver.resolve_pipeline(config)
+  stages = resolver.checked_pipeline(config)
   runs = tmp_path_factory.mktemp("runs")
   return stages.baseline, run_config.derived_run(stages.pruning,
                                                  init_from=str(runs / "baseline"))
@@ -55,7 +56,7 @@ def stages(tmp_path_factory):
 def workdir(stages):
   baseline_config, prune_config = stages
   workdir = pathlib.Path(prune_config.init_from)
-  train.train_and_evaluate(baseline_config, workdir)
+  train_run(baseline_config, workdir)
   return workdir
 
 
@@ -68,7 +69,7 @@ def pruned_run(stages, workdir):
   prune_config = run_config.derived_run(
       stages[1], gates=dict(init=0.0, lam=0.05, learning_rate=0.1))
   pruned_run = workdir.parent / "pruned"
-  train.train_and_evaluate(prune_config, pruned_run)
+  train_run(prune_config, pruned_run)
   return pruned_run
 
 

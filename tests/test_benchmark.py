@@ -55,7 +55,7 @@ def test_variant_flags_add_to_the_configs_variants():
 
 @pytest.fixture(scope="module")
 def tiny_run():
-  return resolver.with_vocab_size(resolver.resolve_config(
+  return resolver.with_vocab_size(resolver.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
 
 
@@ -111,13 +111,13 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   assert dataclasses.replace(plan, variants={}) == throughput.BenchmarkPlan(
       rounds=3, matmul_size=8192, variants={})
   # Beside the code as it is, the code before the accelerator rewrite and the XLA core.
-  variants = bench_variants.resolve(resolver.resolve_config(gpu), plan.variants)
+  variants = bench_variants.resolve(resolver.checked_config(gpu), plan.variants)
   before, xla_core = variants["before"].model, variants["xla_core"].model
   assert (before.vocab_block, before.tail_capacity, before.score_dtype,
           before.attention_impl) == (8192, 0.0, "float32", "xla")
-  assert xla_core == dataclasses.replace(resolver.resolve_config(paper).model,
+  assert xla_core == dataclasses.replace(resolver.checked_config(paper).model,
                                         attention_impl="xla")
-  resolver.resolve_config(gpu, vocab_from_data=True)   # its checks pass as it ships
+  resolver.checked_config(gpu)   # its checks pass as it ships
 
 
 @pytest.mark.slow   # trains a few steps in a process

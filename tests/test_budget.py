@@ -13,6 +13,8 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import train_run
+from helpers import run_pipeline
 from allatt_jax import api
 from allatt_jax import budget
 from allatt_jax import checkpointing
@@ -141,7 +143,7 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config.gates.update(config.experiments.prune_gates.to_dict())
   config.gates.target_sparsity = 0.5
   config.train.update(config.experiments.prune_train.to_dict())
-  setup = resolver.resolve(config)
+  setup = resolver.run_setup(config)
   state = setup.new_state()
   step = config.gates.freeze_step - 1          # the target is n* = 4 of 8 by now
   gap = float(setup.penalty.open_count(state.variables, step)) - 4.0
@@ -213,8 +215,8 @@ def demo_baseline(tmp_path_factory, data_dir):
   """The tiny demo's baseline stage, trained once: the pipelines below start from a
   copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
   workdir = tmp_path_factory.mktemp("demo_baseline")
-  baseline = resolver.resolve_pipeline(demo_config(data_dir)).baseline
-  train.train_and_evaluate(baseline, workdir / "baseline")
+  baseline = resolver.checked_pipeline(demo_config(data_dir)).baseline
+  train_run(baseline, workdir / "baseline")
   return workdir / "baseline"
 
 
@@ -227,8 +229,7 @@ def with_baseline(workdir, demo_baseline):
 def sized_demo(tmp_path_factory, demo_baseline, data_dir):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
   workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
-  report = pipeline.run(
-      resolver.resolve_pipeline(demo_config(data_dir, target_sparsity=0.5)), workdir)
+  report = run_pipeline(demo_config(data_dir, target_sparsity=0.5), workdir)
   return workdir, report
 
 
@@ -270,8 +271,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
                     if "checkpoints" in p.parts}
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
   capsys.readouterr()
-  report = pipeline.run(
-      resolver.resolve_pipeline(demo_config(data_dir, target_sparsity=0.75)), workdir)
+  report = run_pipeline(demo_config(data_dir, target_sparsity=0.75), workdir)
   out = capsys.readouterr().out
   assert not PROGRESS.search(out.split("== Pruning")[0]), "the baseline trained again"
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
@@ -283,7 +283,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   capsys.readouterr()
   config = demo_config(data_dir, target_sparsity=0.5)
   config.eval.max_batches = 4
-  report = pipeline.run(resolver.resolve_pipeline(config), workdir)
+  report = run_pipeline(config, workdir)
   assert report["pruned"]["directory"] == "pruned"
   assert not PROGRESS.search(capsys.readouterr().out)     # nothing trained
   assert (workdir / "pruned" / "config.json").read_bytes() != saved_config   # eval key
@@ -295,7 +295,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
   config.gates.target_sparsity = 0.5
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
-    pipeline.run(resolver.resolve_pipeline(config), tmp_path)
+    run_pipeline(config, tmp_path)
   assert not any(tmp_path.iterdir())
 
 
@@ -303,8 +303,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
                                                    capsys):
   config = demo_config(data_dir, lam=0.0)
-  report = pipeline.run(resolver.resolve_pipeline(config),
-                        with_baseline(tmp_path, demo_baseline))
+  report = run_pipeline(config, with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
   assert "pruning removed no head of 8" in warning
@@ -315,23 +314,23 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 @pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
-  baseline = resolver.resolve_pipeline(config).baseline
+  baseline = resolver.checked_pipeline(config).baseline
   baseline = dataclasses.replace(
       run_config.derived_run(baseline, train=dict(num_steps=10)),
       checkpoint=dataclasses.replace(baseline.checkpoint, every_steps=5))
-  train.train_and_evaluate(baseline, tmp_path / "run")
+  train_run(baseline, tmp_path / "run")
   saved = (tmp_path / "run" / "config.json").read_bytes()
   changed = run_config.derived_run(baseline, train=dict(learning_rate=0.01),
                                   model=dict(dropout=0.1))
   with pytest.raises(ConfigError, match=(
       r"holds a run trained with other settings \(model.dropout: 0.0 -> 0.1; "
       r"train.learning_rate: 0.003 -> 0.01\)")):
-    train.train_and_evaluate(changed, tmp_path / "run")
+    train_run(changed, tmp_path / "run")
   assert (tmp_path / "run" / "config.json").read_bytes() == saved
   # More steps and another evaluation cadence are a legitimate resume.
   longer = dataclasses.replace(run_config.derived_run(baseline, train=dict(num_steps=15)),
                                eval=dataclasses.replace(baseline.eval, every_steps=5))
-  train.train_and_evaluate(longer, tmp_path / "run")
+  train_run(longer, tmp_path / "run")
   assert run_files.load_config(tmp_path / "run").train.num_steps == 15
 
 
@@ -341,7 +340,7 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
   config.data.data_dir = data_dir
   config.train.num_steps = 5
   experiment = lambda: runs_lib.Experiment(
-      resolver.resolve_config(config), plan_lib.from_section(config.experiments.to_dict()),
+      resolver.checked_config(config), plan_lib.from_section(config.experiments.to_dict()),
       tmp_path)
   experiment().baseline()
   config.train.learning_rate = 0.01
@@ -353,12 +352,12 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
 
 def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
                                                                            data_dir):
-  config = resolver.resolve_pipeline(demo_config(data_dir)).baseline
+  config = resolver.checked_pipeline(demo_config(data_dir)).baseline
   assert config.model.vocab_size == 0
-  completed, corpus = resolver.prepare(config)
+  completed, corpus = resolver.completed_config(resolver.checked_config(config))
   assert completed.model.vocab_size == corpus.vocab_size == 27
   with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
-    resolver.prepare(run_config.derived_run(config, model=dict(vocab_size=30)))
+    resolver.completed_config(run_config.derived_run(config, model=dict(vocab_size=30)))
 
 
 def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
@@ -371,7 +370,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
                           data_dir=str(tmp_path / "tfds")))
   with caplog.at_level(logging.WARNING):
-    resolver.prepare(config)
+    resolver.completed_config(resolver.checked_config(config))
   [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
   assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
           in message and "--config.data.min_count=2" in message)
@@ -379,7 +378,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
   (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
   with caplog.at_level(logging.WARNING):
-    resolver.prepare(config)
+    resolver.completed_config(resolver.checked_config(config))
   assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
 
 
@@ -402,7 +401,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   config = config_base.base_config()
   config.model.vocab_size = 27
   config.gates.update(dict(enabled=True, target_sparsity=0.0, freeze_step=100))
-  setup = resolver.resolve(config)
+  setup = resolver.run_setup(config)
   total = sum(setup.lm.cfg.layer_heads)
   everything = dict(allowed=total, by_gates=total, changed=0)
   [warning] = exported_model.pruning_warnings(setup.run, total, total, everything,

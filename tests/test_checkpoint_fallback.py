@@ -17,6 +17,7 @@ import pytest
 import data_fixtures
 import helpers
 from helpers import assert_bit_identical
+from helpers import train_run
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import exported_model
@@ -56,7 +57,7 @@ def finished_run(tmp_path_factory):
   config.init_from = "none"      # pruning a model trained from scratch, on purpose
   config.checkpoint.update(dict(every_steps=EVERY, keep=10))
   workdir = root / "run"
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   return config, workdir
 
 
@@ -79,7 +80,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(finished_run, tmp_path, how, c
   damaged_files = sorted(p.relative_to(damaged) for p in damaged.rglob("*"))
 
   with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(config, workdir)
+    train_run(config, workdir)
 
   # Resumed from step 2, and ended exactly where the uninterrupted run ended.
   assert_bit_identical(saved_state(workdir, NUM_STEPS), saved_state(finished, NUM_STEPS))
@@ -139,5 +140,5 @@ def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):
   with pytest.raises(CheckpointError, match=pattern):
     exported_model.export_run(workdir)
   with pytest.raises(CheckpointError, match=pattern):
-    train.train_and_evaluate(config, workdir)
+    train_run(config, workdir)
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]

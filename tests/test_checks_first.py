@@ -62,7 +62,7 @@ def demo(section: str = "", **keys):
 def test_the_pruning_stage_is_checked_with_the_baseline_naming_its_flags(section, keys,
                                                                          named):
   with pytest.raises(ConfigError) as error:
-    resolver.resolve_pipeline(demo(section, **keys))
+    resolver.checked_pipeline(demo(section, **keys))
   message = str(error.value)
   for text in named:
     assert text in message, message
@@ -76,7 +76,7 @@ def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
   with pytest.raises(ConfigError, match=(
       rf"^config.pipeline.prune_gates.freeze_step=40 is beyond config.train.num_steps=30"
       rf".* Set {GATES}.freeze_step to at most 30, or raise --config.train.num_steps ")):
-    resolver.resolve_pipeline(config)
+    resolver.checked_pipeline(config)
 
 
 @pytest.mark.parametrize("keys, named", [
@@ -98,7 +98,7 @@ def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
 ])
 def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, named):
   with pytest.raises(ConfigError) as error:
-    resolver.resolve_pipeline(demo("prune_gates", **keys))
+    resolver.checked_pipeline(demo("prune_gates", **keys))
   for text in named:
     assert text in str(error.value), str(error.value)
 
@@ -106,7 +106,7 @@ def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, n
 @pytest.mark.parametrize("keys", [dict(target_sparsity=0.99), dict(target_sparsity=1.0),
                                   dict(target_params=64), dict(target_params=1000)])
 def test_an_empty_model_is_made_when_asked_for(keys):
-  pruning = resolver.resolve_pipeline(demo("prune_gates", allow_empty=True, **keys)).pruning
+  pruning = resolver.checked_pipeline(demo("prune_gates", allow_empty=True, **keys)).pruning
   assert pruning.gates.allow_empty
   assert head_costs.target_open_heads(pruning,
                                       model_lib.ModelConfig.from_config(pruning)) == 0
@@ -153,7 +153,7 @@ def experiment(tmp_path_factory):
 
 def planned_check(config, suite, **plan_keys):
   plan = plan_lib.ExperimentPlan.from_dict({**config.experiments.to_dict(), **plan_keys})
-  experiment = runs_lib.Experiment(resolver.resolve_config(config, vocab_from_data=True),
+  experiment = runs_lib.Experiment(resolver.checked_config(config),
                                    plan, "unused", read_data=False)
   experiment.check(cli.PLANNED_RUNS[suite](experiment), suite)
 

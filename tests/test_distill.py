@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import train_run
 from allatt_jax import adaptive
 from allatt_jax import checkpointing
 from allatt_jax import config_base
@@ -160,8 +161,8 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   """α = β = 0 with a teacher in the state: parameters, gates, optimizer state, memory
   and metrics after three steps (gates sampled) equal the plain pruning step's, bit
   for bit."""
-  plain = resolver.resolve(_tiny_pruning_config())
-  with_teacher = resolver.resolve(_tiny_pruning_config(weight=0.5))
+  plain = resolver.run_setup(_tiny_pruning_config())
+  with_teacher = resolver.run_setup(_tiny_pruning_config(weight=0.5))
   zero = dataclasses.replace(with_teacher.step_config, grad_accum_steps=accum,
                              distill=run_config.DistillSection())
   batch = sharding.batch_sharding(plain.mesh)
@@ -189,7 +190,7 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
 def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
   """The teacher's params leave a step bit for bit as they came; its memory is its own
   forward pass's on the batch, not the student's and not the old one."""
-  setup = resolver.resolve(_tiny_pruning_config(weight=0.5, hidden_weight=0.1))
+  setup = resolver.run_setup(_tiny_pruning_config(weight=0.5, hidden_weight=0.1))
   state = setup.new_state()
   # A teacher other than the student, so that their memories differ.
   teacher = {**state.teacher, "params": jax.tree.map(lambda p: p * 1.5 + 0.01,
@@ -215,7 +216,7 @@ def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
   """A run that does not distill saves no 'teacher' entry, so checkpoints made before
   distillation existed (step, variables, opt_state, memory) restore unchanged."""
-  setup = resolver.resolve(_tiny_pruning_config())
+  setup = resolver.run_setup(_tiny_pruning_config())
   checkpoints = checkpointing.RunCheckpoints(tmp_path, async_save=False)
   try:
     checkpoints.save(1, setup.new_state(), {"position": 0})
@@ -229,19 +230,19 @@ def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
 
 def test_distillation_config_errors():
   with pytest.raises(ConfigError, match=r"distill.weight=1.5 is out of range.*\[0, 1\]"):
-    resolver.resolve_config(_tiny_pruning_config(weight=1.5))
+    resolver.checked_config(_tiny_pruning_config(weight=1.5))
   with pytest.raises(ConfigError, match="distill.temperature=0.0 is out of range"):
-    resolver.resolve_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
+    resolver.checked_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
   with pytest.raises(ConfigError, match="kl_clusters='tails' is unknown"):
-    resolver.resolve_config(_tiny_pruning_config(kl_clusters="tails"))
+    resolver.checked_config(_tiny_pruning_config(kl_clusters="tails"))
   config = _tiny_pruning_config(hidden_weight=1.0)
   config.gates.enabled = False
   with pytest.raises(ConfigError, match="init_from is not set.*--config.distill.weight=0"):
-    train.train_and_evaluate(config, "/nonexistent/never/made")
+    train_run(config, "/nonexistent/never/made")
   demo = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   demo.distill.weight = 0.5
   with pytest.raises(ConfigError, match="--config.pipeline.prune_distill.weight=0.5"):
-    resolver.resolve_pipeline(demo)
+    resolver.checked_pipeline(demo)
 
 
 @pytest.mark.slow
@@ -254,7 +255,7 @@ def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
   config.gates.enabled = False
   config.train.num_steps = 6
   config.eval.batch_size = 64
-  train.train_and_evaluate(config, tmp_path / "baseline")
+  train_run(config, tmp_path / "baseline")
   config = _tiny_pruning_config(weight=0.5, temperature=2.0, hidden_weight=0.1)
   config.train.num_steps = 10
   config.eval.batch_size = 64
@@ -262,7 +263,7 @@ def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
   config.checkpoint.every_steps = 5
   config.init_from = str(tmp_path / "baseline")
   run = tmp_path / "pruned"
-  train.train_and_evaluate(config, run)
+  train_run(config, run)
   uninterrupted = helpers.saved_state(run, 10)
   baseline = helpers.saved_state(tmp_path / "baseline", 6)["state"]
   helpers.assert_bit_identical(uninterrupted["state"]["teacher"]["params"],
@@ -270,5 +271,5 @@ def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
   assert np.any(uninterrupted["state"]["teacher"]["memory"]["hidden"])
   # Lose the last checkpoint, as if the run had died after step 5, and restart it.
   shutil.rmtree(run / "checkpoints" / "10")
-  train.train_and_evaluate(config, run)
+  train_run(config, run)
   helpers.assert_bit_identical(helpers.saved_state(run, 10), uninterrupted)

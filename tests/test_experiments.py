@@ -155,7 +155,7 @@ def test_budgets_convert_to_the_most_heads_that_fit():
 
 def test_a_config_sets_at_most_one_budget():
   with pytest.raises(ConfigError, match="at most one budget target"):
-    resolver.resolve_config(budget_config(target_sparsity=0.5, target_params=10))
+    resolver.checked_config(budget_config(target_sparsity=0.5, target_params=10))
 
 
 @pytest.mark.parametrize("gates, match", [
@@ -174,7 +174,7 @@ def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
   corpus = data_lib.load_run_corpus(config)
   completed = config.completed(corpus.vocab_size)
   assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
-  penalty = resolver.resolve(completed).penalty
+  penalty = resolver.run_setup(completed).penalty
   assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
 
@@ -257,7 +257,7 @@ def experiment(tmp_path_factory, monkeypatch_module):
   monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
       k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
   return runs_lib.Experiment(
-      resolver.resolve_config(config),
+      resolver.checked_config(config),
       plan_lib.ExperimentPlan.from_dict(exp_chars_plan(heuristics=("michel",))),
       tmp_path_factory.mktemp("experiment"))
 

@@ -160,9 +160,9 @@ def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
 @pytest.fixture(scope="module")
 def tiny_train_step():
   """(the compiled baseline train step of configs/bench_cpu.py:tiny, its tokens)."""
-  config = resolver.with_vocab_size(resolver.resolve_config(
+  config = resolver.with_vocab_size(resolver.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
-  setup, t = resolver.resolve(config), config.train
+  setup, t = resolver.run_setup(config), config.train
   tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
                                 sharding=sharding.batch_sharding(setup.mesh))
   with sharding.activate(setup.mesh):
@@ -204,7 +204,7 @@ def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
 def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept):
   """The cost model counts a forward pass's MACs by formula; the walk counts the
   compiled evaluation step's dots (pruned models included): they agree."""
-  config = resolver.with_vocab_size(resolver.resolve_config(
+  config = resolver.with_vocab_size(resolver.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
   model = throughput.Inference(config, throughput.random_model(config), heads_kept, 1)
   model.seconds.append(model.run())

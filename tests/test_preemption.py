@@ -19,6 +19,7 @@ import pytest
 
 import data_fixtures
 from helpers import assert_bit_identical
+from helpers import run_pipeline
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
@@ -62,7 +63,7 @@ def demo(tmp_path_factory):
       demo=str(ROOT / "configs" / "demo.py"), manual_dir=manual_dir,
       data_dir=data_dir, baseline=BASELINE_STEPS, prune=PRUNE_STEPS))
   config = config_base.load(path)
-  pipeline.run(resolver.resolve_pipeline(config), root / "uninterrupted")
+  run_pipeline(config, root / "uninterrupted")
   return path, config, root / "uninterrupted"
 
 
@@ -119,10 +120,10 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
       calls = Calls(monkeypatch)
       arrange(monkeypatch)
       if match is None:
-        pipeline.run(resolver.resolve_pipeline(config), workdir)
+        run_pipeline(config, workdir)
       else:
         with pytest.raises(Preempted, match=match):
-          pipeline.run(resolver.resolve_pipeline(config), workdir)
+          run_pipeline(config, workdir)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     return calls
 

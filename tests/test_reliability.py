@@ -21,6 +21,7 @@ import pytest
 
 import data_fixtures
 from helpers import assert_bit_identical
+from helpers import train_run
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
@@ -72,7 +73,7 @@ def run_config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(run_config, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  train.train_and_evaluate(run_config[1], workdir)
+  train_run(run_config[1], workdir)
   return saved_state(workdir, NUM_STEPS)
 
 
@@ -156,7 +157,7 @@ def test_sigterm_and_sigkill_resume_bit_exactly(run_config, uninterrupted, tmp_p
   assert FREEZE_STEP + 100 <= preempted_at(third.output()) < NUM_STEPS
 
   # 4. The same command finishes the run.
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
@@ -183,7 +184,7 @@ def test_ctrl_c_at_a_random_step_saves_it_and_resumes_bit_exactly(run_config, un
   assert at <= stopped < NUM_STEPS
   assert checkpointing.latest_finished_step(workdir) == stopped
 
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
@@ -212,7 +213,7 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
   last = checkpointing.latest_finished_step(workdir)
   assert list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp"))
   checkpointing.read_model(workdir, last)
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
 
@@ -233,7 +234,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, un
   assert checkpointing.latest_finished_step(workdir) == CHECKPOINT_EVERY
   checkpointing.read_model(workdir)           # readers skip it too
 
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   assert not half_written.exists()
   assert_bit_identical(saved_state(workdir, NUM_STEPS), uninterrupted)
 
@@ -278,7 +279,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
   with pytest.raises(errors.TrainingError, match=(
       rf"Non-finite loss \(nan\) at step {POISONED_STEP}: training stopped. The last "
       r"checkpoint, step 4, predates it.*skip_nonfinite_steps=True")):
-    train.train_and_evaluate(short_config(run_config), tmp_path)
+    train_run(short_config(run_config), tmp_path)
   assert checkpointing.latest_finished_step(tmp_path) == 4
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(checkpointing.read_model(
       tmp_path)[1]))
@@ -292,7 +293,7 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
   RecordingWriter.scalars = {}
   config = short_config(run_config, skip_nonfinite_steps=True, log_every_steps=2)
   config.checkpoint.every_steps = 1
-  train.train_and_evaluate(config, tmp_path)
+  train_run(config, tmp_path)
 
   before, skipped, after, last = (saved_state(tmp_path, s)["state"] for s in
                                   (POISONED_STEP - 1, POISONED_STEP, POISONED_STEP + 1, 8))
@@ -315,7 +316,7 @@ def test_skipped_steps_keep_every_schedule_in_step(run_config, poisoned, tmp_pat
   config = short_config(run_config, skip_nonfinite_steps=True)
   config.gates.update(dict(enabled=True, l0_warmup_steps=2, freeze_step=POISONED_STEP + 1))
   config.checkpoint.every_steps = 1
-  train.train_and_evaluate(config, tmp_path)
+  train_run(config, tmp_path)
 
   states = {s: saved_state(tmp_path, s)["state"] for s in (config.gates.freeze_step, 8)}
   # The optimizer keeps no clock of its own that a rolled-back state could set back...

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import train_run
 import data_fixtures
 from allatt_jax import checkpointing
 from allatt_jax import config_base
@@ -82,12 +83,12 @@ def test_time_boxed_slices_then_the_whole_suite(config, tmp_path):
   assert not (tmp_path / "runs").exists()
 
   # A deadline inside a run stops it like SIGTERM: a checkpoint of the step, no results.
-  base = resolver.resolve_config(config)
+  base = resolver.checked_config(config)
   plan = plan_lib.Plan.from_dict(config.experiments.to_dict())
   exp = runs_lib.Experiment(base, plan, tmp_path)
   baseline_dir = exp.run_dir("baseline")
   with pytest.raises(Preempted, match="Time box reached: saved a checkpoint at step 1 "):
-    train.train_and_evaluate(exp.base, baseline_dir, deadline=time.monotonic())
+    train_run(exp.base, baseline_dir, deadline=time.monotonic())
   assert checkpointing.latest_finished_step(baseline_dir) == 1
   assert not (baseline_dir / runs_lib.RESULTS_FILE).exists()
   late = runs_lib.Experiment(base, plan, tmp_path, deadline=time.monotonic())

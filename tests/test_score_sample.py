@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import train_run
 from allatt_jax import data as data_lib
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib
@@ -34,7 +35,7 @@ def workdir(tmp_path_factory):
   # eval lengths, which scoring and sampling use, stay those of the tiny config.
   config.eval.batch_size = 64
   workdir = tmp_path_factory.mktemp("baseline")
-  train.train_and_evaluate(config, workdir)
+  train_run(config, workdir)
   return workdir
 
 

@@ -6,6 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from helpers import run_pipeline
 from allatt_jax import adaptive
 from allatt_jax import config_base
 from allatt_jax import config_checks
@@ -344,7 +345,7 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))
   config.pipeline.prune_gates.target_sparsity = 0.5     # no vocab_size: the data's
-  report = pipeline.run(resolver.resolve_pipeline(config), tmp_path / 'run')
+  report = run_pipeline(config, tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
   assert report['pruned']['sparsity'] == 0.5

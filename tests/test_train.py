@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import train_run
+from helpers import run_pipeline
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import data as data_lib
@@ -32,7 +34,7 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **train_overrides):
   config = helpers.tiny_run()
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # resolver.resolve comes after prepare fills it in
+  config.model.vocab_size = 27   # resolver.run_setup reads no dataset to fill it in
   config.eval.batch_size = 64      # the final evaluation of all of valid and test: quick
   config.train.update(train_overrides)
   return config
@@ -47,7 +49,7 @@ def demo_run(tmp_path_factory, data_dir):
   # Strong, early pressure so that even 30 tiny steps close some heads.
   config.pipeline.prune_gates.update(dict(lam=0.5, init=0.5, learning_rate=0.2))
   workdir = tmp_path_factory.mktemp("demo")
-  report = pipeline.run(resolver.resolve_pipeline(config), workdir)
+  report = run_pipeline(config, workdir)
   return workdir, config, report
 
 
@@ -97,7 +99,7 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_grou
   config = tiny_config(data_dir, num_steps=8)
   config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0,
                            persistent_group=persistent_group))
-  setup = resolver.resolve(config)
+  setup = resolver.run_setup(config)
   state = setup.new_state()
   step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
   stream = data_lib.SegmentStream(data_lib.load_run_corpus(config).splits["train"], 4, 16)
@@ -133,11 +135,11 @@ def test_resume_continues_exactly(tmp_path, data_dir, persistent_group):
     config.init_from = "none"
   config.checkpoint.every_steps = 5
   config.eval.every_steps = 0
-  train.train_and_evaluate(config, tmp_path)
+  train_run(config, tmp_path)
   uninterrupted = checkpointing.read_model(tmp_path)[1]
   # Lose the last checkpoint, as if the run had died after step 5, and restart it.
   shutil.rmtree(tmp_path / "checkpoints" / "10")
-  train.train_and_evaluate(config, tmp_path)
+  train_run(config, tmp_path)
   resumed = checkpointing.read_model(tmp_path)[1]
   for a, b in zip(jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed)):
     np.testing.assert_array_equal(a, b)

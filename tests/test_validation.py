@@ -27,6 +27,7 @@ from allatt_jax.errors import CheckpointError
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import DataError
 from helpers import start_run
+from helpers import train_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT8_VOCABULARY = run_files.vocabulary_fingerprint("text8", tokenization.TEXT8_ALPHABET)
@@ -36,7 +37,7 @@ def tiny_config(**sections):
   """configs/demo.py:tiny as a single run; `sections` update config sections."""
   config = helpers.tiny_run()
   config.data.name = "text8"
-  config.model.vocab_size = 27   # what resolver.prepare takes from the data before start
+  config.model.vocab_size = 27   # what a run takes from its dataset (resolver.prepared_run)
   for name, values in sections.items():
     if isinstance(values, dict):
       config[name].update(values)
@@ -57,7 +58,7 @@ def baseline(tmp_path_factory):
   """A baseline workdir with a step-1 checkpoint (made without training)."""
   workdir = tmp_path_factory.mktemp("baseline")
   config = tiny_config()
-  state = resolver.resolve(config).new_state()
+  state = resolver.run_setup(config).new_state()
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False)
   checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
   checkpoints.close()
@@ -136,7 +137,7 @@ def test_checks_run_before_data_or_compilation(tmp_path, monkeypatch):
   monkeypatch.setattr(data_lib, "load_run_corpus", no_data)
   config = tiny_config(model=dict(max_relative_len=20))
   with pytest.raises(ConfigError, match="max_relative_len=20"):
-    train.train_and_evaluate(config, tmp_path)
+    train_run(config, tmp_path)
 
 
 def test_unwritable_workdir(tmp_path):
@@ -241,7 +242,7 @@ def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_pa
   changed = tiny_config(train=dict(learning_rate=0.01),
                         data=dict(manual_dir=manual_dir, data_dir=data_dir))
   with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
-    train.train_and_evaluate(changed, workdir)
+    train_run(changed, workdir)
   assert (workdir / run_files.CONFIG_FILE).read_bytes() == saved
 
 
@@ -304,7 +305,7 @@ def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs)
   with pytest.raises(DataError, match=(
       r"vocabulary of dataset 'text8' \(27 tokens.*is not the one the run in --workdir .* "
       r"was trained with.*token ids would mean other tokens")):
-    train.train_and_evaluate(config, workdir)
+    train_run(config, workdir)
 
 
 def test_vocabulary_differs_from_init_from(baseline, tmp_path):
@@ -408,7 +409,7 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   config = tiny_config(train=dict(batch_size=8, grad_accum_steps=4),
                        eval=dict(batch_size=12), mesh=dict(data=-1, model=2))
-  check = lambda: resolver.resolve_config(config)
+  check = lambda: resolver.checked_config(config)
   with pytest.raises(ConfigError) as raised:
     check()
   assert str(raised.value) == (
@@ -430,6 +431,6 @@ def test_a_run_whose_vocab_size_is_not_its_datasets_is_refused(tmp_path):
   config.model.vocab_size = 5
   with pytest.raises(ConfigError, match=r"config.model.vocab_size is 5 but dataset "
                      r"'wikitext_chars' has 27 types; set --config.model.vocab_size=27"):
-    resolver.prepare(config)
+    resolver.completed_config(resolver.checked_config(config))
   # A trained model's dataset is read with the model's own checks (trained_model).
   assert data_lib.load_run_corpus(config).vocab_size == 27

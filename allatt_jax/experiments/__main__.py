@@ -75,7 +75,7 @@ def main(argv):
     names = list(ALL) if _SUITE.value == "all" else [_SUITE.value]
     experiment_plan = plan.from_section(config.experiments.to_dict())
     suites.check_plan(experiment_plan, names)
-    base = resolver.resolve_config(config, vocab_from_data=True)
+    base = resolver.checked_config(config)
     # Every run of every suite asked for, checked before any data is read.
     planned = runs.Experiment(base, experiment_plan, _WORKDIR.value, read_data=False)
     for name in names:

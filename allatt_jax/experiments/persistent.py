@@ -117,7 +117,7 @@ def _by_gates(decision: dict, units: head_costs.UnitCosts) -> str:
 
 def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   """Each export's inference tokens/s over the baseline's, measured in turns."""
-  corpus = data_lib.load_run_corpus(exp.base)
+  corpus = exp.corpus
   baseline = trained_model.load(exp.run_dir(base.name))
   speed = {}
   for r in runs.values():

@@ -113,7 +113,8 @@ class Experiment:
                deadline: float | None = None,
                watch: preemption.PreemptionWatch | None = None, *,
                read_data: bool = True):
-    """`read_data`: complete the baseline's config from its dataset, as the runs are
+    """`base`: a checked config (`resolver.checked_config`). `read_data`: read its
+    dataset (once, for every run) and complete the config from it, as the runs are
     made; False: to list and `check` the runs only, before any data is read."""
     self.plan = plan
     self.deadline = deadline     # time.monotonic() value: stop training runs there
@@ -121,7 +122,8 @@ class Experiment:
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base = resolver.prepare(base)[0] if read_data else base
+    self.base, self.corpus = (resolver.completed_config(base) if read_data
+                              else (base, None))
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
   # --- Run configs: what each run changes from the baseline, and the flags that set it.
@@ -207,7 +209,7 @@ class Experiment:
     made for every run of a suite before its first run trains."""
     for run in runs:
       try:
-        resolver.resolve_config(run.config, vocab_from_data=True)
+        resolver.checked_config(run.config)
       except ConfigError as e:
         origin = f" ({run.origin})" if run.origin else ""
         raise ConfigError(f"--suite={suite}, run {run.name}{origin}: "
@@ -287,8 +289,9 @@ class Experiment:
       start = time.perf_counter()
       try:
         # What it wrote to RESULTS_FILE (which other processes may not see yet).
-        results = train.train_and_evaluate(config, workdir, self.deadline, self.watch,
-                                           gate_flags="--config.experiments.prune_gates")
+        results = train.train_and_evaluate(
+            resolver.prepared_run(config, self.corpus), workdir, self.deadline, self.watch,
+            gate_flags="--config.experiments.prune_gates")
       finally:   # the run's wall time, summed over the slices that made it
         if workdir.is_dir():
           spent = _read_json(workdir / SUMMARY_FILE).get("wall_s", 0.0)
@@ -330,8 +333,7 @@ class Experiment:
     _all_processes_reach(f"cleared {directory}")
     start = time.perf_counter()
     base_config, variables, _ = checkpointing.read_model(self.run_dir("baseline"))
-    setup = resolver.resolve(self.base)
-    corpus = data_lib.load_run_corpus(self.base)
+    setup, corpus = resolver.run_setup(self.base), self.corpus
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
         corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
