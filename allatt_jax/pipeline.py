@@ -20,8 +20,8 @@ from etils import epath
 import jax
 
 from allatt_jax import console
-from allatt_jax import demo_report
-from allatt_jax import figures
+from allatt_jax.reports import demo_report
+from allatt_jax.reports import figures
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import preemption

@@ -13,7 +13,7 @@ import sys
 import jax
 
 from allatt_jax import cli
-from allatt_jax import main
+from allatt_jax.commands import main
 from allatt_jax import progress
 
 

@@ -13,7 +13,7 @@ import jax
 
 from allatt_jax import checkpointing
 from allatt_jax import cli
-from allatt_jax import main
+from allatt_jax.commands import main
 
 
 def sigterm_when_saving(step: int) -> None:

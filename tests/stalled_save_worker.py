@@ -19,7 +19,7 @@ import jax
 from orbax.checkpoint._src.path import atomicity
 
 from allatt_jax import cli
-from allatt_jax import main
+from allatt_jax.commands import main
 
 
 def stall_commits(when: str, marker: str) -> None:

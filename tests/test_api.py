@@ -19,7 +19,7 @@ from helpers import train_run
 from allatt_jax import api
 from allatt_jax import config_base
 from allatt_jax import exported_model
-from allatt_jax import figures
+from allatt_jax.reports import figures
 from allatt_jax import gates as gates_lib
 from allatt_jax import likelihood
 from allatt_jax import model as model_lib

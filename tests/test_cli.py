@@ -382,7 +382,12 @@ def test_help_through_the_command_list_is_the_commands_help():
 
 
 def test_no_library_module_imports_a_command():
+  """Only a command's starter (allatt_jax/NAME.py, for `python -m allatt_jax.NAME`)
+  imports it, and imports nothing else."""
   commands = set(cli_commands().values())
+  starters = {f"allatt_jax.{c.rsplit('.', 1)[1]}": c for c in commands
+              if c.startswith("allatt_jax.commands.")}
+  assert "allatt_jax.main" in starters
   package = ROOT / "allatt_jax"
   for path in package.rglob("*.py"):
     name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -394,6 +399,9 @@ def test_no_library_module_imports_a_command():
       elif isinstance(node, ast.Import):
         imported = {alias.name for alias in node.names}
       else:
+        continue
+      if name in starters:
+        assert imported == {"allatt_jax.commands", starters[name]}, (name, imported)
         continue
       assert not imported & commands, f"{name} imports {imported & commands}"
 

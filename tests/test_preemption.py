@@ -23,7 +23,7 @@ from helpers import run_pipeline
 from helpers import saved_state
 from allatt_jax import checkpointing
 from allatt_jax import config_base
-from allatt_jax import demo_report
+from allatt_jax.reports import demo_report
 from allatt_jax import errors
 from allatt_jax import exported_model
 from allatt_jax import pipeline

@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from allatt_jax import readme_blocks
+from allatt_jax.reports import readme_blocks
 from allatt_jax.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ table says so. Each export's inference speed is measured against the baseline's 
 the same valid tokens (`demo_report.measure_speed`: alternating, best of 3).
 """
 from allatt_jax import data as data_lib
-from allatt_jax import demo_report
-from allatt_jax import figures
+from allatt_jax.reports import demo_report
+from allatt_jax.reports import figures
 from allatt_jax import head_costs
 from allatt_jax import trained_model
 from allatt_jax.experiments import runs as runs_lib

@@ -12,7 +12,7 @@ import datetime
 import jax
 import numpy as np
 
-from allatt_jax import figures
+from allatt_jax.reports import figures
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
 

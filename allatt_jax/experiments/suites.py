@@ -22,7 +22,7 @@ import glob
 
 import numpy as np
 
-from allatt_jax import figures
+from allatt_jax.reports import figures
 from allatt_jax.errors import ConfigError
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib

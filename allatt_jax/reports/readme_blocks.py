@@ -10,7 +10,7 @@ import json
 import re
 import textwrap
 
-from allatt_jax import demo_report
+from allatt_jax.reports import demo_report
 from allatt_jax import errors
 from allatt_jax import likelihood
 from allatt_jax import run_files

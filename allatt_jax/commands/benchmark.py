@@ -1,0 +1,63 @@
+r"""Throughput of a config's model: train steps, pruned models' inference, matmul peak.
+
+  python -m allatt_jax.benchmark --config=configs/bench_cpu.py --out=/tmp/bench.json
+
+Prints a summary and the JSON report of `throughput.measure` (which describes every
+figure); the config's `benchmark` section (configs/bench_cpu.py) sets steps, rounds
+and head fractions, and any run config works with `throughput.BenchmarkPlan`'s
+defaults (e.g. configs/wt103_base.py on an accelerator).
+
+`--profile` adds where the baseline train step's time goes (step_profile.py: a
+trace of a few steps, per scope, matmul against the rest, the output layer's and the
+attention's shares). `--variant=NAME:section.key=value,...` times the config with
+those overrides beside it, in the same rounds (bench_variants.py), e.g.
+
+  python -m allatt_jax.benchmark --config=configs/bench_cpu.py --profile \
+    --variant=two_heads_a_step:model.head_block=2
+"""
+from collections.abc import Sequence
+import dataclasses
+import json
+
+from absl import flags
+
+from allatt_jax.reports import bench_summary
+from allatt_jax import bench_variants
+from allatt_jax import cli
+from allatt_jax import resolver
+from allatt_jax import throughput
+
+_CONFIG = cli.DEFINE_config(
+    "config", "Config of the model to time; its `benchmark` section (if any) sets "
+    "steps, rounds and head fractions (configs/bench_cpu.py).")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file.")
+_PROFILE = flags.DEFINE_boolean(
+    "profile", False, "Also trace the baseline train steps and report where their time "
+    "goes (the config's benchmark.profile).")
+_VARIANT = flags.DEFINE_multi_string(
+    "variant", [], "NAME:SECTION.KEY=VALUE[,...]: also time the config with these "
+    "overrides, in the same rounds (adds to the config's benchmark.variants).")
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  plan = throughput.BenchmarkPlan.from_dict(_CONFIG.value.get("benchmark", {}))
+  plan = dataclasses.replace(
+      plan, profile=plan.profile or _PROFILE.value,
+      variants=bench_variants.from_flags(_VARIANT.value, plan.variants))
+  report = throughput.measure(
+      resolver.checked_config(_CONFIG.value), plan)
+  print(bench_summary.summary(report))
+  print(json.dumps(report, indent=2))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(report, f, indent=2)
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,64 @@
+r"""Prints the parameters and MACs per token of a config's or a trained model's heads.
+
+Counts and forward MACs per token (`head_costs.py` has the formulas), before and
+after head pruning:
+
+  python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
+  python -m allatt_jax.costs --checkpoint=RUN/pruned/export     # a trained model
+
+A config is costed at its training lengths; a trained model (`--checkpoint`: an
+export, or a run's workdir, whose closed gates count as removed heads) at its eval
+lengths, as it is used for scoring and sampling.
+"""
+from collections.abc import Sequence
+import json
+
+from absl import flags
+
+from allatt_jax import cli
+from allatt_jax import exported_model
+from allatt_jax import head_costs
+from allatt_jax import model as model_lib
+from allatt_jax import resolver
+from allatt_jax.errors import ConfigError
+
+_CONFIG = cli.DEFINE_config(
+    "config", "Run config whose model is costed (at its train batch, segment and "
+    "memory lengths); exclusive with --checkpoint.", required=False)
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A run's workdir or an exported model: the trained model's "
+    "real heads per layer, at its eval lengths; exclusive with --config.")
+_STEP = flags.DEFINE_integer("step", None, "With --checkpoint on a run's workdir: the "
+                             "checkpoint step (default: the latest).", lower_bound=0)
+_HEADS_KEPT = flags.DEFINE_float(
+    "heads_kept", None, "Keep this fraction of every layer's heads (rounded per "
+    "layer) and report the pruned model relative to the unpruned one.",
+    lower_bound=0.0, upper_bound=1.0)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  if (_CONFIG.value is None) == (_CHECKPOINT.value is None):
+    raise ConfigError("Give exactly one of --config (a run config file) and "
+                      "--checkpoint (a run's workdir or an exported model).")
+  if _STEP.value is not None and _CHECKPOINT.value is None:
+    raise ConfigError("--step picks a checkpoint of --checkpoint's run; give "
+                      "--checkpoint too.")
+  if _CHECKPOINT.value is not None:
+    config, cfg = exported_model.trained_model_config(_CHECKPOINT.value, _STEP.value)
+    result = head_costs.model_report(config, cfg, _HEADS_KEPT.value)
+  else:
+    config = resolver.with_vocab_size(resolver.checked_config(_CONFIG.value))
+    train = config.train
+    result = head_costs.report(model_lib.ModelConfig.from_config(config), train.seq_len,
+                               train.mem_len, train.batch_size, _HEADS_KEPT.value)
+  print(json.dumps(result, indent=2))
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
+if __name__ == "__main__":
+  run()

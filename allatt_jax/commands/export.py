@@ -1,0 +1,47 @@
+"""Exports a pruning run as a smaller model without gates or its closed heads.
+
+The export (`exported_model.save`: config.json, params with the closed heads removed
+by `prune.remove_heads`, tokenizer.json, vocabulary.json) is loadable and usable on
+text without the training run or its dataset (`trained_model.load`).
+
+A pruning run exports its final state itself, to RUN/export; this command exports a
+run's latest checkpoint (or checkpoint --step) again:
+
+  python -m allatt_jax.export --workdir=RUN [--step=N] [--out=DIR] [--overwrite]
+
+Without --out, the final step goes to RUN/export and any other step N to
+RUN/export-step-N. An existing export is replaced only with --overwrite: the run's
+own is the one its results.json (and a demo's report.json) describes.
+"""
+from absl import flags
+
+from allatt_jax import cli
+from allatt_jax import exported_model
+from allatt_jax import trained_model
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "The --workdir of a pruning run (gates.enabled); its latest "
+    "complete checkpoint is exported unless --step says which.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Where to write the model (default: "
+                           "WORKDIR/export for the run's final step, the run's own "
+                           "export; WORKDIR/export-step-N for step N).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the "
+                             "latest finished one).", lower_bound=0)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an exported model already "
+                               "in the folder.")
+
+
+def main(argv):
+  del argv
+  out_dir = exported_model.export_run(_WORKDIR.value, _OUT.value, _STEP.value,
+                                      overwrite=_OVERWRITE.value)
+  print(f"Exported the pruned model to {out_dir}")
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv, flag_names={}, fallback_advice=trained_model.OLD_MODEL_ADVICE)
+
+
+if __name__ == "__main__":
+  run()

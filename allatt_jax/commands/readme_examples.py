@@ -1,0 +1,41 @@
+r"""Regenerates the demo's outputs quoted in README.md from a finished demo workdir.
+
+  python -m allatt_jax.readme_examples --workdir=/tmp/allatt_demo [--readme=README.md]
+
+Each quoted output sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`
+markers (NAME: demo, score, sample); everything between them is rewritten from the
+workdir (its report.json, and scoring and sampling its models with the commands the
+README shows), so the README's numbers and texts are always those of one demo run.
+The blocks are `readme_blocks.py`'s.
+"""
+import pathlib
+
+from absl import flags
+
+from allatt_jax import cli
+from allatt_jax import errors
+from allatt_jax.reports import readme_blocks
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A finished demo workdir "
+                               "(python -m allatt_jax.main --config=configs/demo.py).")
+_README = flags.DEFINE_string("readme", "README.md", "The README to rewrite.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  del argv   # cli.run refuses extra arguments
+  readme = pathlib.Path(_README.value)
+  if not readme.is_file():
+    raise errors.ConfigError(f"--readme={readme}: no such file.")
+  readme.write_text(readme_blocks.rewrite_blocks(
+      readme.read_text(), readme_blocks.generated_blocks(_WORKDIR.value)))
+  print(f"Rewrote the generated blocks of {readme} from {_WORKDIR.value}")
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
+
+if __name__ == "__main__":
+  run()
