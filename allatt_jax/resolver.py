@@ -103,9 +103,11 @@ class RunSetup:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
-  """A run about to train: its objects and its dataset."""
+  """A run about to train: its objects, its dataset, and what it says first about
+  how the config was completed (`output_note`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
+  note: str = ""
 
   @property
   def run(self) -> RunConfig:
@@ -238,7 +240,7 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 
 
 def _prepared(run: RunConfig, corpus: data_lib.Corpus) -> PreparedRun:
-  return PreparedRun(_build(run), corpus)
+  return PreparedRun(_build(run), corpus, output_note(run))
 
 
 def _read_corpus(run: RunConfig) -> data_lib.Corpus:

@@ -56,6 +56,8 @@ def train_and_evaluate(prepared: resolver.PreparedRun, workdir: str,
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
     checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
                                               vocabulary)
+    if prepared.note and jax.process_index() == 0:
+      print(prepared.note, flush=True)
     try:
       return _train_and_evaluate(setup, workdir, checkpoints, corpus, vocabulary,
                                  deadline, watch, gate_flags)
@@ -75,9 +77,6 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
   is_main = jax.process_index() == 0
   if is_main:
     run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
-    note = resolver.output_note(config)
-    if note:
-      print(note, flush=True)
   source = run_files.run_path(config.init_source) if config.init_source else None
 
   # --- State: resume, or start fresh (from a baseline for pruning runs).
