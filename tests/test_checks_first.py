@@ -208,3 +208,25 @@ def test_a_suite_with_a_bad_run_stops_before_any_data_is_read(tmp_path):
       "error: --suite=lambda_sweep, run l0_lam-1_full_s0: config.experiments.lambdas=-1.0 "
       "is out of range"), result.stderr
   assert not (tmp_path / "tfds").exists() and not (tmp_path / "exp").exists()
+
+
+def test_a_pipeline_checks_each_stage_once_and_reads_its_dataset_once(tmp_path, monkeypatch):
+  from allatt_jax import config_checks, data as data_lib, pipeline   # pylint: disable=g-import-not-at-top
+  calls = {"check_config": 0, "load_run_corpus": 0}
+
+  def counted(module, name):
+    original = getattr(module, name)
+    def wrapper(*args, **kwargs):
+      calls[name] += 1
+      return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapper)
+
+  counted(config_checks, "check_config")
+  counted(data_lib, "load_run_corpus")
+  config = demo()
+  config.data.data_dir = str(tmp_path / "tfds")
+  stages = pipeline.prepare(resolver.checked_pipeline(config), tmp_path / "run")
+  assert calls == {"check_config": 2, "load_run_corpus": 1}
+  assert stages.pruning.corpus is stages.baseline.corpus
+  assert stages.pruning.run.init_from == str(tmp_path / "run" / "baseline")
+  assert stages.pruning.run.model.vocab_size == stages.baseline.run.model.vocab_size == 27
