@@ -1,12 +1,9 @@
 """The attention core as fused Pallas kernels: a layer's attention in one pass on the GPU.
 
 `attend` computes what `attention_kernel.attend` computes (same arguments, same
-custom-VJP contract) without writing the (B, H, T, K + N) logits to memory: the forward
-keeps the outputs and each query's log-normaliser; the backward recomputes the logits
-in three kernels (per query, key and slot block) and sums their shares here.
-`model.attention_impl` picks 'xla', 'pallas' or 'auto' (the kernels where they compile
-and agree with XLA on a small problem, `runs_here`). Written for Pallas' Triton backend;
-off the GPU the kernels run in interpret mode.
+custom-VJP contract) keeping only outputs and log-normalisers, never the (B, H, T,
+K + N) logits. `model.attention_impl` picks 'xla', 'pallas' or 'auto' (the kernels
+where they compile and agree with XLA, `runs_here`). Off the GPU: interpret mode.
 """
 import dataclasses
 import functools

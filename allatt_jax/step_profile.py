@@ -1,13 +1,9 @@
 """Where a compiled step spends its time: a `jax.profiler` trace of a few steps, each
-kernel attributed to the JAX scope that produced it.
+kernel attributed to the JAX scope that produced it (scopes.py).
 
-A trace event names the HLO instruction it runs (its `hlo_op` stat or its name); the
-optimized HLO gives the instruction's kind and scope, folded by scopes.py (e.g.
-`backward TransformerLM.hidden/layer_*/attention/convert_element_type`). Unnamed
-instructions take a neighbour's scope (`inferred_scope_ms_per_step`). On GPU: device
-kernel times, unnamed kernels kept as 'unattributed'. On CPU: host thunks' self times
-summed over threads, close to, not equal to, wall time. A trace that names no HLO
-instruction gives `attributed: False` with the reason, not invented figures.
+GPU: device kernel times, kernels the HLO does not name kept as 'unattributed'. CPU:
+host thunks' self times summed over threads, close to, not equal to, wall time. A
+trace that names no HLO instruction gives `attributed: False`, not invented figures.
 """
 import collections
 import dataclasses

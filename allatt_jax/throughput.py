@@ -1,14 +1,10 @@
 """Measured throughput of a config's model: train steps, pruned models' inference,
 matmul peak.
 
-`measure` times, on the first device: training tokens/s of the jitted train step
-(baseline, pruning, pruning with distillation) and its model GFLOP/s (3 · 2 · the cost
-model's forward MACs per token); evaluation-with-memory tokens/s of random models cut
-to each fraction of heads, against the ideal 1 / MAC ratio; one large matmul in the
-compute dtype (the practical peak); compile times, memory and HLO proxy figures; with
-the plan, a profile and variants. Runs are timed in interleaved rounds and medians
-reported, so a busy machine slows all alike. Parameters and tokens (Zipf frequencies)
-are random: the figures are throughputs, not model quality.
+`measure` times train steps (baseline, pruning, distilling) and their model GFLOP/s
+(3 · 2 · forward MACs per token), inference of random models cut to fractions of their
+heads against the ideal 1 / MAC ratio, and one matmul in the compute dtype (the peak),
+in interleaved rounds (medians). Parameters and tokens are random: throughputs only.
 """
 from collections.abc import Mapping
 import dataclasses

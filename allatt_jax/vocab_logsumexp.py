@@ -1,12 +1,9 @@
 """The log-sum-exp of a vocabulary's logits, sized to the device.
 
-log Σ_v exp(h·e_v + b_v) for N positions runs as one (N, K) x (K, V) matmul where the
-(N, V) float32 logits fit in `LOGITS_MEMORY_SHARE` of the device's memory (a
-WikiText-103 batch's: 18,432 x 20,003 x 4 bytes = 1.5 GB), at matmul speed; larger
-vocabularies run in blocks of `block_rows`, scanned with an online (max, sum) and
-recomputed backward. An adaptive softmax's tail cluster gathers only the positions
-whose target lies in it, up to a capacity (`tail_capacity`) per group of rows on one
-device, falling back to every position for a batch that overflows it.
+log Σ_v exp(h·e_v + b_v) is one matmul where the (N, V) float32 logits fit in
+`LOGITS_MEMORY_SHARE` of the device (a WikiText-103 batch: 18,432 x 20,003 x 4 B =
+1.5 GB), else blocks of `block_rows` with an online (max, sum), recomputed backward.
+A tail cluster gathers only its targets' positions, up to `tail_capacity`.
 """
 from collections.abc import Sequence
 import functools

@@ -1,13 +1,9 @@
 """The runs behind the experiment suites, each an ordinary run in WORKDIR/runs/<name>.
 
-Run kinds, each differing from the baseline run config as the plan (plan.py) says:
-baseline; continued (the baseline trained on, without gates, for a pruning run's steps:
-the unpruned reference); l0 (a pruning run at some λ, seed and variant); txl; heuristic
-(a `heuristics.prune_mask` model exported as `<name>_masked`, then fine-tuned like
-continued); budget (a budget target instead of λ, plain or distilling).
-A finished run (results.json) is read back, an unfinished one resumes; past a deadline
-or on SIGTERM the run in progress checkpoints and no later one starts
-(errors.Preempted). Process 0 alone writes this module's files.
+Kinds: baseline, continued (the unpruned reference, trained on for a pruning run's
+steps), l0, txl, heuristic (a masked export, then fine-tuned like continued), budget.
+A finished run is read back, an unfinished one resumes; past a deadline or on SIGTERM
+the run in progress checkpoints and no later one starts. Process 0 writes the files.
 """
 from collections.abc import Mapping
 import dataclasses

@@ -1,15 +1,9 @@
 """The experiment suites: which runs each needs, and its table and figures.
 
-Each suite takes a `runs.Experiment`, makes (or reads back) its runs, and returns a
-`Report` (markdown and PNGs); lambda_sweep and txl_widths need only a `plan.Plan`.
-
-  lambda_sweep  the paper's Tables 1/2 and Fig. 1 (cost model)
-  ablation      Table 3: the change in metric when each technique is left out
-  txl_widths    Fig. 3 measured: metric vs non-embedding params, TXL vs pruned All-att
-  heuristics    L0 against each heuristic pruner, before and after fine-tuning
-  budget        the Lagrangian controller: requested vs reached budget
-  distill       budget runs with and without distillation, against `continued`
-  persistent    MAC budgets pruned by heads, persistent groups or both
+Each suite makes (or reads back) an experiment's runs and returns a `Report` (markdown
+and PNGs): lambda_sweep (Tables 1/2, Fig. 1), ablation (Table 3), txl_widths (Fig. 3
+measured), heuristics, budget, distill and persistent. lambda_sweep and txl_widths need
+only a `plan.Plan`, the others an `ExperimentPlan`.
 """
 import dataclasses
 import glob
