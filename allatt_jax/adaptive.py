@@ -1,41 +1,19 @@
 """Adaptive input and adaptive softmax with tied weights, and the plain tied softmax.
 
-Adaptive input (Baevski & Auli 2019) and adaptive softmax (Grave et al. 2017) as
-configured by Transformer-XL for WikiText-103: the vocabulary is split by `cutoffs`
-into clusters, cluster i gets an embedding table of width d_i = d_model // div_val**i,
-and the same table serves the input lookup and the output logits. With `cutoffs == ()`
-the module is a plain tied embedding / softmax over a single (V, d_model) table.
+Baevski & Auli 2019 / Grave et al. 2017 as Transformer-XL configures them for
+WikiText-103: `cutoffs` split the vocabulary into clusters; cluster i's table emb_i
+(size_i, d_i), d_i = d_model // div_val**i, serves both the input lookup and the
+output logits (bias_i untied). Only with div_val > 1 is there a projection proj_i
+(d_i, d_model), also the output one when tie_projs[i] (else out_proj_i). The head
+scores the tail clusters with cluster_kernel (n_tail, d_0) and cluster_bias. With
+`cutoffs == ()`: one (V, d_model) table. Parameters are float32.
 
-Parameters (all float32; compute dtype is separate):
-  emb_i          (size_i, d_i)        cluster i's table, shared by input and output.
-  bias_i         (size_i,)            output bias of cluster i's tokens (untied).
-  proj_i         (d_i, d_model)       input projection d_i -> d_model; also the output
-                                      projection (transposed) when tie_projs[i].
-  out_proj_i     (d_i, d_model)       untied output projection; only when not tied.
-  cluster_kernel (n_tail, d_0)        head logits of the tail clusters.
-  cluster_bias   (n_tail,)
-Projections exist only when div_val > 1: like Transformer-XL, with div_val == 1 every
-table already has width d_model and neither input nor output is projected (tie_projs
-is then irrelevant).
-
-Logical axis names (mapped to mesh axes by rules kept with the model code):
-  'vocab'        a vocabulary dimension (tables, biases).
-  'embed'        the model width d_model.
-  'embed_small'  a cluster's own width d_i, i.e. the space before projection to
-                 d_model. Tables without a projection are d_model wide and use
-                 'embed' instead, so the plain softmax table is ('vocab', 'embed').
-  'cluster'      the tail-cluster dimension of the head (tiny; leave unmapped).
-
-Initialisation: emb_i ~ N(0, 1/d_i), projections ~ N(0, 1/d_model), token biases 0,
-and the cluster kernel like a shortlist row of emb_0. Then the input
-sqrt(d_model) * e_i @ proj_i has unit variance per component, and for a unit-variance
-hidden state (e.g. the output of a final LayerNorm) the projected hidden has unit variance
-and every logit, cluster logits included, has unit variance: O(1) logits at init,
-whatever div_val. The cluster bias starts at log(cluster size) (Transformer-XL: 0) so
-that a tail cluster gets head probability in proportion to its number of tokens: the
-initial distribution is then close to uniform over the whole vocabulary instead of
-starving the tail clusters (with zeros, a WikiText-103 tail token would start at
-about log(20000) nats above a shortlist token).
+Init: emb_i ~ N(0, 1/d_i), projections ~ N(0, 1/d_model), token biases 0, the cluster
+kernel like a row of emb_0. So sqrt(d_model)·e_i @ proj_i has unit variance per
+component, and for a unit-variance hidden state every logit has unit variance, whatever
+div_val. The cluster bias starts at log(cluster size) (Transformer-XL: 0), so a tail
+cluster's head probability is in proportion to its tokens and the initial distribution
+is near uniform (with zeros, a WikiText-103 tail token starts ~log(20000) nats behind).
 """
 
 from collections.abc import Sequence
@@ -195,6 +173,8 @@ class AdaptiveEmbedding(nn.Module):
     projected = self.div_val > 1
     tied = (tuple(self.tie_projs) if self.tie_projs is not None
             else (True,) * len(self._bounds))
+    # Logical axes: 'vocab', 'embed' (d_model), 'embed_small' (a cluster's own d_i,
+    # before projection; unprojected tables are d_model wide) and 'cluster' (tiny).
     width_axis = 'embed_small' if projected else 'embed'
 
     def normal(stddev):

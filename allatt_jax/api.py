@@ -1,4 +1,4 @@
-"""The Python API: a trained model as one object.
+"""The Python API: a trained model as one object, giving the CLIs' results.
 
   import allatt_jax
   model = allatt_jax.load("RUN/pruned/export")        # a run's workdir or an export
@@ -8,10 +8,6 @@
   smaller = model.prune_heads({0: [1, 3]})            # export's head surgery
   leaner = model.prune_persistent_groups({0: {2: [0, 5]}}, group_size=64)
   smaller.save("DIR")                                 # a standalone exported model
-
-Everything the CLIs do goes through the same functions (`likelihood.score_text`,
-`sampler.sample_text`, `stream_eval.read_stream`, `prune.remove_heads`,
-`exported_model.save`), so a result here is the CLI's result.
 """
 from collections.abc import Iterable, Mapping
 import functools

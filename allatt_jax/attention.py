@@ -1,19 +1,14 @@
 """Relative multi-head attention with Transformer-XL memory, persistent vectors and head gates.
 
-One module serves both models: the All-attention layer (N persistent key/value
-vectors per head under the same softmax as the context, Sukhbaatar et al. 2019) and
-the Transformer-XL attention (N = 0). Scores follow Transformer-XL (Dai et al. 2019):
+The All-attention layer (N persistent key/value vectors per head under the context's
+softmax, Sukhbaatar et al. 2019) and Transformer-XL's (N = 0), scored as Dai et al. 2019:
 
   score(i, j) = (q_i + u)·k_j + (q_i + v)·W_R r_{i-j}        for context keys j
   score(i, n) = q_i·p^K_n                                     for persistent slot n
 
-u is the content bias of the Transformer-XL context term only, as in the code behind
-the paper (`persistent_content_bias` gives persistent logits (q_i + u)·p^K_n instead).
-
-Keys are [memory (S slots), current segment (T)], so K = S + T. Relative distances
-run over 0..K-1 and are looked up with the usual rel_shift trick. The attention core
-and its hand-written backward pass live in attention_kernel.py (XLA) and
-attention_pallas.py (fused GPU kernels); `attention_impl` picks one.
+u biases the context term only, as the official code (`persistent_content_bias`: (q_i +
+u)·p^K_n). Keys are [memory (S), segment (T)], K = S + T. The core is
+attention_kernel.py (XLA) or attention_pallas.py, by `attention_impl`.
 """
 import math
 

@@ -1,24 +1,16 @@
 """The attention core: scores, softmax over context and persistent slots, dropout and
-values, with a hand-written backward pass (`jax.custom_vjp`).
+values, with a hand-written backward pass (`jax.custom_vjp`) that recomputes what the
+forward need not keep and loops over blocks of heads, so the (B, H, T, K+N) weights of
+all heads never sit in memory at once. Dropout masks come from a Threefry-2x32 hash of
+the position, regenerated rather than stored.
 
-The backward pass recomputes what the forward pass need not keep (with `remat`, the
-attention weights themselves) and loops over blocks of heads, so the (B, H, T, K+N)
-weights of all heads never sit in memory at once. Attention dropout draws its masks
-from a counter-based hash (Threefry-2x32) of the position, so forward and backward
-regenerate the same mask instead of storing it.
-
-Slot weights. Each persistent slot may carry a weight w_n in [0, 1] (`pw`, (H, N): a
-persistent group's gate value, or 0 for an export's padding slot) that multiplies its
-exponential: p_n = w_n·exp(s_n)/Z, with Z summing the context's exponentials and the
-weighted slots'. That is softmax over the logits s_n + log w_n, with a closed slot
-(w = 0) at -inf: it takes no probability mass, exactly as if its key and value were
-not there. The backward pass keeps the slots' weights before w (q_n = exp(s_n)/Z), from
-which both gradients follow: ∂L/∂s_n = w_n·q_n·(dp_n − δ) and ∂L/∂w_n = q_n·(dp_n − δ),
-the latter finite at w = 0 (the gradient a straight-through gate needs to reopen).
-The softmax's shift is the largest logit of the context and the open slots, so a
-closed slot can never underflow the sum; a closed slot's own exponent is capped at
-80 (its ∂L/∂w with it, for a logit 80 nats above every open one, far beyond a
-trained model's), so that w·exp is 0 rather than 0·inf.
+Slot weights w_n in [0, 1] (`pw`, (H, N)) multiply a slot's exponential:
+p_n = w_n·exp(s_n)/Z, Z summing the context's and the weighted slots' exponentials:
+softmax over s_n + log w_n, a closed slot (w = 0) taking no mass, exactly as if absent.
+With q_n = exp(s_n)/Z kept for the backward pass, ∂L/∂s_n = w_n·q_n·(dp_n − δ) and
+∂L/∂w_n = q_n·(dp_n − δ), finite at w = 0 (what a straight-through gate needs to
+reopen). The shift is the largest logit of the context and the open slots; a closed
+slot's exponent is capped at 80, so w·exp is 0 rather than 0·inf.
 """
 import functools
 

@@ -1,23 +1,9 @@
 """The attention core as fused Pallas kernels: a layer's attention in one pass on the GPU.
 
 `attend` computes what `attention_kernel.attend` computes (same arguments, same
-custom-VJP contract) without writing the (B, H, T, K + N) logits to memory: flash
-attention over [context keys, persistent slots], the rel-shift and the dropout hash
-inside the kernels (attention_pallas_kernels.py). The forward pass keeps only the
-outputs and each query's log-normaliser; the backward pass recomputes the logits in
-three kernels that each own what they write (query and position-table gradients per
-query block, context key/value gradients per key block, persistent key/value
-gradients per slot block), and sums the per-block shares of the shared arrays here.
-
-Which implementation a model uses is `model.attention_impl` (`use_kernel`): 'xla',
-'pallas', or 'auto', the kernels where they compile and agree with the XLA path on a
-small problem (`runs_here`, checked once per process on a GPU), XLA elsewhere.
-
-Written for Pallas' Triton backend (jax 0.10; deprecated but present in 0.11). The
-kernels that stage the rel-shift in a scratch tile run unpipelined (`num_stages=1`):
-a software-pipelined loop may issue the next iteration's read of the tile before
-this iteration's write. Off the GPU the kernels run in Pallas' interpret mode, which
-is how the CPU tests check them against the XLA path.
+custom-VJP contract) keeping only outputs and log-normalisers, never the (B, H, T,
+K + N) logits. `model.attention_impl` picks 'xla', 'pallas' or 'auto' (the kernels
+where they compile and agree with XLA, `runs_here`). Off the GPU: interpret mode.
 """
 import dataclasses
 import functools
@@ -136,6 +122,8 @@ def _call(kernel, g: kernels.Geometry, grid, in_specs, out_specs, out_shape, *, 
   """A pallas_call of one kernel. Kernels that stage the rel-shift (`shifts`) run
   unpipelined, and with 8 warps on 64-row tiles: at 4 warps their registers spilled
   (Triton 3.9, sm_90; see docs/performance.md)."""
+  # Unpipelined: a pipelined loop may issue the next iteration's read of the scratch
+  # tile before this one's write. (Triton backend: jax 0.10; deprecated in 0.11.)
   params = (plgpu.CompilerParams(num_warps=8 if g.rows >= 64 else 4, num_stages=1)
             if shifts else plgpu.CompilerParams(num_warps=4, num_stages=2))
   return pl.pallas_call(

@@ -1,28 +1,13 @@
-"""The bodies of the fused attention kernels (`attention_pallas` calls them).
+"""The bodies of the fused attention kernels, each program one tile row or column of
+one (head, batch) pair: `forward_kernel` (online softmax over context, then persistent,
+key blocks), `query_grads_kernel`, `context_kv_grads_kernel` and `slot_grads_kernel`.
 
-Four Pallas kernels, each program one tile row or column of one (head, batch) pair:
-
-  forward_kernel            a block of queries: online softmax over its context key
-                            blocks, then over the persistent slot blocks; writes the
-                            outputs and log-normalisers.
-  query_grads_kernel        a block of queries: qu, qv, qp gradients and its share of
-                            the position table's gradient.
-  context_kv_grads_kernel   a block of context keys: k, v gradients.
-  slot_grads_kernel         a block of persistent slots over some batch rows: their
-                            key and value gradients.
-
-The relative shift. Query i scores key j against position row c = j + T - i of the
-padded table (`attention_kernel.rel_shift`), so a (queries × keys) tile needs the
-2·rows consecutive rows of the table below its diagonal, and each of its rows reads
-them at another offset. A kernel multiplies the block's queries with those rows on
-the tensor cores, stages the product in a per-program scratch tile and reads it back
-with the per-row offset (`_shift_rows`); the backward pass undoes the shift the same
-way before its own matmuls (`_unshift_rows`). No (T, K) array of positional logits
-exists outside a tile.
-
-Dropout masks come from the XLA path's Threefry-2x32 hash of (head, position)
-(`attention_kernel._threefry2x32`), so both implementations drop the same weights.
-Masked entries get the XLA path's finite -1e30 logit and exactly zero weight.
+Relative shift: query i scores key j against row c = j + T − i of the padded position
+table, so a (queries × keys) tile needs the 2·rows table rows below its diagonal, each
+query row at another offset: the block's queries times those rows are staged in a
+scratch tile and read back shifted (`_shift_rows`; backward `_unshift_rows`), so no
+(T, K) array of positional logits exists outside a tile. Dropout and masking match the
+XLA path (its Threefry hash of (head, position); logit −1e30, weight exactly 0).
 """
 import dataclasses
 

@@ -1,23 +1,11 @@
 r"""Variants of a benchmarked config, timed in the same run as the config itself, so
 that two implementations compare on the same machine under the same load.
 
-A variant is a name and a set of config overrides, in a config's benchmark section:
-
-  c.benchmark.variants = dict(
-      before=dict(model=dict(head_block=2, remat=False)),
-      no_attention_dropout=dict(model=dict(dropout_attn=0.0)))
-
-or on the benchmark's command line, one `--variant` per variant (keys of the same
-name add up; values are Python literals, or else strings):
-
-  --variant=before:model.head_block=2,model.remat=False --variant=fp32:model.dtype=float32
-
-Each override names a key of a run config section (model, train, eval, gates,
-distill, ...) and gives a value of that key's type; an unknown key or a value of
-another type is a one-line ConfigError, and every variant's config passes the config
-checks, before anything compiles. The benchmark (throughput.measure) times each
-variant's baseline train step and its evaluation with all heads in the config's
-interleaved rounds, and reports their tokens/s as ratios to the config's own.
+A variant is a name and config overrides, in a config's benchmark section
+(`c.benchmark.variants = dict(before=dict(model=dict(head_block=2, remat=False)))`)
+or as `--variant=before:model.head_block=2,model.remat=False` (values are Python
+literals, else strings). An unknown key, a value of another type or a config that
+fails the checks is a ConfigError, before anything compiles.
 """
 import ast
 import dataclasses

@@ -1,54 +1,23 @@
 """Direct budget targets for head pruning: a Lagrangian controller on the expected L0.
 
-A fixed λ gives whatever sparsity it gives; hitting a wanted model size then takes a
-sweep. Instead, a pruning run can ask for a budget (at most one of them):
-
-  gates.target_sparsity   fraction of all heads to remove
-  gates.target_params     non-embedding parameters of the pruned model
-  gates.target_macs       non-embedding MACs per token (at the eval lengths)
-
-The budget becomes a number of open heads n* through the cost model
-(`head_costs.target_open_heads`: every head of a layer costs the same parameters
-and MACs, so cost is linear in the head count; n* is the most heads that fit), once,
-at setup (`Penalty.of`). The L0 term of the loss becomes
+A budget (`gates.target_sparsity`, `target_params` or `target_macs`; at most one)
+becomes a number of open heads n* once at setup (`head_costs.target_open_heads`: a
+layer's heads all cost the same, so cost is linear in the head count). The L0 term is
 
   λ1 (E[L0] − t(step)) + λ2 (E[L0] − t(step))²
 
-where the target t moves linearly from the initial expected count to n* over
-`gates.budget_warmup_steps` (the analogue of the λ warm-up; by default 60% of the
-steps before the freeze, so that the gates close heads as slowly as a fixed λ would
-and the loss, not the controller's pace, picks them), and the multipliers λ1, λ2
-live in their own variable collection and are trained by gradient *ascent*
-(`optim.make_optimizer` gives them their own group): while more heads are expected
-open than the target allows, λ1 grows and pushes gates shut; when fewer are, it
-shrinks (below zero it pulls gates open). λ2 only grows, damping the oscillation of
-the pure Lagrangian. This is the controller of structured-pruning work after the
-paper (Wang et al. 2020, "Structured Pruning of Large Language Models"; Xia et al.
-2022, CoFi). The multipliers stop with the gates at `gates.freeze_step`.
+with t linear from the initial expected count to n* over `gates.budget_warmup_steps`,
+and λ1, λ2 trained by gradient *ascent* (own collection and optimizer group): λ1
+grows while more heads are expected open than t and pushes gates shut; λ2 only grows,
+damping the oscillation (Wang et al. 2020; Xia et al. 2022, CoFi). After the target
+warm-up the count sharpens, σ(k·π) with k rising linearly from 1 to
+`gates.budget_sharpness` at the freeze (ours), towards the count the export keeps.
+At the freeze the model keeps exactly n* heads (`prune.keep_open_heads`).
 
-What the controller counts. The expected count treats a head at σ(π) = 0.4 as 0.4
-of a head, but the export keeps it or not: with gates still undecided at the freeze
-(open probabilities spread around 1/2) the expectation can meet the target and the
-head count miss it (measured at 50% sparsity: 15.85 expected, 12 kept of 16). So
-after the target warm-up the count sharpens, σ(k·π) with k rising linearly from 1 to
-`gates.budget_sharpness` at the freeze (ours; 1 keeps the expected count of the
-controllers above): the constraint moves towards the count the export keeps, and
-its gradient towards the heads near the decision.
-
-Whatever the gates do, at the freeze the run keeps exactly n* heads (`prune.keep_open_heads`:
-the heads ranked by logit where the gates disagree with the budget), so the gated
-model trains its last steps, and is exported, at the size asked for.
-
-Persistent groups (`gates.persistent_group`). With gates on groups of persistent
-slots, units of two costs compete: a head (its projections and context attention)
-and each group of its slots (`head_costs.UnitCosts`). The count becomes a size in
-heads, Σ_h P_h·(1 − n·s + s·Σ_g Q_hg) for n groups per head, each worth s of a
-head's cost (P, Q: the heads' and groups' open probabilities; P = 1 for heads not
-gated), the expected cost of the model in units of one whole head (after CoFi's
-expected model size). The fixed-λ L0 term counts the same with the parameters'
-share s; a budget steers it to its value in those units (`UnitCosts.size_of`), and
-at the freeze `persistent_groups.keep_within_budget` makes the model exactly fit:
-at or just under the budget, with no unit left out that would still fit.
+With gated persistent groups (n per head, each worth s of a head's cost) the count
+is the expected size in heads, Σ_h P_h·(1 − n·s + s·Σ_g Q_hg) (P, Q: heads' and
+groups' open probabilities; P = 1 for ungated heads; after CoFi's expected size),
+and `persistent_groups.keep_within_budget` fits the budget exactly at the freeze.
 """
 import dataclasses
 import functools
@@ -109,6 +78,9 @@ def target_warmup_steps(configured: int | None, freeze_step: int) -> int:
   return round(0.6 * freeze_step) if configured is None else configured
 
 
+# A count of expected heads takes σ(π) = 0.4 as 0.4 of a head, but the export keeps a
+# head or not: measured at 50% sparsity, 15.85 expected met the target with 12 of 16
+# kept. Sharpening the count moves it towards what the export keeps.
 def sharpness_schedule(warmup_steps: int, freeze_step: int,
                        final: float) -> optax.Schedule:
   """k(step): 1 until the target warm-up ends, then linear to `final` at the freeze."""
@@ -141,11 +113,10 @@ class Penalty:
   def of(cls, gates: run_config.GatesSection, layer_heads, allowed: float | None,
          units=None) -> "Penalty":
     """The run's L0 term: the fixed-λ schedule, or, with a budget of `allowed` heads
-    (n*, `head_costs.target_open_heads`), the controller whose target t(step) moves
-    from the initial expected open heads (`layer_heads` at the gates' init) down to
-    n* over `gates.budget_warmup_steps` (unset: 60% of the steps before the freeze).
-    With persistent groups (`units`, `head_costs.UnitCosts`), `allowed` is the
-    budget's value and the count is the expected size (`expected_size`)."""
+    (n*), the controller whose target t(step) moves from the initial expected open
+    heads (`layer_heads` at the gates' init) to n* over `target_warmup_steps`. With
+    persistent groups (`units`), `allowed` is the budget's value and the count is
+    `expected_size`."""
     lam, gate = lambda_schedule(gates), gates
     if allowed is None:
       return cls(lam, gate, units=units)

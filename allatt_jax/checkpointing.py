@@ -1,21 +1,11 @@
 """Checkpoints: the training run's (orbax CheckpointManager) and exported models.
 
-A run's workdir holds, next to its own files (run_files.py), `checkpoints/<step>/` with
-two items: `state` (step,
-variables incl. gates, optimizer state, memory) and `data` (the segment stream's
-position). orbax writes each step to `<step>.orbax-checkpoint-tmp` and renames it when
-complete, so a save killed half-way is never picked up by restore; the next run's
-manager deletes such leftovers.
-
-A finished checkpoint can still be damaged later (a truncated file, a disk error).
-Readers then fall back to the newest checkpoint that restores, with a warning naming
-each one skipped; a resuming run also moves the skipped ones to
-`unreadable_checkpoints/<step>` in the workdir, kept for inspection, because orbax
-would neither save that step again nor leave it alone when it prunes old steps.
-
-An exported model is a folder with `config.json` (its run config, model section
-describing the smaller model), `params/` and its tokenizer: loadable without the
-training run. `exported_model.save` writes it; its params go through `save_params`.
+A run's `checkpoints/<step>/` holds `state` (step, variables incl. gates, optimizer
+state, memory) and `data` (the segment stream's position); a half-written save is
+never restored. Readers fall back to the newest checkpoint that restores, warning of
+each one skipped; a resuming run moves those to `unreadable_checkpoints/<step>` (orbax
+would neither save that step again nor leave it alone when pruning). An exported model
+is a folder with `config.json`, `params/` and its tokenizer.
 """
 from typing import Any, Callable
 

@@ -1,14 +1,10 @@
 """What every `python -m allatt_jax.<command>` shares: config flags and one error path.
 
-A command defines its flags, a config flag with `DEFINE_config` if it reads a run
-config, and ends with `cli.run(main)`. Then every expected failure, at flag parsing
-or in `main` (a flag out of range or unknown, a config file missing or failing to
-load, an unknown override key, an AllattError: bad config, data or checkpoint),
-prints one `error: ...` line and exits with status 2; only a bug prints a traceback.
-Library chatter stays hidden unless `--verbosity=1` (see console.py).
-
-Config files are found by path, or by file name among the configs installed with
-the package (`--config=wt103_prune.py:lam=0.015` works from any folder).
+A command defines its flags (`DEFINE_config` for a run config) and ends with
+`cli.run(main)`. Every expected failure (a bad flag, a config file missing or failing
+to load, an unknown override key, an AllattError) prints one `error: ...` line and
+exits with status 2; only a bug prints a traceback. Config files are found by path or
+by name among the installed configs (`--config=wt103_prune.py:lam=0.015`).
 """
 import difflib
 import functools

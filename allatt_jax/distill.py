@@ -1,31 +1,24 @@
 """Learning from the unpruned model while pruning: the distillation loss terms.
 
-The student (the run's model) learns on each batch from a frozen teacher, the model
-that `init_from` names, as in CoFi (Xia et al. 2022) and Minitron (Muralidharan et
-al. 2024):
+The student learns from a frozen teacher (`init_from`), as in CoFi (Xia et al. 2022)
+and Minitron (Muralidharan et al. 2024):
 
   loss = (1 − α)·CE + α·τ²·KL(teacher_τ ‖ student_τ) + β·Σ_l MSE(h_l, h_l^teacher)
 
-plus the L0 or budget term. h_l is layer l's output; pruning removes heads, never
-layers, so student layer l always has a teacher layer l. The teacher runs in the same
-jitted step on the same batch, with its own memory (train_step.py).
+plus the L0 or budget term; h_l is layer l's output (pruning removes heads, never
+layers, so layer l has a teacher layer l).
 
-The KL with an adaptive softmax. Its distribution is hierarchical: a tail token's
-probability is its cluster's head probability times its probability within the
-cluster, so by the chain rule of the KL
+An adaptive softmax is hierarchical (a tail token's probability is its cluster's head
+probability times its probability within the cluster), so by the chain rule of the KL
 
   KL(p ‖ q) = KL(p_head ‖ q_head) + Σ_i p_head(cluster i)·KL(p_i ‖ q_i).
 
-`kl_clusters='all'` computes both terms, which is the exact full-vocabulary KL at
-τ = 1 (at other τ each softmax, head and tails, is tempered by τ). 'head' keeps the
-first term only: a lower bound of the KL that skips the tail clusters' logits. With a
-plain softmax both are the same exact KL. A cluster's KL runs over blocks of vocabulary
-rows sized to the device as the NLL's log-sum-exp is (vocab_logsumexp.block_rows: the
-whole cluster at once where both models' logits fit), with an online accumulator and
-the backward pass recomputing each block where there are several. Per token, 'all'
-costs the logits of every cluster for both models, Σ_i size_i·d_i multiply-adds each
-(every position pays for every tail: the KL needs the whole distribution), forward,
-and the student's again backward.
+`kl_clusters='all'` computes both terms: the exact full-vocabulary KL at τ = 1 (at
+other τ each softmax is tempered by τ), costing every cluster's logits, Σ_i size_i·d_i
+multiply-adds per token per model. 'head' keeps the first term: a lower bound that
+skips the tail logits. With a plain softmax both are the exact KL. A cluster's KL runs
+over vocabulary blocks sized as the NLL's (`vocab_logsumexp.block_rows`), with an
+online accumulator, recomputing each block backward.
 """
 import jax
 import jax.numpy as jnp

@@ -1,18 +1,10 @@
 """Joining the processes of a multi-host run (TPU pod slice, GPU nodes) at start-up.
 
-Every host runs the same command; `initialize` makes them one JAX runtime whose
-`jax.devices()` spans all hosts. It must run before anything touches a device.
-Where the settings come from, first match wins:
-
-1. Flags (`--coordinator_address`, `--num_processes`, `--process_id`), then the
-   environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-   JAX_PROCESS_ID. All three are needed unless a cluster below can fill the rest.
-2. A cluster `jax.distributed.initialize()` detects by itself: a Cloud TPU VM (its
-   metadata server lists the slice's workers), a Slurm job step, an Open MPI job.
-3. Otherwise (JAX finds no coordinator) the run is a single process.
-
-On CPU, processes exchange data with gloo collectives (JAX's default CPU
-implementation), so a multi-process run works on one machine for testing.
+`initialize` must run before anything touches a device. Settings, first match wins:
+flags (`--coordinator_address`, `--num_processes`, `--process_id`), then
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; a cluster
+`jax.distributed.initialize()` detects (Cloud TPU VM, Slurm, Open MPI); else one
+process. On CPU, gloo collectives let a multi-process run work on one machine.
 """
 import dataclasses
 import os

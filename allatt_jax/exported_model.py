@@ -1,16 +1,10 @@
 """Exported models: a smaller model cut by `prune.remove_heads`, written and evaluated.
 
-An exported model is a folder with its run config (describing the smaller model),
-params, tokenizer.json and vocabulary.json: loadable and usable on text without the
-training run or its dataset (`trained_model.load`), and a start for another run
-(`init_from`), whose dataset is checked against its vocabulary. `save` is the one
-writer of such a folder, for a pruning run's export, `python -m allatt_jax.export`,
-`api.Model.save` and the heuristic pruners' masked models; `export_and_evaluate` cuts
-a model, writes it and scores the parameters it wrote, as a pruning run does with
-its final state (`export_pruning_run`, which also says what a user should know about
-the outcome) and the experiments with a masked baseline. `export_run` exports a
-pruning run's checkpoint (`python -m allatt_jax.export`); `trained_model_config` is the
-model a run's export would be (`python -m allatt_jax.costs --checkpoint`).
+An exported model is a folder with its run config (of the smaller model), params,
+tokenizer.json and vocabulary.json: usable on text without the training run or its
+dataset (`trained_model.load`), and a start for another run (`init_from`). `save` is
+its one writer; `export_and_evaluate` cuts, writes and scores a model; `export_run`
+exports a pruning run's checkpoint; `trained_model_config` is a run's export's model.
 """
 from collections.abc import Iterable, Mapping, Sequence
 

@@ -1,12 +1,10 @@
 """Hard-concrete head gates and their L0 penalty (Louizos et al. 2018).
 
-One gate logit π per head (and, with `persistent_group`, one per group of a head's
-persistent slots: attention.py). During pruning, gates are sampled from the stretched,
-clipped BinConcrete distribution; the paper makes them discrete with a
-straight-through estimator (forward 1[g >= 0.5], backward through the soft g).
-The L0 penalty is the expected number of open gates, which is differentiable in π.
-
-The formulas are the paper's (Shim et al. 2021, §3.2) on top of Louizos et al.:
+One gate logit π per head (and, with `persistent_group`, per group of a head's
+persistent slots), sampled while pruning from the stretched, clipped BinConcrete
+distribution and made discrete by a straight-through estimator (forward 1[g >= 0.5],
+backward through the soft g). The L0 penalty is the expected number of open gates.
+Formulas of Shim et al. 2021, §3.2:
   u ~ U(eps, 1-eps),  s = σ((log u - log(1-u) + π) / β),  g = clip(s(ζ-γ) + γ, 0, 1)
   P(g > 0) = σ(π - β log(-γ/ζ))
 """

@@ -1,12 +1,10 @@
 r"""The cost model: parameter counts and forward MACs of a model, before and after head
 pruning, and a pruning budget as a number of heads.
 
-Parameter counts come from the real parameter tree (`jax.eval_shape` of init); the
-per-layer formula below must agree with it (tests check both). MACs come from this
-formula, counting every multiply-accumulate of the matmuls in one forward pass of a
-batch of B segments of length T with memory S (K = S + T keys), divided by B·T:
+Parameters come from the real parameter tree (`jax.eval_shape` of init), and the
+per-layer formula must agree with it. MACs per token of a forward pass of B segments
+of length T with memory S (K = S + T keys), per layer with h heads of size dh:
 
-  per layer with h heads of size dh:
     query projection                    d·h·dh
     key, value projections    2·(K/T)·d·h·dh     (memory keys are recomputed per segment)
     relative projection     (K/(B·T))·d·h·dh     (shared by the batch)
@@ -15,17 +13,12 @@ batch of B segments of length T with memory S (K = S + T keys), divided by B·T:
     context values                  K·h·dh
     output projection               h·dh·d
     feed-forward                  2·d·d_ff       (TXL)
-  output layer: d·V (plain softmax), or the adaptive softmax's head at every position
-  and each tail cluster (projection and logits) at the positions it runs for: with
-  `model.tail_capacity` its capacity (vocab_logsumexp.tail_capacity) of each step's
-  B·T positions, else every position (also reported, as `macs_per_token_every_tail`).
-  These are the MACs that run, so that a throughput's model FLOP/s is honest; the
-  positions whose target lies in a tail are fewer still (`cluster_fractions`).
+  output layer: d·V (plain softmax), or the adaptive head at every position and each
+  tail cluster at the positions it runs for (with `model.tail_capacity` its capacity,
+  else every position: `macs_per_token_every_tail`): the MACs that run.
 
-Elementwise work (softmax, LayerNorm, rel_shift) is left out: it is a few percent of
-the total at the sizes that matter, which the XLA cross-check bounds.
-
-`python -m allatt_jax.costs` prints these for a config or a trained model.
+Elementwise work (softmax, LayerNorm, rel_shift) is left out: a few percent of the
+total at the sizes that matter, which the XLA cross-check bounds.
 """
 import dataclasses
 import math

@@ -1,53 +1,21 @@
 """What a compiled step executes, counted from its optimized HLO: flops (of which
-matmul flops), transcendentals and bytes accessed, with every loop body counted as
-many times as the loop runs.
+matmul flops), transcendentals and bytes accessed, each loop body counted as many
+times as the loop runs (XLA's `cost_analysis()` counts a body once).
 
-XLA's own `compiled.cost_analysis()` counts a while loop's body once (a scan of 10
-matmuls reports one matmul's flops), and a model whose attention loops over heads or
-whose output layer scans vocabulary blocks does most of its work in loop bodies. This
-walk counts the same things XLA's analysis counts, per executed instruction:
+Per executed instruction, as XLA counts: a dot's flops are 2 · output elements ·
+contracted size (library matmuls too); elementwise ops one per output element; a
+reduction's combiner once per reduced element. Transcendentals: one per output
+element of exp, log, tanh, sqrt, power, .... Bytes: operands read plus output written
+by each top-level instruction (a fusion is one); slices and gathers read what they
+output, a dynamic-update-slice writes its update; parameters, constants, tuples and
+bitcasts move nothing. A matmul reads and writes the dtypes the program gives it
+(XLA:CPU's widening/narrowing conversions around it are folded back in).
 
-  * flops: a dot's 2 · output elements · contracted size (also `matmul_flops`; a
-    GPU library matmul, a custom call with dot dimension numbers, counts so too); one
-    per output element of an elementwise op (compare, select, convert and
-    bitcast-convert included, as XLA counts them); a reduction's combiner once per
-    reduced element (a reduce-window's once per window element but one), a
-    scatter's once per update;
-  * transcendentals: one per output element of exp, log, tanh, sqrt, power, ...;
-  * bytes accessed: the operands read plus the output written by every top-level
-    instruction (a fusion is one: what stays inside it is not memory traffic). A
-    slice, dynamic-slice or gather reads what it outputs, a dynamic-update-slice
-    writes its update in place; a fusion parameter read only through such
-    instructions (through bitcasts too) counts their bytes, and a fusion whose root
-    updates a slice in place writes the update. Parameters, constants, tuples,
-    get-tuple-element and bitcasts move nothing. Where this differs from XLA's
-    analysis it is on purpose: XLA counts a whole table for a gather fused with its
-    use (an embedding lookup would read the whole embedding), and a tuple's pointers.
-
-A matmul reads and writes the dtypes the program gives it, as an accelerator's does:
-XLA:CPU computes a bfloat16 matmul in float32 between conversions, a widening one of
-each narrow operand and a narrowing one of the result, and the walk folds those back
-into the matmul (a conversion alone, or fused with bitcasts only, that widens a
-matmul's operands for matmuls only, or narrows a matmul's result that nothing else
-reads). For the same reason a bf16 step's proxy is compiled with
-`COMPILER_OPTIONS`: XLA:CPU would otherwise drop the program's bf16 roundings between
-float32 ops ("excess precision") and keep float32 arrays where an accelerator keeps
-bf16 ones.
-
-A while loop counts its body `known_trip_count` times (the optimizer's annotation) and
-its condition once more; a loop without one counts once and is listed in
-`Analysis.unknown_trip_counts`. A call counts its computation. A conditional counts
-its CHEAPEST branch (fewest flops, then fewest bytes), the one a step takes when a
-rare expensive path (an exact fallback) is not needed; `Analysis.costliest` counts the
-most expensive branch instead. Ops whose flops are not modelled (custom calls,
-convolutions, sorts, ...) are counted in `Analysis.unmodelled` and add bytes only.
-
-Every count is also kept by the scope of the instruction (scopes.py: the JAX scope
-of its metadata, layer indices folded), and so by model part.
-
-The counts are a proxy of a step's work and memory traffic that a CPU can compute
-for any config: XLA:CPU fuses differently from a GPU compiler, so the bytes are
-XLA:CPU's plan, not an accelerator's.
+A while loop counts its body `known_trip_count` times (else once, listed in
+`Analysis.unknown_trip_counts`); a conditional its cheapest branch (`Analysis.costliest`:
+its dearest); ops whose flops are not modelled add bytes only (`Analysis.unmodelled`).
+Counts are kept by scope (scopes.py) and model part. Bytes are XLA:CPU's fusion plan,
+a proxy, not an accelerator's.
 """
 import collections
 import dataclasses
@@ -76,7 +44,9 @@ _UNMODELLED = frozenset({"custom-call", "convolution", "fft", "sort", "triangula
                          "select-and-scatter", "all-reduce", "reduce-scatter",
                          "async-start", "top-k"})
 _TOP = 12   # scopes listed by the proxy
-# Options of a compile whose HLO the walk reads as an accelerator's (see above).
+# Options of a compile whose HLO the walk reads as an accelerator's: XLA:CPU would
+# otherwise drop a bf16 program's roundings between float32 ops ("excess precision")
+# and keep float32 arrays where an accelerator keeps bf16 ones.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 # Instructions through which a fusion parameter is read only in part.
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
@@ -221,6 +191,7 @@ class _Walk:
     if op in ("slice", "dynamic-slice"):
       moved = 2 * instruction.bytes + operands_bytes(1)
     elif op == "gather":
+      # Not the whole table, as XLA counts (an embedding lookup would read it all).
       moved = 2 * instruction.bytes + operand(1).bytes
     elif op == "dynamic-update-slice":
       moved = 2 * operand(1).bytes + operands_bytes(2)

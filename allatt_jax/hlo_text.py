@@ -1,11 +1,9 @@
 """The optimized HLO of a compiled step (`compiled.as_text()`), read into computations
-and instructions: what the cost walk (hlo_cost.py) and the profile's attribution of
-kernels to scopes (step_profile.py) both need.
+and instructions.
 
-Only what those two read is parsed: each instruction's name, shape, opcode, operands
-and the attributes they use (called computations, dot dimensions, a while loop's
-trip count, the op_name of its metadata). The text format is XLA's printer's, the
-same on every backend; names may or may not carry a leading '%'.
+Parsed: each instruction's name, shape, opcode, operands and the attributes the cost
+walk and the profile read (called computations, dot dimensions, a while loop's trip
+count, op_name). The format is XLA's printer's on every backend; '%' is optional.
 """
 import dataclasses
 import functools

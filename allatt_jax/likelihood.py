@@ -1,11 +1,8 @@
 """How likely a trained model finds text: per-token log-probabilities of a text, and
 its metric (bpc or ppl) on a text or on a split of its dataset.
 
-A text is read as one row, segment by segment, with the Transformer-XL memory carried
-across all of it (the eval seq_len and mem_len of the run's config), as `stream_eval`
-reads a split: every token after the first, which is context only, is scored once.
-`python -m allatt_jax.score` and `python -m allatt_jax.evaluate` print these, and
-`api.Model.score` returns them.
+A text is read as one row with the memory carried across all of it (the eval seq_len
+and mem_len), as `stream_eval` reads a split: every token after the first is scored once.
 """
 import functools
 import json

@@ -1,19 +1,13 @@
 """All-attention and Transformer-XL language models with Transformer-XL memory.
 
-Both are a stack of pre-norm layers around one `RelativeAttention`:
+Pre-norm layers around one `RelativeAttention`:
   All-att:  x + Attn(LN(x), LN(mem))                          (persistent vectors, no FF)
   TXL:      x + Attn(LN(x), LN(mem));  x + FF(LN(x))           (d_ff = 4d)
-Layers may have different head counts (a pruned model); a layer with no heads
-passes its input through (All-att) or keeps only its feed-forward (TXL), plus the
-bias of its removed output projection when W_O has one.
-
-Where the paper leaves a detail open, the defaults follow the code behind its numbers
-(`out_bias`, `layer_norm_eps`, `final_norm`, `persistent_content_bias`, `same_length`
-and its window); each other form stays selectable.
-
-Memory is a pytree {'hidden': (L, B, S, D), 'length': int32 scalar}: the hidden
-states that entered each layer during the last S positions, and how many of the S
-slots hold real positions (0 at the start of a stream).
+Layers may have different head counts; a layer with none passes its input through
+(All-att) or keeps its feed-forward (TXL), plus W_O's bias if it has one. Defaults the
+paper leaves open follow its official code (`out_bias`, `layer_norm_eps`, `final_norm`,
+`persistent_content_bias`, `same_length`). Memory is {'hidden': (L, B, S, D),
+'length': int32}: each layer's inputs over the last S positions, `length` of them real.
 """
 import dataclasses
 from typing import Any

@@ -1,27 +1,15 @@
 """Optimizer and schedules: LAMB with warm-up + cosine, and the gate freeze.
 
-The optimizer acts on the whole variables dict {'params': ..., 'gates': ...}. Its
-groups are chosen by collection name: `optax.multi_transform` gives the `gates` group
-the same LAMB at `gates.lr_multiplier` times the model's learning rate (10, as in the
-code behind the paper), dropping to exactly zero at `gates.freeze_step`, so from then
-on gate values stay bit-identical. A run with a budget target (budget.py) has a third
-group, its Lagrange multipliers (the collection named by `ascent_collection`),
-trained by gradient ascent and left out of the gradient clipping.
+The optimizer acts on {'params': ..., 'gates': ...}, grouped by collection: gates get
+the same LAMB at `gates.lr_multiplier` times the learning rate (10, the official
+code's), exactly zero from `gates.freeze_step`; a budget's multipliers get gradient
+ascent, outside the clipping. Schedules read the train state's step (`update`'s extra
+argument `step`), so a rolled-back non-finite step leaves them in line with it.
 
-Every schedule is read at the train state's step, passed to `update` as the extra
-argument `step`, never at a counter of the optimizer's own: a skipped non-finite step
-(`train.skip_nonfinite_steps`) rolls the optimizer state back, and the schedules must
-not fall behind the step when it does.
-
-Two forms of LAMB (You et al. 2020), chosen by `train.optimizer`:
-  'lamb'        as in the code behind the paper's numbers: Adam moments without bias
-                correction, eps 1e-8, weight decay added to the Adam step, the weight
-                norm in the trust ratio clamped to [0, 10] (so a tensor's step stops
-                growing with its norm), trust ratio 1 where either norm is 0.
-  'optax_lamb'  `optax.lamb`'s form: bias-corrected moments, eps 1e-6, unclamped norm.
-Either way the trust ratio is taken per parameter tensor: every leaf of the tree
-(W_Q, W_K, W_V, W_R, W_O, P_K, P_V, u, v, each LayerNorm's scale and bias, each
-layer's gate vector) is one tensor, as in the official modules.
+LAMB (You et al. 2020), per parameter tensor, by `train.optimizer`: 'lamb' as the
+official code (Adam moments without bias correction, eps 1e-8, decay added to the Adam
+step, ‖w‖ in the trust ratio clamped to [0, 10], ratio 1 where a norm is 0), or
+'optax_lamb' (`optax.lamb`: bias-corrected, eps 1e-6, unclamped).
 """
 import re
 from typing import NamedTuple

@@ -1,34 +1,20 @@
 """Gates on groups of persistent slots: which slots a gated model keeps, and a budget's
 rule at the freeze over heads and groups together (no I/O).
 
-With `gates.persistent_group` = G, each head's N persistent slots form N/G groups,
-group g holding slots g·G .. (g+1)·G − 1, each with a gate logit in the `gates`
-collection (`gates/layer_i/attention/persistent_logits`, (H_i, N/G)); with
-`gates.heads` the heads keep theirs too (`.../logits`, (H_i,)). A slot is kept where
-its group's deterministic gate is open and its head is.
+With `gates.persistent_group` = G, a head's N persistent slots form N/G groups (group
+g: slots g·G .. (g+1)·G − 1), each gated (`.../attention/persistent_logits`, (H_i, N/G);
+with `gates.heads`, heads keep `.../logits`). A slot is kept where its group's
+deterministic gate is open and its head's is.
 
-The rank rule (`keep_within_budget`). At the freeze a budget over params or MACs
-must end exactly: at or just under its value, with no pruned unit left that would
-still fit. Heads and groups cost different amounts (`head_costs.UnitCosts`), so no
-count of either fixes the size; instead every unit is ranked, and the ranking is
-walked once, each unit kept while it fits the budget left:
-
-  - a head ranks by its gate logit π_h; a group by min(π_g, π_h): a group is only as
-    sure as its head, and never comes before it (at equal rank heads come first);
-  - ties: heads before groups, then the lower layer, head and group;
-  - a group whose head was not kept is not kept; a head costs its projections and
-    attention (plus its layer's LayerNorm, for params, when it is the layer's first);
-    its groups come as units of their own;
-  - heads not gated (`gates.heads=False`) are all kept and paid for first.
-
-Ranking by logit, not by logit per cost: the L0 term already charged each gate its
-unit's cost while the gates trained (`budget.expected_size`), so the logits the gates
-end with weigh what a unit is worth against what it costs. Cost enters only through
-what fits: a head that no longer fits lets cheaper groups after it fill the rest.
-Open units (π >= 0, as the deterministic rule decides) rank above closed ones, so
-where the gates' own decision fits and nothing more would, the rule keeps it as it is;
-and it is idempotent: reversed decisions get logits of ±10, the kept set fits, and
-what it left out still does not fit.
+The rank rule (`keep_within_budget`) ends a params or MACs budget exactly: at or just
+under it, with no pruned unit left that would still fit. Every unit is ranked and the
+ranking walked once, each unit kept while it fits: a head ranks by π_h, a group by
+min(π_g, π_h) (never before its head); ties: heads, then lower layer, head, group; a
+group of an unkept head is not kept; ungated heads are kept and paid for first. Ranked
+by logit, not logit per cost: the L0 term already charged each gate its unit's cost
+(`budget.expected_size`). Open units (π >= 0) rank above closed ones, so a fitting
+decision of the gates is kept as is; and the rule is idempotent (reversed decisions
+get logits of ±10).
 """
 import numpy as np
 

@@ -1,11 +1,9 @@
 """Preemption and Ctrl-C: SIGTERM or SIGINT makes a command stop at its next safe
 point, resumable.
 
-A command (a run, the demo pipeline, an experiment suite) holds one PreemptionWatch
-from start to end. The train loop asks it after every step and, if told, saves that
-step and stops; every later phase (final evaluation, export, each pipeline stage,
-the report) asks it when it starts, after the phase before has left its result on
-disk, so a rerun of the same command redoes nothing that had finished.
+A command holds one PreemptionWatch from start to end and asks it at safe points
+(after every train step, and as each later phase starts, once the phase before has
+left its result on disk), so a rerun redoes nothing that had finished.
 """
 import contextlib
 import os

@@ -1,18 +1,11 @@
 """Head removal: the one head surgery, a model's variables to a smaller model's params.
 
-`remove_heads` takes the heads to remove (by index or as a mask) and, for a gated
-model, also the heads whose deterministic gate is closed. A removed head loses its
-slices of every attention parameter; the survivors' output-projection slices absorb
-g_i · s_g, the gate value times the layer's output scale (computed over the layer's
-full gate vector), which is exactly the factor the gated model multiplies each
-head's output by (an ungated model's heads count as hard gates without scale, so
-they are copied as they are). The smaller model is therefore a plain
-`TransformerLM` with per-layer head counts whose outputs equal the gated model's
-deterministic outputs, in hard (g ∈ {0, 1}) and soft (fractional g) mode alike. A
-layer left without heads drops its attention and attention norm: All-att's layer
-becomes the identity, TXL's keeps its feed-forward; either keeps W_O's bias (a
-per-layer vector: the gated layer with every gate closed still adds it), as the
-parameter `model.HEADLESS_OUT_BIAS`.
+`remove_heads` removes the given heads (indices or a mask) and a gated model's closed
+ones: each loses its slices of every attention parameter, and the survivors' W_O slices
+absorb g_i · s_g (gate value times the layer's output scale over its full gate vector),
+the factor the gated model applies. The result is a plain `TransformerLM` whose outputs
+equal the gated model's deterministic ones, hard or soft. A headless layer keeps only
+W_O's bias (`model.HEADLESS_OUT_BIAS`) and, in TXL, its feed-forward.
 """
 from collections.abc import Iterable, Mapping, Sequence
 import dataclasses

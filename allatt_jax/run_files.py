@@ -1,14 +1,10 @@
 """A run directory's own files: where it is, its config and its vocabulary.
 
-A run's workdir holds `config.json` (the run config), `vocabulary.json` (a
-fingerprint of the dataset's vocabulary) and `tokenizer.json` (the vocabulary itself
-with its tokenisation rules, `data.tokenization.Tokenizer`) next to its checkpoints
-(checkpointing.py); an exported model has the same `config.json` and
-`tokenizer.json`, so it scores and samples text without the dataset. Files are written atomically (a
-temporary file renamed into place), so a reader never sees half of one.
-
-Every location goes through `run_path`, so a workdir may be a local folder or a
-bucket (gs://...), which multi-host runs on Cloud TPU need.
+A workdir (or an export) holds `config.json`, `tokenizer.json` (the vocabulary and its
+tokenisation rules) and, for a run, `vocabulary.json` (the dataset vocabulary's
+fingerprint). Files are written atomically (temporary file renamed into place). Every
+location goes through `run_path`, so a workdir may be a local folder or a bucket
+(gs://...), as multi-host Cloud TPU runs need.
 """
 import hashlib
 import json

@@ -1,10 +1,8 @@
 """Text generation from a trained model with the Transformer-XL memory.
 
 A prompt is read once, in segments of at most the eval seq_len, to fill the memory;
-each new token is then produced by one jitted single-token step that attends to the
-memory and itself, so the prompt is never recomputed. The same seed gives the same
-text. `python -m allatt_jax.sample` prints `sample_text`'s text; `api.Model.generate`
-returns its continuation.
+each new token is one jitted single-token step attending to the memory and itself, so
+the prompt is never recomputed. The same seed gives the same text.
 """
 import functools
 

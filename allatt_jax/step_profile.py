@@ -1,28 +1,9 @@
 """Where a compiled step spends its time: a `jax.profiler` trace of a few steps, each
-kernel attributed to the JAX scope that produced it.
+kernel attributed to the JAX scope that produced it (scopes.py).
 
-A kernel (an event of the trace) names the HLO instruction it runs, in its `hlo_op`
-stat or as its own name; the step's optimized HLO (`compiled.as_text()`) gives that
-instruction's kind and the scope in its metadata's op_name, e.g.
-`jit(train_step)/transpose(jvp(TransformerLM))/TransformerLM.hidden/layer_3/attention/
-.../convert_element_type`, folded here into `backward TransformerLM.hidden/layer_*/
-attention/convert_element_type` (layer indices folded, loop and call wrappers dropped;
-scopes.py). An instruction XLA left unnamed takes a neighbour's scope, and the time
-attributed so is reported (`inferred_scope_ms_per_step`).
-
-Where the events come from depends on the platform:
-  * GPU (and other accelerators): the device plane '/device:GPU:0', its 'XLA Ops' line
-    where the trace has one, else its stream lines: kernel execution time on the
-    device. Kernels the HLO does not name (a cuBLAS kernel without an `hlo_op` stat,
-    a memcpy) are kept, as 'unattributed', classified by their names.
-  * CPU: XLA:CPU runs an executable as thunks on host threads, and each thunk's event
-    on the '/host:CPU' plane carries an `hlo_op` stat. A loop's or call's event
-    contains its body's events, so each event counts its own time less its children's.
-    The times are host-thread times summed over the threads that ran thunks (a dot
-    also spreads over Eigen's pool, whose work shows only on its launching thread), so
-    the total is close to, not equal to, the step's wall time.
-A platform whose trace names no HLO instruction gets a breakdown marked
-`attributed: False` with the reason, not invented figures.
+GPU: device kernel times, kernels the HLO does not name kept as 'unattributed'. CPU:
+host thunks' self times summed over threads, close to, not equal to, wall time. A
+trace that names no HLO instruction gives `attributed: False`, not invented figures.
 """
 import collections
 import dataclasses

@@ -1,14 +1,9 @@
 r"""Evaluation with memory: every target token of a split scored exactly once.
 
 The split is cut into B contiguous rows read segment by segment with the memory
-carried along each row (Transformer-XL's evaluation); padded positions of the last
-segment carry zero weight. Word-level corpora report perplexity, character/byte
-level ones bits per character. `python -m allatt_jax.evaluate` runs it on a trained
-model.
-
-`read_stream` is the one loop that reads segments with the memory carried: the
-evaluator's, and that of scoring, the Python API, the sampler's prompt and the
-heuristic pruners' scores, each with its own jitted step.
+carried (Transformer-XL's evaluation); padding carries zero weight. Word-level corpora
+report perplexity, character/byte-level ones bits per character. `read_stream` is the
+one loop that reads segments with the memory carried, for any jitted step.
 """
 from collections.abc import Callable, Iterable
 import functools

@@ -1,36 +1,10 @@
 """Measured throughput of a config's model: train steps, pruned models' inference,
 matmul peak.
 
-`measure` times, on the first device and in one process:
-  * training tokens/s of the real jitted train step (`train_step.jit_train_step`), for the
-    baseline, for the pruning step with sampled gates, and for that step learning
-    from a teacher (distill.py: the config's distill section where it turns
-    distillation on, else `DISTILL`), and its achieved model
-    GFLOP/s: training FLOPs per token = 3 (forward + backward) x 2 x the cost model's
-    forward MACs per token (`head_costs.macs_per_token`, attention stack and output layer);
-  * evaluation-with-memory tokens/s (`stream_eval.Evaluator`) of models of random
-    parameters cut to each fraction of every layer's heads (random heads, removed by
-    the export's head surgery, `prune.remove_heads`), their MAC ratio to the unpruned
-    model and their speed-up against the ideal 1 / MAC ratio;
-  * GFLOP/s of one large float32 matmul, the device's practical peak;
-  * compile times, XLA's temporary buffer sizes, the process's peak memory, and each
-    step's proxy figures (`hlo_cost.step_proxy`: flops and bytes accessed per token);
-  * with the plan's `profile`, where the baseline step's time goes (step_profile.py);
-  * the plan's `variants` (bench_variants.py): the config with overrides, each one's
-    baseline train step and evaluation with all heads timed in the same rounds.
-Variants are timed in interleaved rounds (the matmul in every round too) and the
-medians reported, so that a busy machine slows all of them alike; the train steps'
-fraction of the peak is also given per process CPU second, which other processes on
-the same cores stretch less than wall time. Parameters are
-random, and tokens random with the frequencies of text (`vocab_logsumexp.zipf_tokens`,
-so that an adaptive softmax's tail clusters see their usual shares): the figures are
-throughputs, not model quality. A `BenchmarkPlan` (a config's
-`benchmark` section, see configs/bench_cpu.py) sets steps, segments, rounds and
-fractions; any run config works, with the plan's defaults (e.g. configs/wt103_base.py
-on an accelerator). `python -m allatt_jax.benchmark` prints the report
-(bench_summary.py).
-The matmul runs in the model's compute dtype (float32 on CPU, bfloat16 for the
-accelerator configs), so its rate is the peak that dtype reaches on the device.
+`measure` times train steps (baseline, pruning, distilling) and their model GFLOP/s
+(3 · 2 · forward MACs per token), inference of random models cut to fractions of their
+heads against the ideal 1 / MAC ratio, and one matmul in the compute dtype (the peak),
+in interleaved rounds (medians). Parameters and tokens are random: throughputs only.
 """
 from collections.abc import Mapping
 import dataclasses

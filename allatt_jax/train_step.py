@@ -1,11 +1,9 @@
 """The pure train step, and the train state it transforms.
 
-One train step serves baseline and pruning runs: with a `gates` collection in the
-state, the loss gains the L0 term (`budget.Penalty`) and gates are sampled (before
-the freeze) or deterministic (after it). With a teacher in the state (distill.py) the
-loss learns from it too. The step is jitted once per gate mode by `train.py`.
-Everything it needs besides the state and the batch (model, optimizer, penalty,
-`StepConfig`) is built once at setup (`resolver.run_setup`): the trace reads no config.
+With a `gates` collection in the state the loss gains the L0 term (`budget.Penalty`)
+and gates are sampled (before the freeze) or deterministic (after); with a teacher,
+the loss learns from it too. Everything besides the state and the batch (model,
+optimizer, penalty, `StepConfig`) is built once at setup: the trace reads no config.
 """
 import dataclasses
 import functools

@@ -1,6 +1,5 @@
 """Trained models for inference: a run's workdir (any checkpoint step) or an exported
-model, with the tokenizer that reads text for it (`score`, `sample`, `evaluate`, the
-Python API and the demo's speed comparison read them).
+model, with the tokenizer that reads text for it.
 
 The tokenizer comes from the model's own `tokenizer.json`; runs and exports saved
 before it existed fall back to rebuilding it from their dataset.

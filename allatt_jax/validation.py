@@ -1,12 +1,9 @@
 """Checks of a run against its files, made before any code is compiled.
 
-The config alone was checked when it was resolved (config_checks.py); here, as a run
-starts (`train.train_and_evaluate`), `open_checkpoints` checks `init_from`, the
-workdir and its checkpoints (against the abstract state the setup built) and the
-loaded dataset's vocabulary (`check_vocabulary`) before it opens them; `check_export`
-guards an export. A failed check raises one error (see errors.py) that says what is
-wrong, where (the config key, flag or file) and how to fix it, instead of a
-trace-time or orbax traceback minutes later.
+`open_checkpoints` checks `init_from`, the workdir and its checkpoints (against the
+abstract state) and the dataset's vocabulary (`check_vocabulary`) before opening them;
+`check_export` guards an export. A failed check raises one error (errors.py) that
+says what is wrong, where, and how to fix it.
 """
 import json
 import uuid

@@ -1,22 +1,9 @@
 """The log-sum-exp of a vocabulary's logits, sized to the device.
 
-A softmax over V tokens for N positions needs log Σ_v exp(h·e_v + b_v): one (N, K) x
-(K, V) matmul and a row reduction. Whether its (N, V) float32 logits may exist at once
-is a question of memory, not of arithmetic: on an accelerator the logits of a
-WikiText-103 batch fit (18,432 x 20,003 x 4 bytes = 1.5 GB of a GPU's 80-141 GB), and
-one large matmul with a fused reduction runs at matmul speed, while a scan of small
-rematerialised blocks pays a loop step, a recomputed forward matmul and a small matmul
-per block. So the number of vocabulary rows per block is derived from the device's
-memory (`block_rows`): a cluster whose logits take at most `LOGITS_MEMORY_SHARE` of it
-runs as one matmul; a larger one in blocks of that size, scanned with an online
-(max, sum) and recomputed in the backward pass.
-
-An adaptive softmax's tail cluster is needed only by the positions whose target lies
-in it: a few percent of a word-level batch. Static shapes can still skip the rest, as
-mixture-of-experts layers size their expert buffers: each tail gathers up to a
-capacity of positions (`tail_capacity`, from its share of the training tokens) per
-group of rows on one device (`batch_shards`, `gathered_rows`), and falls back to
-every position for a batch that overflows it (adaptive.py).
+log Σ_v exp(h·e_v + b_v) is one matmul where the (N, V) float32 logits fit in
+`LOGITS_MEMORY_SHARE` of the device (a WikiText-103 batch: 18,432 x 20,003 x 4 B =
+1.5 GB), else blocks of `block_rows` with an online (max, sum), recomputed backward.
+A tail cluster gathers only its targets' positions, up to `tail_capacity`.
 """
 from collections.abc import Sequence
 import functools

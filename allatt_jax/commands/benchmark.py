@@ -1,19 +1,12 @@
 r"""Throughput of a config's model: train steps, pruned models' inference, matmul peak.
 
   python -m allatt_jax.benchmark --config=configs/bench_cpu.py --out=/tmp/bench.json
-
-Prints a summary and the JSON report of `throughput.measure` (which describes every
-figure); the config's `benchmark` section (configs/bench_cpu.py) sets steps, rounds
-and head fractions, and any run config works with `throughput.BenchmarkPlan`'s
-defaults (e.g. configs/wt103_base.py on an accelerator).
-
-`--profile` adds where the baseline train step's time goes (step_profile.py: a
-trace of a few steps, per scope, matmul against the rest, the output layer's and the
-attention's shares). `--variant=NAME:section.key=value,...` times the config with
-those overrides beside it, in the same rounds (bench_variants.py), e.g.
-
   python -m allatt_jax.benchmark --config=configs/bench_cpu.py --profile \
     --variant=two_heads_a_step:model.head_block=2
+
+Prints a summary and the JSON report; the config's `benchmark` section sets steps,
+rounds and head fractions. `--profile` adds where the baseline step's time goes;
+`--variant=NAME:section.key=value,...` times the config with overrides beside it.
 """
 from collections.abc import Sequence
 import dataclasses

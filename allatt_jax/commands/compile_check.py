@@ -2,17 +2,10 @@ r"""Compiles a config's train step for a large mesh without running it or alloca
 
   python -m allatt_jax.compile_check --config=configs/wt103_base.py --devices=32 --mesh=8,4
 
-Lowers and compiles the sharded train step for `--devices` fake CPU devices arranged as
-a (data, model) mesh, from abstract shapes only (`jax.eval_shape`: no parameter is
-materialised), so a sharding mistake (an axis that does not divide, a constraint that
-cannot hold) shows up in a minute on a laptop instead of on a reserved pod. Prints
-the compile time and the per-device memory XLA plans for the step (arguments =
-state and batch shards, outputs, temporaries) and its FLOPs.
-
-The figures are for XLA:CPU; a TPU or GPU compile fuses and lays out differently, so
-treat the memory as a sanity check of the sharding (does each device hold 1/model of
-the heads?), not as an exact HBM budget. `--devices` sets JAX's CPU device count
-(`jax_num_cpu_devices`) before JAX starts its backend. The check is `compile_report.py`'s.
+Compiles the sharded step for `--devices` fake CPU devices as a (data, model) mesh from
+abstract shapes, so a sharding mistake shows in a minute on a laptop. Prints compile
+time, XLA's per-device memory plan and FLOPs: XLA:CPU's figures, a sanity check of the
+sharding, not an exact HBM budget.
 """
 import dataclasses
 import json

@@ -1,14 +1,10 @@
 r"""Prints the parameters and MACs per token of a config's or a trained model's heads.
 
-Counts and forward MACs per token (`head_costs.py` has the formulas), before and
-after head pruning:
-
   python -m allatt_jax.costs --config=configs/wt103_base.py --heads_kept=0.5
   python -m allatt_jax.costs --checkpoint=RUN/pruned/export     # a trained model
 
-A config is costed at its training lengths; a trained model (`--checkpoint`: an
-export, or a run's workdir, whose closed gates count as removed heads) at its eval
-lengths, as it is used for scoring and sampling.
+Before and after head pruning. A config is costed at its training lengths; a trained
+model (an export, or a workdir whose closed gates count as removed) at its eval lengths.
 """
 from collections.abc import Sequence
 import json

@@ -1,13 +1,10 @@
 r"""Evaluates a trained model on a split of its dataset, or on a text file, as JSON.
 
-The model is a run's workdir (any checkpoint step) or an export; a text file is read
-as one row, as `python -m allatt_jax.score` reads it, and needs no dataset:
-
   python -m allatt_jax.evaluate --checkpoint=DIR [--step=N] [--split=valid|test]
   python -m allatt_jax.evaluate --checkpoint=DIR --text_file=FILE
 
-The evaluation itself (memory carried along each row, every token scored once) is
-`likelihood.evaluate_model`'s.
+DIR is a run's workdir or an export; a text file is read as one row, as `score` reads
+it, and needs no dataset. Every token is scored once, with the memory carried.
 """
 import json
 import sys

@@ -1,17 +1,11 @@
 """Exports a pruning run as a smaller model without gates or its closed heads.
 
-The export (`exported_model.save`: config.json, params with the closed heads removed
-by `prune.remove_heads`, tokenizer.json, vocabulary.json) is loadable and usable on
-text without the training run or its dataset (`trained_model.load`).
-
-A pruning run exports its final state itself, to RUN/export; this command exports a
-run's latest checkpoint (or checkpoint --step) again:
-
   python -m allatt_jax.export --workdir=RUN [--step=N] [--out=DIR] [--overwrite]
 
-Without --out, the final step goes to RUN/export and any other step N to
-RUN/export-step-N. An existing export is replaced only with --overwrite: the run's
-own is the one its results.json (and a demo's report.json) describes.
+Exports a run's latest checkpoint (or --step) as a folder usable without the run or
+its dataset. Without --out, the final step goes to RUN/export (a pruning run writes it
+itself) and step N to RUN/export-step-N; an existing export is replaced only with
+--overwrite.
 """
 from absl import flags
 

@@ -2,11 +2,8 @@ r"""Regenerates the demo's outputs quoted in README.md from a finished demo work
 
   python -m allatt_jax.readme_examples --workdir=/tmp/allatt_demo [--readme=README.md]
 
-Each quoted output sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`
-markers (NAME: demo, score, sample); everything between them is rewritten from the
-workdir (its report.json, and scoring and sampling its models with the commands the
-README shows), so the README's numbers and texts are always those of one demo run.
-The blocks are `readme_blocks.py`'s.
+Rewrites what lies between `<!-- generated:NAME -->` and `<!-- end:NAME -->` (NAME:
+demo, score, sample) from the workdir, so the README's numbers are one demo run's.
 """
 import pathlib
 

@@ -3,12 +3,9 @@ r"""Generates text from a trained model with the Transformer-XL memory.
   python -m allatt_jax.sample --checkpoint=DIR [--step=N] --prompt="the history of" \
       --num_tokens=200 [--temperature=1.0 --top_k=0 --seed=0]
 
-DIR is a run's workdir (baseline or pruning run; gated models use their
-deterministic gates) or an exported model. The prompt is read once, in segments of
-at most the eval seq_len, to fill the memory; each new token is then produced by one
-jitted single-token step that attends to the memory (the run's eval mem_len) and
-itself, so the prompt is never recomputed. The same seed gives the same text.
-The generation is `sampler.py`'s.
+DIR is a run's workdir (gated models use their deterministic gates) or an export. The
+prompt fills the memory once; each new token is one step attending to the memory (the
+eval mem_len) and itself. The same seed gives the same text.
 """
 from absl import flags
 from absl import logging

@@ -2,14 +2,10 @@ r"""Scores a text file with a trained model: per-token log-probabilities, ppl or
 
   python -m allatt_jax.score --checkpoint=DIR [--step=N] --text_file=FILE [--out=FILE.jsonl]
 
-DIR is a run's workdir (baseline or pruning run; gated models use their
-deterministic gates) or an exported model. The text is tokenised with the model's
-saved tokenizer (its dataset's vocabulary and rules) and read as one row, segment by segment, with the Transformer-XL
-memory carried across the whole file (the eval seq_len and mem_len of the run's
-config), exactly as `evaluate` reads a split: every token after the first, which is
-context only, is scored once. Prints a JSON summary; with --out, writes one JSON line
-per scored token: {"position": i, "token": ..., "log_prob": ln p(token_i | token_<i)}.
-The scoring is `likelihood.py`'s.
+DIR is a run's workdir (gated models use their deterministic gates) or an export. The
+text, tokenised by the model's tokenizer, is read as one row with the memory carried
+(the eval lengths); every token after the first is scored once. Prints a JSON summary;
+--out writes {"position": i, "token": ..., "log_prob": ln p(token_i | token_<i)} lines.
 """
 import json
 import os

@@ -1,12 +1,11 @@
 """Prepares a dataset (if needed) and prints its statistics as one JSON object.
 
-The ids are prepared once into <data_dir>/allatt_text/<dataset>/1.0.0/ and read
-from there by every run with the same data_dir.
-
   python -m allatt_jax.data --dataset=wikitext2 --manual_dir=DIR [--data_dir=DIR]
   python -m allatt_jax.data --dataset=text_files --manual_dir=DIR --level=word
       [--files=train.txt,valid.txt,test.txt --min_count=1 --max_vocab=0 --clean=]
   python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
+
+The ids go to <data_dir>/allatt_text/<dataset>/1.0.0/, read there by every run.
 """
 import json
 

@@ -1,30 +1,11 @@
 """The TFDS builder `allatt_text`: every dataset of allatt_jax as token ids.
 
-One builder, one config per dataset (`BUILDER_CONFIGS`): wikitext103, wikitext2,
-text8, enwik8, wikitext_chars (shipped in the package), ptb, lm1b (the ids of TFDS's
-own `lm1b` dataset, which TFDS prepares first) and text_files (your own folder,
-given as the manual folder; a run's folder and options get a config of their own,
-`text_files_<hash>`). Importing this module registers it, so
-`tfds.builder('allatt_text/text8')` works; `as_dataset` yields a split's ids in order
-as {'ids': int32}. (An earlier allatt_jax registered one builder per dataset,
-`tfds.builder('text8')`.)
-
-What the builder prepares is the encoded corpus itself, the one copy on disk: the
-sources are read, checked, hashed and split once, encoded, and written as
-train/valid/test.npy plus vocab.json into TFDS's dataset folder
-`<data_dir>/allatt_text/<config>/1.0.0/` (see cache.py), with what they were made
-from in TFDS's metadata. No TFDS records of the raw text are written: a run
-memory-maps the arrays, and a 100M-token int array is no TFDS example anyway.
-
-Sources: the official archive is downloaded (to `<data_dir>/downloads`) unless the
-folder `manual_dir` (TFDS's DownloadConfig) holds the official files.
-
-Checksums: `checksums.tsv` beside this module pins the archives whose SHA-256 is
-known (WikiText-103, WikiText-2, enwik8). text8.zip (31,344,016 bytes) is not
-pinned; to pin it, run once online
-  tfds build allatt_jax/data/builder.py --config=text8 --register_checksums
-(or `download_and_prepare` with `DownloadConfig(register_checksums=True)`), which
-adds its line to `checksums.tsv`; TFDS then verifies every later download.
+One config per dataset (`BUILDER_CONFIGS`; text_files gets `text_files_<hash>` per
+folder and options). Importing this module registers it (`tfds.builder(
+'allatt_text/text8')`); `as_dataset` yields a split's ids in order as {'ids': int32}.
+It prepares the encoded corpus itself: train/valid/test.npy and vocab.json in
+`<data_dir>/allatt_text/<config>/1.0.0/` (cache.py), no TFDS records of the text.
+Sources come from `manual_dir` if it holds the official files, else are downloaded.
 """
 import contextlib
 import dataclasses
@@ -64,6 +45,9 @@ class AllattText(tfds.core.DatasetBuilder):
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
       'Put the official files of the dataset (an unzip of its archive) or, for '
       'text_files, your train/valid/test files in the manual folder.')
+  # checksums.tsv pins WikiText-103, WikiText-2 and enwik8; text8.zip (31,344,016
+  # bytes) is not pinned: to pin it, run once online `tfds build
+  # allatt_jax/data/builder.py --config=text8 --register_checksums`.
   # Where TFDS looks for checksums.tsv. Its own lookup through package resources
   # fails for editable installs on Python >= 3.9 (it needs importlib_resources).
   code_path = epath.Path(__file__)

@@ -1,14 +1,10 @@
 """The prepared datasets on disk, read without TensorFlow.
 
-`dataset_dir` is the folder the `allatt_text` TFDS builder (builder.py) prepares:
-train/valid/test.npy (int32 ids, memory-mapped on load), vocab.json, and TFDS's
-dataset_info.json and metadata.json, the latter recording what the ids were made
-from (`metadata`). TFDS writes it into a temporary folder renamed into place, and
-a rebuild moves the old folder aside until the new one is complete
-(`set_aside`), so a reader sees the old folder, none, or the new one.
-
-An earlier allatt_jax kept TFDS records of the raw text in `<data_dir>/<name>/1.0.0`
-and the ids in `<data_dir>/allatt_encoded/<name>/`; `legacy_encoding` finds those.
+`dataset_dir` is the folder the `allatt_text` builder prepares: train/valid/test.npy
+(int32, memory-mapped), vocab.json, and TFDS's dataset_info.json and metadata.json
+(what the ids were made from, `metadata`). A rebuild sets the old folder aside until the
+new one is complete (`set_aside`), so a reader sees the old, none, or the new.
+`legacy_encoding` finds an earlier allatt_jax's layouts.
 """
 from collections.abc import Iterator
 import contextlib

@@ -56,8 +56,7 @@ class Corpus:
     return self.tokenizer.decode(ids)
 
   def statistics(self) -> dict:
-    """Vocabulary, split sizes and <unk> counts: what `python -m allatt_jax.data`
-    prints."""
+    """Vocabulary, split sizes and <unk> counts."""
     result = {
         'dataset': self.name, 'level': self.level, 'metric': self.metric,
         'vocab_size': self.vocab_size,

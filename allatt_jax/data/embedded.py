@@ -1,15 +1,11 @@
 """The `wikitext_chars` corpus shipped in the package, and how it is made.
 
-Text: WikiText-2 raw valid then test (Merity et al. 2016, CC BY-SA 3.0), cleaned
-the way text8 was made from Wikipedia (Mahoney's wikifil.pl), with one change:
-  * accents are removed (NFKD) before anything else, so 'café' stays 'cafe'
-    instead of breaking into 'caf'; other non-Latin letters become spaces;
-  * lowercase (casefold: 'ß' -> 'ss');
-  * each digit becomes its English word, as in text8: '1984' -> ' one nine eight
-    four ';
-  * every other character (punctuation, WikiText's @-@ markers, newlines) becomes
-    a space; runs of spaces collapse to one; no leading or trailing space.
-The result is one line of a-z and spaces, split 90/5/5 by characters when loaded.
+WikiText-2 raw valid then test (Merity et al. 2016, CC BY-SA 3.0), cleaned as text8
+was from Wikipedia (Mahoney's wikifil.pl), except that accents are removed first (NFKD:
+'café' -> 'cafe'; other non-Latin letters become spaces): casefold, digits spelled out
+('1984' -> ' one nine eight four '), every other character a space, runs of spaces
+collapsed, no leading or trailing space. One line of a-z and spaces, split 90/5/5 by
+characters when loaded.
 """
 import lzma
 import pathlib

@@ -1,11 +1,9 @@
 """One Billion Word (lm1b) through TFDS's own `lm1b` builder.
 
-TFDS downloads the 1.8 GB archive (or takes it from `manual_dir`, where TFDS looks
-for a file of the archive's name), extracts it and writes one example per sentence.
-It has train (the 99 training files) and test (the 50 held-out files) and writes
-the sentences in an order shuffled by a hash of their keys, the same on every
-machine: the stream reads independent sentences in that order, each ended by
-<eos>. Valid is the first half of TFDS's test split, test the second half.
+TFDS downloads the 1.8 GB archive (or takes it from `manual_dir`) and writes one
+example per sentence, in an order shuffled by a hash of their keys, the same on every
+machine; the stream reads them in that order, each ended by <eos>. Valid is the first
+half of TFDS's test split (the 50 held-out files), test the second.
 """
 from collections.abc import Iterator
 import contextlib

@@ -3,10 +3,7 @@
 Words: split on whitespace, one <eos> per line, vocabulary from train only in
 descending frequency (ties: first occurrence), <unk> an ordinary word.
 Characters: the text8 alphabet (space and a-z). Bytes: id = byte value.
-
-`Tokenizer` is a vocabulary with its rules, the one way text becomes ids outside
-the corpus build; it is saved as JSON beside a run's or an export's config, so a
-model scores and samples text without its dataset.
+`Tokenizer`, a vocabulary with its rules, is saved beside a model's config.
 """
 from collections.abc import Iterable, Mapping
 import dataclasses

@@ -3,17 +3,10 @@ r"""Runs experiment suites and writes their tables and figures into the workdir.
   python -m allatt_jax.experiments --suite=lambda_sweep --config=configs/exp_chars.py \
       --workdir=/tmp/exp_chars
 
-Writes WORKDIR/<suite>.md and the suite's PNGs; runs live in WORKDIR/runs/. A rerun
-reuses finished runs and resumes unfinished ones, so several suites (or `all`) can
-share one workdir and the runs they have in common. `repro` (configs/repro_wt2.py,
-for an accelerator) is not part of `all`.
-
-`--max_minutes=M` time-boxes an invocation: after M minutes the training run in
-progress saves a checkpoint and the command exits with status 143, as on SIGTERM; the
-same command continues. A run whose training ends in time still evaluates (and
-exports) before the command stops, so leave a margin for that under a hard limit.
-Compiled steps are cached in WORKDIR/compile_cache, so a resumed slice does not
-compile them again.
+Writes WORKDIR/<suite>.md and PNGs; runs live in WORKDIR/runs/ and are reused or
+resumed, so suites (or `all`; `repro` is not in it) can share a workdir.
+`--max_minutes=M` stops after M minutes with a checkpoint and status 143, as on SIGTERM
+(a run ending in time still evaluates and exports first); rerun to continue.
 """
 import pathlib
 import time

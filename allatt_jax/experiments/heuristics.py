@@ -1,35 +1,24 @@
 """Heuristic head pruners: a head mask from a trained model, by a per-head score.
 
-The baselines the L0 gates are compared with in the `heuristics` suite. Each turns a trained,
-ungated model into a boolean mask per layer (True = keep) with exactly the requested
-number of heads removed; the head surgery of the L0 method's export
-(`prune.remove_heads`, which takes the mask) then removes the masked heads, so both
-kinds of pruned model are built, evaluated and fine-tuned the same way.
+`prune_mask` turns a trained, ungated model into a boolean mask per layer (True =
+keep) with exactly the requested number of heads removed, for `prune.remove_heads`.
+Scores (higher keeps a head), measured on training batches read with the memory
+carried (`stream_eval.read_stream`):
 
-Scores (a higher score keeps a head), measured on training batches read in order
-with the Transformer-XL memory carried, as in training (`stream_eval.read_stream`):
-
-  michel        Michel et al. 2019: I_h = E_batch |∂L/∂ξ_h| for a head mask ξ that
-                multiplies each head's output, L2-normalised within each layer; heads
-                are removed iteratively, a fraction of all heads at a time, scores
-                recomputed under the current mask.
-  entropy       attention entropy per query over every key the query sees (context
-                and persistent slots), divided by its maximum log(#keys); diffuse
-                heads go first (score = −entropy).
-  sparsity      Hoyer sparsity of the attention distribution, (√n − 1/‖p‖₂)/(√n − 1):
-                1 for one-hot, 0 for uniform; the least sparse heads go first.
-  distribution  Jensen-Shannon divergence (in bits) between a head's attention
-                distribution and the mean distribution of the other heads of its
-                layer: heads that attend like their neighbours are redundant and go
-                first.
+  michel        Michel et al. 2019: I_h = E_batch |∂L/∂ξ_h| for a mask ξ on each
+                head's output, L2-normalised per layer; removed iteratively, a
+                fraction of all heads at a time, rescored under the current mask.
+  entropy       attention entropy per query over every key it sees (context and
+                persistent), / log(#keys); score = −entropy.
+  sparsity      Hoyer sparsity (√n − 1/‖p‖₂)/(√n − 1): 1 one-hot, 0 uniform.
+  distribution  Jensen-Shannon divergence (bits) from the mean distribution of the
+                layer's other heads: heads that attend like their neighbours go first.
   magnitude     L2 norm of the head's slices of W_Q, W_K, W_V, W_R and W_O.
   random        uniform scores from a seeded generator.
 
-Entropy, sparsity and distribution are our concrete reading of the "entropy,
-sparsity and attention distribution" metrics of attention-guided head pruning (its
-abstract names them without formulas). Their scores, like the
-magnitudes, are compared across layers as they are; only Michel's are normalised per
-layer, as in that paper.
+Entropy, sparsity and distribution are our reading of attention-guided head pruning's
+metrics (its abstract names them without formulas); only Michel's scores are
+normalised per layer, as in that paper; the others compare across layers as they are.
 """
 import dataclasses
 import functools

@@ -1,14 +1,10 @@
 """The suite `persistent`: what to prune at a MAC budget, heads or persistent memory.
 
-At each MAC budget of `experiments.persistent_budgets` (fractions of the unpruned
-model's MACs per token, which in All-att are the attention stack's), three budget
-runs prune to exactly the same size: heads only (the paper's unit), groups of
-`experiments.persistent_group` persistent slots only (`gates.heads=False`: every
-head stays), and both (`gates.persistent_group`); each plain and distilling from the
-baseline (`experiments.persistent_distill`). A kind that cannot reach a budget (groups
-alone never remove a head's projections and context attention) is left out, and the
-table says so. Each export's inference speed is measured against the baseline's on
-the same valid tokens (`demo_report.measure_speed`: alternating, best of 3).
+At each MAC budget (`experiments.persistent_budgets`, fractions of the unpruned MACs
+per token), budget runs prune to the same size by heads only, by groups of persistent
+slots only (`gates.heads=False`), and by both, each plain and distilling; a kind that
+cannot reach a budget is left out and the table says so. Each export's inference speed
+is measured against the baseline's on the same tokens (alternating, best of 3).
 """
 from allatt_jax import data as data_lib
 from allatt_jax.reports import demo_report

@@ -1,11 +1,8 @@
 """The experiment plan: an experiment config's `experiments` section, typed and checked.
 
-The command reads it once from its ConfigDict (`from_section` of its `to_dict()`),
-beside the baseline's `RunConfig`; every error names the flag that sets the key, and
-comes before any run starts. `Plan` holds the keys every experiment config has (the
-whole section of configs/repro_wt2.py, enough for the repro, lambda_sweep and
-txl_widths suites); `ExperimentPlan` adds those the other suites need
-(configs/exp_chars.py).
+Read once (`from_section`), before any run starts; every error names the flag that
+sets the key. `Plan` holds the keys every experiment config has (enough for the repro,
+lambda_sweep and txl_widths suites); `ExperimentPlan` adds the other suites'.
 """
 import dataclasses
 from collections.abc import Mapping

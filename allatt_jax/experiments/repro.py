@@ -1,11 +1,9 @@
 """The accelerator suite `repro` (configs/repro_wt2.py): the paper's Table 1 and Fig. 3.
 
-Runs the All-att baseline, an L0 pruning run from it at each λ of
-`experiments.lambdas` (scored as its exported model, closed heads removed) and a
-Transformer-XL of the baseline's depth and recipe at each of `experiments.txl_widths`.
-The report names the device and date, since its numbers are only comparable on the
-same hardware, and each run's training throughput, from which step counts for
-another lease follow.
+Runs the All-att baseline, an L0 pruning run at each of `experiments.lambdas` (scored
+as its export) and a Transformer-XL at each of `experiments.txl_widths`. The report
+names the device and date (its numbers compare only on the same hardware) and each
+run's training throughput.
 """
 import datetime
 

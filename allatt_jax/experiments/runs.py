@@ -1,28 +1,9 @@
 """The runs behind the experiment suites, each an ordinary run in WORKDIR/runs/<name>.
 
-An experiment is a baseline run config (a `RunConfig`) and a plan (plan.py, the
-config's `experiments` section) that says how every other run differs from it:
-
-  baseline            the baseline run config itself
-  continued           the baseline trained on for the pruning run's steps and learning
-                      rate, without gates: the unpruned reference a pruned model is
-                      compared with (pruning runs train longer than the baseline)
-  l0                  a pruning run from the baseline (the paper's method) at some λ,
-                      seed and ablation variant; scored as its exported model
-  txl                 a Transformer-XL baseline of some width, baseline recipe
-  heuristic           a head mask from `heuristics.prune_mask` on the baseline, the
-                      masked model exported (`<name>_masked`, scored as it is, by
-                      `exported_model.export_and_evaluate`), then fine-tuned like
-                      `continued`, from it
-  budget              a pruning run with a budget target instead of λ (budget.py,
-                      head_costs.py), plain or distilling from the baseline (distill.py)
-
-A run whose folder holds results.json is finished and is read back instead of rerun;
-an unfinished one resumes from its last checkpoint (`train.train_and_evaluate`). With
-a deadline, the run in progress stops there with a checkpoint and no later run starts
-(errors.Preempted), so a suite can be driven in time-boxed slices; SIGTERM stops a
-suite the same way (preemption.py). In a multi-host run every process runs the
-runs, and process 0 alone writes the files of this module.
+Kinds: baseline, continued (the unpruned reference, trained on for a pruning run's
+steps), l0, txl, heuristic (a masked export, then fine-tuned like continued), budget.
+A finished run is read back, an unfinished one resumes; past a deadline or on SIGTERM
+the run in progress checkpoints and no later one starts. Process 0 writes the files.
 """
 from collections.abc import Mapping
 import dataclasses

@@ -1,21 +1,9 @@
 """The experiment suites: which runs each needs, and its table and figures.
 
-Each suite takes an `runs.Experiment`, makes (or reads back) its runs, and returns a
-`Report`: a markdown section and the PNG files it drew into the workdir. lambda_sweep
-and txl_widths read only the keys of any plan (plan.Plan); the others need an
-`ExperimentPlan`'s.
-
-  lambda_sweep  the paper's Tables 1/2: λ, sparsity, params w/o embedding, metric;
-                plus Fig. 1 from the cost model
-  ablation      Table 3: the change in metric when each technique is left out
-  txl_widths    Fig. 3 measured: metric vs non-embedding params, TXL of reduced
-                widths against pruned All-att
-  heuristics    L0 against each heuristic pruner (heuristics.py) at the sparsities
-                the L0 runs reached, before and after the same fine-tuning
-  budget        the Lagrangian controller (budget.py): requested vs reached budget
-  distill       budget runs with and without distillation from the baseline
-                (distill.py), at equal head sparsities, against `continued`
-  persistent    MAC budgets pruned by heads, persistent groups or both (persistent.py)
+Each suite makes (or reads back) an experiment's runs and returns a `Report` (markdown
+and PNGs): lambda_sweep (Tables 1/2, Fig. 1), ablation (Table 3), txl_widths (Fig. 3
+measured), heuristics, budget, distill and persistent. lambda_sweep and txl_widths need
+only a `plan.Plan`, the others an `ExperimentPlan`.
 """
 import dataclasses
 import glob

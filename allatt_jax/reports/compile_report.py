@@ -1,11 +1,9 @@
 """What compiling a config's sharded train step takes and plans per device, from
 abstract shapes only (`jax.eval_shape`: no parameter is materialised).
 
-`python -m allatt_jax.compile_check` prints a `Report` for a mesh of fake CPU devices;
-its figures are XLA:CPU's, a sanity check of the sharding rather than an HBM budget.
-The report also gives the step's work and memory traffic per token (hlo_cost.py:
-flops, matmul flops, bytes accessed, every loop body counted by its trip count), a
-proxy of an accelerator's step that a CPU computes for any config.
+A `Report` gives XLA:CPU's figures for a mesh of fake CPU devices (a sanity check of
+the sharding, not an HBM budget) and the step's work and memory traffic per token
+(`hlo_cost.step_proxy`).
 """
 import dataclasses
 import math

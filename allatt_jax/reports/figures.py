@@ -1,7 +1,5 @@
 """Every figure: the pruning run's gate heat map (the demo's gates.png), the cost
 model (the paper's Fig. 1) and the experiment suites' measured results.
-
-`python -m allatt_jax.plots --workdir=RUN` draws any pruning run's gates.
 """
 import dataclasses
 import json

@@ -1,10 +1,8 @@
 """The demo's outputs that README.md quotes, made from a finished demo workdir.
 
-Each quoted output sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`
-markers (NAME: demo, score, sample); `generated_blocks` makes them from the workdir
-(its report.json, and scoring and sampling its models as the README's commands do)
-and `rewrite_blocks` puts them in, so that the README's numbers and texts are always
-those of one demo run (`python -m allatt_jax.readme_examples`).
+Each sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->` (NAME: demo, score,
+sample); `generated_blocks` makes them from the workdir (its report.json, and scoring
+and sampling its models as the README's commands do) and `rewrite_blocks` puts them in.
 """
 import json
 import re
