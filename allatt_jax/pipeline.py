@@ -1,20 +1,9 @@
 """Baseline → pruning → export → comparison, as one command (configs/demo.py).
 
-The config describes the baseline run; its `pipeline` section holds what the pruning
-run changes: `prune_train` (keys of the train section), `prune_gates` (its whole
-gates section: a fixed λ, or a size through `target_sparsity`, `target_params` or
-`target_macs`) and `prune_distill` (its distill section: the baseline as teacher);
-the command resolves it into a `PipelineConfig` (`resolver.checked_pipeline`). Each
-stage is an ordinary run in its own subfolder of the workdir, so a rerun resumes
-whatever was not finished and reuses what was: the baseline in `baseline/`, the
-pruning stage in `pruned/`, or, when `pruned/` (and every other `pruned-N/`) was
-trained with other pruning settings, in the first free `pruned-N/`.
-Nothing trained is overwritten or mixed. Both stages are checked before the baseline
-trains (`resolver.checked_pipeline`). SIGTERM or Ctrl-C stops the pipeline at the next
-safe point (a training step, the end of a phase or a stage; see preemption.py) with
-exit status 143 or 130, and a rerun goes on from there.
-
-Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary table.
+Each stage is an ordinary run in its own folder of the workdir (`baseline/`, then
+`pruned/`, or the first free `pruned-N/` when those hold other pruning settings), so a
+rerun resumes what was not finished and reuses what was; nothing trained is
+overwritten. Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary.
 """
 from etils import epath
 import jax

@@ -1,14 +1,8 @@
 """A command's config becomes, once, the checked and typed objects its runs are made of.
 
-`checked_config` reads a command's ConfigDict into a `RunConfig` and checks it
-(config_checks.py) before any data is read or code traced; `checked_pipeline` does so
-for both stages of a pipeline (configs/demo.py). `prepared_run` then reads the
-dataset, completes the config from it (`model.vocab_size` 0 is the dataset's; own
-word-level text's adaptive softmax, `word_output`) and builds the run's objects (a
-`RunSetup`: model, mesh, optimizer, L0 term, step constants, state shapes);
-`prepared_pipeline` does that for both stages with one read of the dataset.
-`run_setup` builds a setup without data, for commands that only compile or measure.
-Everything below receives these objects.
+`checked_config` / `checked_pipeline` check a ConfigDict before any data is read;
+`prepared_run` / `prepared_pipeline` read the dataset, complete the config from it and
+build each run's `RunSetup`; `run_setup` builds one without data.
 """
 import dataclasses
 import functools

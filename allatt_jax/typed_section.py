@@ -1,5 +1,5 @@
-"""A config section that is no part of a run (an experiment's plan, a benchmark's),
-read once into a frozen dataclass whose type hints say what each key takes.
+"""The one reader of a config section into its frozen dataclass, whose type hints say
+what each key takes: a run's sections, an experiment's plan, a benchmark's.
 
 Every error names the flag that sets the key, and comes before any work starts.
 """
