@@ -241,9 +241,10 @@ class Experiment:
     masked_config = run_files.load_config(masked_dir)
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
-    config = run_config.derived_run(
+    # Made from the masked export, so not among the runs checked before the suite.
+    config = resolver.checked_config(run_config.derived_run(
         self._continued_config(seed), init_from=str(masked_dir),
-        model=dict(heads_per_layer=tuple(masked_config.model.heads_per_layer)))
+        model=dict(heads_per_layer=tuple(masked_config.model.heads_per_layer))))
     tuned = self._run(name, "heuristic", config)
     for record in (masked, tuned):
       record.extra.update(method=method, removed=num_remove, seed=seed)
