@@ -2,11 +2,14 @@
 checkout's allatt_jax, also where another checkout of it is installed (an editable
 install of another worktree would otherwise win in the subprocesses).
 
-The test process keeps the steps it compiles in a persistent compilation cache of its
-own: many tests (and many files) train the same tiny runs, whose train, evaluation and
-export steps are most of their CPU time. The cache is this process's only (one per
-xdist worker, none shared between processes), and the commands the tests start do not
-use it: they compile their own steps, as they would outside the tests."""
+The tests keep the steps they compile in a persistent compilation cache, new for each
+session and shared by everything the session runs: the test processes (each xdist
+worker) and the commands the tests start (`python -m allatt_jax.main` ...), which read
+it from JAX_COMPILATION_CACHE_DIR. Many tests (and many files) train the same tiny
+runs, and a restarted or resumed run compiles the steps its first start compiled:
+compiling is most of these runs' CPU time. A cached step is the executable XLA
+compiled for the same program, options and devices, so a run computes what it would
+compute after compiling the step itself."""
 import os
 import pathlib
 import sys
@@ -20,18 +23,34 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 
 _CACHE_SETTINGS = {"jax_compilation_cache_dir": None,
-                   "jax_persistent_cache_min_compile_time_secs": 0}
+                   "jax_persistent_cache_min_compile_time_secs": 0,
+                   "jax_persistent_cache_min_entry_size_bytes": 0}
+
+
+def _session_dir(tmp_path_factory) -> pathlib.Path:
+  """A folder of this session's own: with xdist, the one its workers' folders are in."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-  """This process's persistent compilation cache, new for each session."""
+  """This session's persistent compilation cache, for this process and the commands
+  the tests start (through the environment, which they inherit)."""
   import jax  # pylint: disable=import-outside-toplevel
-  settings = {**_CACHE_SETTINGS,
-              "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache"))}
+  cache_dir = _session_dir(tmp_path_factory) / "jax_cache"
+  cache_dir.mkdir(exist_ok=True)
+  settings = {**_CACHE_SETTINGS, "jax_compilation_cache_dir": str(cache_dir)}
   before = {key: getattr(jax.config, key) for key in settings}
+  environ_before = {key.upper(): os.environ.get(key.upper()) for key in settings}
   for key, value in settings.items():
     jax.config.update(key, value)
+    os.environ[key.upper()] = str(value)
   yield
   for key, value in before.items():
     jax.config.update(key, value)
+  for key, value in environ_before.items():
+    if value is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = value
