@@ -25,7 +25,7 @@ Baseline and TXLs: batch 96 (18,432 tokens a step, 113 steps an epoch), 4,000 st
 
 Step counts and time, ESTIMATED, not measured (no GPU was available when this was
 written). Training FLOPs per token = 6 × the cost model's forward MACs
-(allatt_jax/costs.py): All-att and TXL d=512 236 MFLOP, TXL d=448 187, d=384 144.
+(python -m allatt_jax.costs): All-att and TXL d=512 236 MFLOP, TXL d=448 187, d=384 144.
 Assuming 10% of the H100's dense bf16 peak (989 TFLOP/s; low because All-att's
 softmax over S + T + N = 2,432 keys a query is memory-bound work that MACs do not
 count), a step of 18,432 tokens takes 44 ms for All-att (22.7 steps/s, 420K
