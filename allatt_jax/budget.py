@@ -117,27 +117,27 @@ class Penalty:
     heads (`layer_heads` at the gates' init) to n* over `target_warmup_steps`. With
     persistent groups (`units`), `allowed` is the budget's value and the count is
     `expected_size`."""
-    lam, gate = lambda_schedule(gates), gates
+    lam = lambda_schedule(gates)
     if allowed is None:
-      return cls(lam, gate, units=units)
+      return cls(lam, gates, units=units)
     warmup = target_warmup_steps(gates.budget_warmup_steps, gates.freeze_step)
     controlled = functools.partial(
-        cls, lam, gate, allowed=allowed, units=units,
+        cls, lam, gates, allowed=allowed, units=units,
         sharpness=sharpness_schedule(warmup, gates.freeze_step, gates.budget_sharpness))
     end = (float(allowed) if units is None
            else units.size_of(allowed, len([h for h in layer_heads if h])))
     if not warmup:
       return controlled(optax.constant_schedule(end))
     if units is None:
-      start = float(expected_open(gate, [jnp.full((h,), gate.init)
+      start = float(expected_open(gates, [jnp.full((h,), gates.init)
                                          for h in layer_heads if h]))
     else:
       groups = units.groups_per_head
       init_gates = {f"layer_{i}": {"attention": {
-          "persistent_logits": jnp.full((h, groups), gate.init),
-          **({"logits": jnp.full((h,), gate.init)} if gate.heads else {})}}
+          "persistent_logits": jnp.full((h, groups), gates.init),
+          **({"logits": jnp.full((h,), gates.init)} if gates.heads else {})}}
                     for i, h in enumerate(layer_heads) if h}
-      start = float(expected_size(gate, init_gates, units.group_share))
+      start = float(expected_size(gates, init_gates, units.group_share))
     return controlled(optax.linear_schedule(start, end, warmup))
 
   def l0(self, stats) -> jax.Array:
