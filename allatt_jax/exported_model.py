@@ -181,7 +181,7 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
 def _group_budget_warnings(config: run_config.RunConfig, decision: dict, total: int,
                            gate_flags: str) -> list[str]:
   """`pruning_warnings` of a budget over heads and persistent groups
-  (`persistent_groups.keep_within_budget`'s decision)."""
+  (`budget_freeze.keep_within_budget`'s decision)."""
   gates = config.gates
   key = gates.budget_target
   asked = f"{gate_flags}.{key}={getattr(gates, key)}"

@@ -16,10 +16,9 @@ import numpy as np
 import tqdm
 
 from allatt_jax import console
+from allatt_jax import gate_values
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
-from allatt_jax import persistent_groups
-from allatt_jax import prune
 from allatt_jax import run_files
 from allatt_jax import stream_eval
 from allatt_jax.errors import TrainingError
@@ -100,10 +99,10 @@ class TrainProgress:
     self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
     if self.is_main:
       host_gates = jax.device_get(gates) if self.gated else None
-      kept = prune.surviving_heads(self.cfg, host_gates) if self.gated else None
+      read = gate_values.read(self.cfg, host_gates) if self.gated else None
+      kept = read.surviving_heads if read else None
       decided = None if kept is None else sum(len(k) for k in kept)
-      slots = (persistent_groups.kept_slots(self.cfg, host_gates) if self.num_groups
-               else None)
+      slots = read.kept_slots if self.num_groups else None
       groups_decided = None if slots is None else _kept_groups(self.cfg, kept, slots)
       self.bar.write(progress_line(done, self.num_steps, steps_per_s, summary,
                                    self.metric, self.num_heads, decided,
@@ -231,9 +230,9 @@ def _append_gate_history(workdir, step, host_gates, cfg: model_lib.ModelConfig,
                          kept, slots=None) -> None:
   """Per-layer, per-head probabilities that the gate is open in the forward pass (the
   deterministic rule keeps a hard gate iff it is >= 1/2), and the heads that rule
-  keeps now (`kept`: `prune.surviving_heads`), for the gates heat map; with gated
-  persistent groups, the same per head and group (`slots`:
-  `persistent_groups.kept_slots`)."""
+  keeps now (`kept`: `gate_values.Gates.surviving_heads`), for the gates heat map;
+  with gated persistent groups, the same per head and group (`slots`:
+  `gate_values.Gates.kept_slots`)."""
   open_probability = lambda logits: np.asarray(gates_lib.forward_open_probability(
       jnp.asarray(logits), cfg.gate)).tolist()
   layers = [host_gates.get(f"layer_{i}", {}).get("attention", {})
@@ -245,7 +244,7 @@ def _append_gate_history(workdir, step, host_gates, cfg: model_lib.ModelConfig,
   if slots is not None:
     group = cfg.gate.persistent_group
     record["persistent_open_prob"] = [
-        open_probability(g[persistent_groups.GROUP_LOGITS]) if g else [] for g in layers]
+        open_probability(g[gate_values.GROUP_LOGITS]) if g else [] for g in layers]
     record["persistent_decided"] = [
         [] if layer is None else
         [np.isin(np.arange(0, cfg.num_persistent, group), s).astype(int).tolist()

@@ -12,14 +12,11 @@ import dataclasses
 
 import flax.linen as nn
 from flax import traverse_util
-import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax import errors
-from allatt_jax import gates as gates_lib
+from allatt_jax import gate_values
 from allatt_jax import model as model_lib
-from allatt_jax import persistent_groups
-from allatt_jax import run_config
 
 # Where the head axis sits in each attention parameter, keyed by its path under
 # `layer_{i}/attention`: kernels (d, H, dh) / (H, dh, d), biases (H, dh),
@@ -40,112 +37,6 @@ _PERSISTENT = (("persistent_key",), ("persistent_value",))
 _OUT_BIAS = ("out", "bias")
 # Sub-modules of a layer that exist only while it has heads.
 _ATTENTION_MODULES = ("attention", "attention_norm")
-_CERTAIN_LOGIT = persistent_groups.CERTAIN_LOGIT
-
-
-def _gate_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
-  """Per layer, a float32 copy of the gate logits (H_i,); empty for a headless layer;
-  open for certain where the heads have no gates (`gates.heads=False`)."""
-  logits = []
-  for i, heads in enumerate(cfg.layer_heads):
-    if not heads:
-      logits.append(np.zeros((0,), np.float32))
-      continue
-    if not cfg.gate.heads:
-      logits.append(np.full((heads,), _CERTAIN_LOGIT, np.float32))
-      continue
-    try:
-      logits_H = np.array(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
-    except KeyError:
-      raise errors.CheckpointError(
-          f"The gates collection has no logits for layer_{i} (expected at "
-          f"gates/layer_{i}/attention/logits); the variables do not come from a gated "
-          "model of this config.") from None
-    if logits_H.shape != (heads,):
-      raise errors.CheckpointError(
-          f"Gate logits of layer_{i} have shape {logits_H.shape}, but the config gives "
-          f"that layer {heads} heads; the variables do not match the config.")
-    logits.append(logits_H)
-  return logits
-
-
-def _deterministic(logits: list[np.ndarray], gate: run_config.GatesSection) -> list[np.ndarray]:
-  """Per layer, the deterministic gate values of `logits`."""
-  return [np.asarray(gates_lib.deterministic(jnp.asarray(logits_H), gate))
-          if logits_H.size else logits_H for logits_H in logits]
-
-
-def _gate_values(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
-  """Per layer, the deterministic gate values (H_i,); empty for a headless layer."""
-  logits = _gate_logits(cfg, gates)
-  return _deterministic(logits, cfg.gate)
-
-
-def surviving_heads(cfg: model_lib.ModelConfig, gates) -> tuple[np.ndarray, ...]:
-  """Per layer, the indices of the heads whose deterministic gate is open (> 0).
-
-  Args:
-    cfg: the gated model's config.
-    gates: its `gates` collection ({'layer_i': {'attention': {'logits': (H_i,)}}}).
-
-  Returns:
-    One int array per layer, ascending; empty for a fully closed or headless layer.
-  """
-  return tuple(np.flatnonzero(g_H > 0) for g_H in _gate_values(cfg, gates))
-
-def keep_open_heads(cfg: model_lib.ModelConfig, gates,
-                    num_open: int) -> tuple[dict, dict]:
-  """The gates with exactly `num_open` heads open by the deterministic rule.
-
-  A budget allows n* heads; the gates, frozen wherever training left them, may keep
-  more or fewer. The heads are then ranked by their logit, over all layers, and the
-  top `num_open` are the survivors; among equal logits the lower layer, then the lower
-  head index, ranks first. A survivor the deterministic rule closed gets a logit that
-  opens it for certain, a head outside the top that the rule kept one that closes it
-  for certain; every other logit is left as it is. Where the rule already keeps
-  `num_open` heads nothing changes, so applying this twice changes nothing more.
-
-  Args:
-    cfg: the gated model's config.
-    gates: its `gates` collection ({'layer_i': {'attention': {'logits': (H_i,)}}}).
-    num_open: n*, 0 .. the model's head count.
-
-  Returns:
-    (the new gates collection as numpy arrays, the decision: 'allowed', 'by_gates'
-    (the heads the deterministic rule kept), 'changed' (head decisions the budget
-    reversed) and the reversed heads as [layer, head] pairs in 'opened' and 'closed').
-  """
-  values = _gate_values(cfg, gates)
-  logits = {i: np.array(gates[f"layer_{i}"]["attention"]["logits"], np.float32)
-            for i, heads in enumerate(cfg.layer_heads) if heads}
-  heads = [(i, h) for i in logits for h in range(len(logits[i]))]
-  if not 0 <= num_open <= len(heads):
-    raise errors.ConfigError(f"A budget of {num_open} open heads does not fit a model "
-                             f"of {len(heads)} heads.")
-  ranked = sorted(heads, key=lambda ih: (-logits[ih[0]][ih[1]], ih[0], ih[1]))
-  survivors = set(ranked[:num_open])
-  opened = [ih for ih in heads if ih in survivors and values[ih[0]][ih[1]] <= 0]
-  closed = [ih for ih in heads if ih not in survivors and values[ih[0]][ih[1]] > 0]
-  for i, h in opened:
-    logits[i][h] = _CERTAIN_LOGIT
-  for i, h in closed:
-    logits[i][h] = -_CERTAIN_LOGIT
-  new_gates = {f"layer_{i}": {"attention": {"logits": logits_H}}
-               for i, logits_H in logits.items()}
-  decision = {"allowed": num_open, "by_gates": num_open - len(opened) + len(closed),
-              "changed": len(opened) + len(closed),
-              "opened": [list(ih) for ih in opened], "closed": [list(ih) for ih in closed]}
-  return new_gates, decision
-
-
-def decision_line(decision: dict, num_heads: int) -> str:
-  """`keep_open_heads`' decision on a model of `num_heads` heads, in a line."""
-  line = (f"budget: the gates keep {decision['by_gates']} of {num_heads} heads at the "
-          f"freeze, the budget allows {decision['allowed']}")
-  if not decision["changed"]:
-    return line + ": kept as they are"
-  return line + (f": {decision['changed']} head decision(s) changed by logit rank "
-                 f"(opened {len(decision['opened'])}, closed {len(decision['closed'])})")
 
 
 def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.ModelConfig:
@@ -153,8 +44,7 @@ def running_model_config(cfg: model_lib.ModelConfig, variables) -> model_lib.Mod
   groups (its export's)."""
   if not cfg.gated:
     return cfg
-  keep, slots = _kept_units(cfg, variables["gates"], _gate_values(cfg, variables["gates"]))
-  return _pruned_config(cfg, keep, slots)
+  return _pruned_config(cfg, *_kept_units(cfg, gate_values.read(cfg, variables["gates"])))
 
 
 def remove_heads(cfg: model_lib.ModelConfig, variables,
@@ -167,7 +57,7 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
   and its gates fold into the survivors' W_O slices, so the result computes its
   deterministic outputs: that is its export. An ungated model keeps its other heads
   unchanged (hard gates, no output scale). Persistent slots go with their head, and
-  a head also loses the slots of its closed persistent groups (`persistent_groups`)
+  a head also loses the slots of its closed persistent groups (`gate_values`)
   and those `slots` names; a closed group takes no attention mass, so removing it
   changes no output. Where the heads of a layer then keep different numbers of slots,
   they are ordered by that number (most first) and each layer's arrays hold the
@@ -195,40 +85,28 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
   """
   removed = _removed_heads(cfg, heads)
   removed_slots = _checked_slots(cfg, slots)
-  if cfg.gated:
-    if not variables.get("gates"):
-      raise errors.CheckpointError(
-          "The variables have no 'gates' collection: this run has no head gates, so "
-          "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
-          "not a baseline.")
-    logits, gate = _gate_logits(cfg, variables["gates"]), cfg.gate
-  else:
-    logits = [np.full((num_heads,), _CERTAIN_LOGIT, np.float32)
-              for num_heads in cfg.layer_heads]
-    gate = run_config.GatesSection(hard=True, scale_output=False)
-  for layer, layer_heads in removed.items():
-    logits[layer][layer_heads] = -_CERTAIN_LOGIT
-  values = _deterministic(logits, gate)
-  keep, kept_slots = _kept_units(cfg, variables.get("gates") if cfg.gated else None,
-                                 values, removed_slots)
-  return _cut_heads(cfg, variables["params"], values, gate, keep, kept_slots)
+  if cfg.gated and not variables.get("gates"):
+    raise errors.CheckpointError(
+        "The variables have no 'gates' collection: this run has no head gates, so "
+        "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
+        "not a baseline.")
+  gates = gate_values.read(cfg, variables.get("gates"), closed=removed)
+  keep, kept_slots = _kept_units(cfg, gates, removed_slots)
+  return _cut_heads(cfg, variables["params"], gates.out_factors, keep, kept_slots)
 
 
-def _kept_units(cfg: model_lib.ModelConfig, gates, values: list[np.ndarray],
+def _kept_units(cfg: model_lib.ModelConfig, gates: gate_values.Gates,
                 removed_slots: Mapping[int, Mapping[int, list[int]]] | None = None
                 ) -> tuple[list[np.ndarray], list[list[np.ndarray]] | None]:
   """(per layer, the heads kept in their order in the smaller model; per layer and
   kept head, its persistent slots kept, or None where every kept head keeps all N)."""
-  gated_slots = persistent_groups.kept_slots(cfg, gates) if gates is not None else None
   keep, slots = [], []
-  for i, g_H in enumerate(values):
-    heads = np.flatnonzero(g_H > 0)
+  for i, heads in enumerate(gates.surviving_heads):
     current = cfg.head_slots(i)
     head_slots = []
     for h in heads:
-      kept_h = np.arange(current[h])
-      if gated_slots is not None and gated_slots[i] is not None:
-        kept_h = gated_slots[i][h]
+      kept_h = (np.arange(current[h]) if gates.kept_slots[i] is None
+                else gates.kept_slots[i][h])
       gone = (removed_slots or {}).get(i, {}).get(int(h), ())
       head_slots.append(np.setdiff1d(kept_h, gone))
     # Most slots first (stably), so that heads of equal counts sit together.
@@ -238,7 +116,7 @@ def _kept_units(cfg: model_lib.ModelConfig, gates, values: list[np.ndarray],
   full = cfg.kind == "allatt" and cfg.num_persistent
   if cfg.persistent_slots is None and all(
       len(s) == full for layer in slots for s in layer):
-    return [np.flatnonzero(g_H > 0) for g_H in values], None
+    return list(gates.surviving_heads), None
   return keep, slots
 
 
@@ -250,16 +128,11 @@ def _pruned_config(cfg: model_lib.ModelConfig, keep, slots) -> model_lib.ModelCo
           tuple(len(s) for s in layer) for layer in slots))
 
 
-def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
-               gate: run_config.GatesSection, keep, slots) -> tuple[model_lib.ModelConfig, dict]:
+def _cut_heads(cfg: model_lib.ModelConfig, params, out_factors: list[np.ndarray],
+               keep, slots) -> tuple[model_lib.ModelConfig, dict]:
   """Slices out the heads `keep` leaves out and the slots `slots` does (padding each
-  layer's persistent arrays to its largest count), and folds g_i · s_g into W_O."""
-  combine = []
-  for g_H in values:
-    # The scale uses the layer's full gate vector, as the gated forward pass does.
-    combine_H = g_H * np.asarray(gates_lib.output_scale(jnp.asarray(g_H), gate))
-    combine.append(combine_H.astype(np.float32))
-
+  layer's persistent arrays to its largest count), and folds each kept head's g_i · s_g
+  (`out_factors`) into W_O."""
   pruned_cfg = _pruned_config(cfg, keep, slots)
   layer_index = {f"layer_{i}": i for i in range(cfg.num_layers)}
   pruned = {}
@@ -282,7 +155,7 @@ def _cut_heads(cfg: model_lib.ModelConfig, params, values: list[np.ndarray],
           "head axis, so it cannot remove heads from it.")
     sliced = np.take(np.asarray(leaf, np.float32), keep[i], axis=_HEAD_AXIS[sub_path])
     if sub_path == _OUT_KERNEL:
-      sliced = sliced * combine[i][keep[i]][:, None, None]
+      sliced = sliced * out_factors[i][keep[i]][:, None, None]
     if sub_path in _PERSISTENT and slots is not None:
       if not max(map(len, slots[i])):
         continue   # no head of the layer keeps a slot: the layer has no such arrays

@@ -12,13 +12,13 @@ import time
 from absl import logging
 import jax
 
+from allatt_jax import budget_freeze
 from allatt_jax import checkpointing
 from allatt_jax import data as data_lib
 from allatt_jax import exported_model
+from allatt_jax import gate_values
 from allatt_jax import preemption
-from allatt_jax import persistent_groups
 from allatt_jax import progress
-from allatt_jax import prune
 from allatt_jax import resolver
 from allatt_jax import run_files
 from allatt_jax import sharding
@@ -184,22 +184,16 @@ def _train_and_evaluate(setup: resolver.RunSetup, workdir,
 
 
 def _keep_budgeted_heads(setup: resolver.RunSetup, workdir, state, step: int):
-  """The state with exactly the budget's n* heads open (`prune.keep_open_heads`), or
-  with persistent groups the units that fit it (`persistent_groups.keep_within_budget`),
-  the decision recorded in BUDGET_FILE and on the console.
+  """The state with exactly the heads (and persistent groups) the budget keeps
+  (`budget_freeze.keep_budgeted`), the decision recorded in BUDGET_FILE and on the
+  console.
 
   Made when the gates freeze, so the last steps train the model at its final size.
   """
-  gates = sharding.on_host(state.variables["gates"])
-  cfg, penalty = setup.lm.cfg, setup.penalty
-  if penalty.units is None:
-    new_gates, decision = prune.keep_open_heads(cfg, gates, penalty.allowed)
-    line = prune.decision_line(decision, sum(cfg.layer_heads))
-  else:
-    new_gates, decision = persistent_groups.keep_within_budget(cfg, gates, penalty.units,
-                                                               penalty.allowed)
-    line = persistent_groups.decision_line(
-        decision, sum(cfg.layer_heads), sum(cfg.layer_heads) * penalty.units.groups_per_head)
+  cfg = setup.lm.cfg
+  host_gates = sharding.on_host(state.variables["gates"])
+  gates = gate_values.read(cfg, host_gates)
+  new_gates, decision, line = budget_freeze.keep_budgeted(cfg, gates, setup.penalty)
   path = workdir / BUDGET_FILE
   if decision["changed"] or not path.is_file():
     if jax.process_index() == 0:

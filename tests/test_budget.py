@@ -17,9 +17,11 @@ from helpers import train_run
 from helpers import run_pipeline
 from allatt_jax import api
 from allatt_jax import budget
+from allatt_jax import budget_freeze
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import exported_model
+from allatt_jax import gate_values
 from allatt_jax import gates as gates_lib
 from allatt_jax import model as model_lib
 from allatt_jax import optim
@@ -47,7 +49,7 @@ def gates_of(*layers):
 
 
 def open_heads(cfg, gates):
-  return [list(map(int, h)) for h in prune.surviving_heads(cfg, gates)]
+  return [list(map(int, h)) for h in gate_values.read(cfg, gates).surviving_heads]
 
 
 # --- The rank rule.
@@ -55,7 +57,7 @@ def open_heads(cfg, gates):
 def test_too_many_open_heads_lose_the_lowest_logits():
   gates = gates_of([3.0, 0.5, -1.0, 2.0], [0.1, 4.0, 0.2, -2.0], [1.0, 1.5, -0.3, 0.4])
   assert sum(map(len, open_heads(CFG, gates))) == 9
-  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert open_heads(CFG, new) == [[0, 1, 3], [1], [0, 1]]
   assert decision == {"allowed": 6, "by_gates": 9, "changed": 3, "opened": [],
                       "closed": [[1, 0], [1, 2], [2, 3]]}
@@ -65,7 +67,7 @@ def test_too_many_open_heads_lose_the_lowest_logits():
 
 def test_too_few_open_heads_gain_the_highest_closed_logits():
   gates = gates_of([-0.2, -3.0, 1.0, -1.0], [-0.1, -4.0, 2.0, -2.0], [-5, -5, -5, 3.0])
-  new, decision = prune.keep_open_heads(CFG, gates, 5)
+  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 5)
   assert open_heads(CFG, new) == [[0, 2], [0, 2], [3]]
   assert decision["by_gates"] == 3 and decision["changed"] == 2
   assert decision["opened"] == [[0, 0], [1, 0]] and decision["closed"] == []
@@ -73,19 +75,20 @@ def test_too_few_open_heads_gain_the_highest_closed_logits():
 
 def test_equal_logits_go_to_the_lower_layer_then_the_lower_head():
   gates = gates_of([2.0] * 4, [2.0] * 4, [2.0] * 4)
-  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert open_heads(CFG, new) == [[0, 1, 2, 3], [0, 1], []]
   assert decision["changed"] == 6
 
 
 def test_the_rule_changes_nothing_when_the_gates_agree_and_is_idempotent():
   gates = gates_of([3.0, -0.5, -1.0, 2.0], [0.1, 4.0, -0.2, -2.0], [1.0, -1.5, -0.3, 0.4])
-  new, decision = prune.keep_open_heads(CFG, gates, 6)
+  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert decision["changed"] == 0
   for i in range(3):
     np.testing.assert_array_equal(new[f"layer_{i}"]["attention"]["logits"],
                                   gates[f"layer_{i}"]["attention"]["logits"])
-  again, decision = prune.keep_open_heads(CFG, prune.keep_open_heads(CFG, gates, 2)[0], 2)
+  once = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 2)[0]
+  again, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, once), 2)
   assert decision["changed"] == 0 and sum(map(len, open_heads(CFG, again))) == 2
 
 
@@ -93,10 +96,10 @@ def test_soft_gates_and_a_budget_out_of_range():
   soft = dataclasses.replace(CFG, gate=run_config.GatesSection(hard=False))
   # Soft gates are open down to σ(π) = 1/12 (π ≈ -2.4).
   gates = gates_of([-2.0, -3.0, 0.0, 1.0], [-4.0] * 4, [-4.0] * 4)
-  new, decision = prune.keep_open_heads(soft, gates, 2)
+  new, decision = budget_freeze.keep_open_heads(soft, gate_values.read(soft, gates), 2)
   assert decision["by_gates"] == 3 and open_heads(soft, new) == [[2, 3], [], []]
   with pytest.raises(ConfigError, match="13 open heads does not fit a model of 12"):
-    prune.keep_open_heads(soft, gates, 13)
+    budget_freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
 
 
 # --- What the controller counts.
@@ -249,7 +252,7 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   # Export, results, the gate figure's marks and Model.costs() agree on the heads.
   gated = checkpointing.read_model(workdir / "pruned")[1]
   cfg = model_lib.ModelConfig.from_config(saved)
-  kept = [len(h) for h in prune.surviving_heads(cfg, gated["gates"])]
+  kept = [len(h) for h in gate_values.read(cfg, gated["gates"]).surviving_heads]
   results = json.loads((workdir / "pruned" / "results.json").read_text())
   assert kept == pruned["heads_per_layer"] == results["export"]["heads_per_layer"]
   assert api.load(workdir / "pruned").costs()["heads_per_layer"] == kept

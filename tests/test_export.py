@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from allatt_jax import errors
+from allatt_jax import gate_values
 from allatt_jax import gates as gates_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
@@ -103,7 +104,7 @@ def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
 ], ids=["hard", "soft"])
 def test_surviving_heads(gate, expected):
   cfg, variables = gated_model("allatt", gate)
-  kept = prune.surviving_heads(cfg, variables["gates"])
+  kept = gate_values.read(cfg, variables["gates"]).surviving_heads
   assert [k.tolist() for k in kept] == list(expected)
 
 
@@ -181,7 +182,7 @@ def test_variables_that_do_not_fit_the_config_are_refused():
 def test_logit_of_exactly_zero_is_open_as_in_the_official_code(open_at_zero, expected):
   cfg = make_cfg("allatt", run_config.GatesSection(open_at_zero=open_at_zero), num_layers=1)
   gates = {"layer_0": {"attention": {"logits": jnp.array([1.0, 0.0, -1e-6, -2.0])}}}
-  assert prune.surviving_heads(cfg, gates)[0].tolist() == expected
+  assert gate_values.read(cfg, gates).surviving_heads[0].tolist() == expected
 
 
 @pytest.mark.parametrize("kind", model_lib.KINDS)

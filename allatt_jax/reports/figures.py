@@ -13,9 +13,9 @@ import numpy as np
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import errors
+from allatt_jax import gate_values
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
-from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax import run_files
 
@@ -154,8 +154,8 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
   while the gates are sampled (an expectation), and from the freeze on, when they
   are deterministic, the decision (1 kept, 0 removed); one row per head, one panel
   per layer. The heads its export keeps are marked ✓ and the removed ones ✗ at the
-  end, by the rule export uses (`prune.surviving_heads` on the final checkpoint's
-  gate logits). Writes WORKDIR/gates.png unless `out_file` is given.
+  end, by the rule export uses (`gate_values.Gates.surviving_heads` on the final
+  checkpoint's gate logits). Writes WORKDIR/gates.png unless `out_file` is given.
 
   Raises:
     CheckpointError: `workdir` is not a pruning run with a gate history and a
@@ -170,7 +170,7 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
         "pruning runs (gates.enabled=True) have gates to plot.")
   records = [json.loads(line) for line in history_file.read_text().splitlines()]
   cfg = model_lib.ModelConfig.from_config(config)
-  kept = prune.surviving_heads(cfg, checkpointing.read_model(workdir)[1]["gates"])
+  kept = gate_values.read(cfg, checkpointing.read_model(workdir)[1]["gates"]).surviving_heads
   out_file = epath.Path(out_file) if out_file else workdir / "gates.png"
   _draw_gates(records, kept, cfg.layer_heads, config.gates, out_file)
   return out_file
