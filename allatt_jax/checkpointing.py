@@ -273,8 +273,7 @@ def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[in
 def read_model(directory, step: int | None = None
                ) -> tuple[run_config.RunConfig, dict, int | None]:
   """(run config, model variables as host arrays, the checkpoint step read) of an
-  exported model (step None) or of a run's workdir: its checkpoint `step`, by
-  default the newest that restores (see `_restore_step`).
+  exported model (step None) or of a run's workdir (see `read_variables`).
 
   Raises:
     CheckpointError: no config.json, no such (readable) checkpoint, or a step asked
@@ -284,6 +283,18 @@ def read_model(directory, step: int | None = None
   # The config first: a folder without one gets load_config's advice (a pipeline's
   # workdir, say), not a missing checkpoint's.
   config = run_files.load_config(directory)
+  return config, *read_variables(directory, step)
+
+
+def read_variables(directory: epath.Path, step: int | None = None
+                   ) -> tuple[dict, int | None]:
+  """(model variables as host arrays, the checkpoint step read) of an exported model
+  (step None) or of a run's workdir (`directory` as run_files.run_path gives it): its
+  checkpoint `step`, by default the newest that restores (see `_restore_step`).
+
+  Raises:
+    CheckpointError: no such (readable) checkpoint, or a step asked of an export.
+  """
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(
@@ -291,6 +302,6 @@ def read_model(directory, step: int | None = None
           "Leave out the step, or point at the training run's workdir.")
     with ocp.StandardCheckpointer() as checkpointer:
       params = checkpointer.restore(directory / "params")
-    return config, {"params": jax.tree.map(np.asarray, params)}, None
+    return {"params": jax.tree.map(np.asarray, params)}, None
   step, variables = _restore_step(directory, step)
-  return config, variables, step
+  return variables, step

@@ -52,14 +52,28 @@ def train_and_evaluate(prepared: resolver.PreparedRun, workdir: str,
     raise ConfigError("A training deadline needs a single process.")
   workdir = run_files.run_path(workdir)
   setup, corpus = prepared.setup, prepared.corpus
+  config = setup.run
   with preemption.watching(watch) as watch:
+    # --- The workdir: checked, opened, described, and the state the run starts from.
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
-    checkpoints = validation.open_checkpoints(setup.run, setup.abstract_state, workdir,
+    checkpoints = validation.open_checkpoints(config, setup.abstract_state, workdir,
                                               vocabulary)
-    if prepared.note and jax.process_index() == 0:
-      print(prepared.note, flush=True)
     try:
-      return _train_and_evaluate(setup, workdir, checkpoints, corpus, vocabulary,
+      if jax.process_index() == 0:
+        if prepared.note:
+          print(prepared.note, flush=True)
+        run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+      source = run_files.run_path(config.init_source) if config.init_source else None
+      if checkpoints.latest_step() is not None:
+        resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
+        logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
+      else:
+        # A pruning run starts from the params of `init_from` (a run or an exported
+        # model), whose shapes `open_checkpoints` checked; its gates and optimizer
+        # start fresh.
+        params = checkpointing.read_variables(source)[0]["params"] if source else None
+        state, data_state = setup.new_state(params), None
+      return _train_and_evaluate(setup, workdir, checkpoints, state, data_state, corpus,
                                  deadline, watch, gate_flags)
     finally:
       # Whatever stopped the run, the save in flight completes (or never counts).
@@ -68,30 +82,19 @@ def train_and_evaluate(prepared: resolver.PreparedRun, workdir: str,
 
 
 def _train_and_evaluate(setup: resolver.RunSetup, workdir,
-                        checkpoints: checkpointing.RunCheckpoints,
-                        corpus: data_lib.Corpus, vocabulary: dict,
+                        checkpoints: checkpointing.RunCheckpoints, state,
+                        data_state: dict | None, corpus: data_lib.Corpus,
                         deadline: float | None, watch: preemption.PreemptionWatch,
                         gate_flags: str) -> dict:
+  """The train loop from `state` (and the data stream from `data_state`, None when
+  the run starts fresh), then the phases after it."""
   config = setup.run
   train_cfg = config.train
   is_main = jax.process_index() == 0
-  if is_main:
-    run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
-  source = run_files.run_path(config.init_source) if config.init_source else None
-
-  # --- State: resume, or start fresh (from a baseline for pruning runs).
   stream = data_lib.SegmentStream(corpus.splits["train"], train_cfg.batch_size,
                                   train_cfg.seq_len, *setup.rows)
-  if checkpoints.latest_step() is not None:
-    resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
-    logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
+  if data_state is not None:
     stream.set_state(data_state)
-  else:
-    # A pruning run starts from the params of `init_from` (a run or an exported
-    # model), whose shapes `open_checkpoints` checked; its gates and optimizer start
-    # fresh.
-    params = checkpointing.read_model(source)[1]["params"] if source else None
-    state = setup.new_state(params)
   gated = setup.lm.cfg.gated
   # Phase results count only for the state they were computed from: the last step's,
   # evaluated as the eval section says.

@@ -48,18 +48,6 @@ def load_dataset(checkpoint, manual_dir: str | None = None,
   return corpus
 
 
-def _load_tokenizer(checkpoint, config: run_config.RunConfig) -> tokenization.Tokenizer:
-  """The tokenizer saved with a run or export; for older ones, its dataset's.
-
-  Raises:
-    DataError: nothing saved and the run's dataset cannot be loaded.
-  """
-  saved = run_files.load_tokenizer(checkpoint)
-  if saved is not None:
-    return tokenization.Tokenizer.from_dict(saved)
-  return data_lib.load_run_corpus(config).tokenizer
-
-
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
   """A trained model ready for inference, with its tokenizer."""
@@ -79,9 +67,17 @@ def load(checkpoint, step: int | None = None) -> LoadedModel:
       vocabulary size is not its tokenizer's.
     DataError: no saved tokenizer and the run's dataset cannot be loaded.
   """
-  config, variables, step = checkpointing.read_model(checkpoint, step)
+  directory = run_files.run_path(checkpoint)
+  # Its own files first (the config gives a folder without one load_config's advice),
+  # then its parameters; a model saved before tokenizer.json existed gets its
+  # dataset's tokenizer.
+  config = run_files.load_config(directory)
+  saved_tokenizer = run_files.load_tokenizer(directory)
+  variables, step = checkpointing.read_variables(directory, step)
+  tokenizer = (tokenization.Tokenizer.from_dict(saved_tokenizer)
+               if saved_tokenizer is not None
+               else data_lib.load_run_corpus(config).tokenizer)
   lm = model_lib.TransformerLM.from_config(config)
-  tokenizer = _load_tokenizer(checkpoint, config)
   if tokenizer.vocab_size != lm.cfg.vocab_size:
     raise errors.CheckpointError(
         f"The model in {checkpoint} has a vocabulary of {lm.cfg.vocab_size} but its "
