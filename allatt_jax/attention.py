@@ -93,7 +93,7 @@ class RelativeAttention(nn.Module):
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
   score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
-  attention_impl: str = "auto"     # the core: 'xla', 'pallas' or 'auto' (use_kernel)
+  attention_impl: str = "xla"      # the core: 'xla', 'pallas' or 'auto' (use_kernel)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
   # An export's persistent slots per head, non-increasing: its arrays hold the

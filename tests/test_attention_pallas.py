@@ -150,6 +150,7 @@ def test_choice_of_core_and_its_errors():
   attention_pallas.check_runs_here("auto")
   config = config_base.base_config()
   config.model.vocab_size = 11
+  config.model.attention_impl = "auto"
   config_checks.check_config(run_config.RunConfig.of(config), 1)   # 'auto' is fine
   config.model.attention_impl = "pallas"
   with pytest.raises(ConfigError) as error:
@@ -158,10 +159,10 @@ def test_choice_of_core_and_its_errors():
   config.model.attention_impl = "triton"
   with pytest.raises(ConfigError, match="attention_impl='triton' is unknown"):
     config_checks.check_config(run_config.RunConfig.of(config), 1)
-  # A config.json saved before the key existed reads 'auto'.
+  # A config.json saved before the key existed reads 'xla', the core its run used.
   saved = run_config.RunConfig.of(config_base.base_config()).to_dict()
   del saved["model"]["attention_impl"]
-  assert run_config.RunConfig.from_dict(saved).model.attention_impl == "auto"
+  assert run_config.RunConfig.from_dict(saved).model.attention_impl == "xla"
 
 
 @pytest.mark.slow

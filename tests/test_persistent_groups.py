@@ -352,6 +352,7 @@ def test_bad_group_configs_are_refused_with_the_fix(gates, model, match):
 
 def test_the_fused_kernels_are_refused_and_auto_runs_the_xla_core():
   config = _group_config(lam=0.1)
+  config.model.attention_impl = "auto"
   config_checks.check_config(run_config.RunConfig.of(config), 1)   # 'auto' is fine
   message = config_checks._check_persistent_groups
   config.model.attention_impl = "pallas"
