@@ -36,7 +36,7 @@ setuptools.setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
         "cuda": ["jax[cuda12]>=0.10,<0.12"],
     },

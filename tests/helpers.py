@@ -1,6 +1,7 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
 a coordinator."""
+import os
 import pathlib
 import random
 import socket
@@ -28,6 +29,14 @@ def tiny_run():
   with config.unlocked():
     del config["pipeline"]
   return config
+
+
+def xla_flags(cpu_devices: int | None = None) -> str:
+  """XLA_FLAGS for a process the tests start: the tests' own (conftest.py), without any
+  CPU device count, or with `cpu_devices` of them."""
+  device_count = "--xla_force_host_platform_device_count"
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(device_count)]
+  return " ".join(kept + ([f"{device_count}={cpu_devices}"] if cpu_devices else []))
 
 
 def free_port() -> int:

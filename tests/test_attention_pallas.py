@@ -28,6 +28,8 @@ from allatt_jax import model as model_lib
 from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
 
+import helpers
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
@@ -287,7 +289,7 @@ def test_sharded_kernels_match_xla_path():
   """On a 2 x 2 mesh of CPU devices the kernels run per shard (shard_map), counting
   dropout positions over the whole array: the XLA path's values and gradients."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+         "XLA_FLAGS": helpers.xla_flags(cpu_devices=4)}
   result = subprocess.run([sys.executable, "-c", _SHARDED, str(REPO / "tests")], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import helpers
+
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -22,7 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_gated_step_compiles_for_eight_devices(tmp_path, distill):
   out = tmp_path / "report.json"
   env = {**os.environ, "PYTHONPATH": str(REPO)}
-  env.pop("XLA_FLAGS", None)       # the tool sets the device count itself
+  env["XLA_FLAGS"] = helpers.xla_flags()    # the tool sets the device count itself
   done = subprocess.run(
       [sys.executable, "-m", "allatt_jax.compile_check",
        "--config=configs/wt103_prune.py:tiny", "--devices=8", "--mesh=2,4", f"--json={out}",

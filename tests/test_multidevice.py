@@ -19,6 +19,7 @@ from allatt_jax import exported_model
 from allatt_jax import model as model_lib
 from allatt_jax import run_files
 
+import helpers
 import multidevice_worker as worker
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp("tfds"))
   data_lib.load_corpus("wikitext_chars", data_dir)     # prepared once, before both read it
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+         "XLA_FLAGS": helpers.xla_flags(cpu_devices=8)}
   log = out_dir / "worker.log"
   with open(log, "w") as log_file:
     child = subprocess.Popen(

@@ -66,7 +66,7 @@ def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=
   # when _wait stops it with SIGABRT.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
          "PYTHONFAULTHANDLER": "1",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+         "XLA_FLAGS": helpers.xla_flags(cpu_devices=devices)}
   log = pathlib.Path(f"{workdir}.{num_steps}.{process_id}.log")
   with open(log, "w") as out:
     process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
