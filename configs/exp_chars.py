@@ -74,7 +74,8 @@ def get_config(arg=None):
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))
     c.train.update(dict(batch_size=4, seq_len=16, mem_len=16, num_steps=30, warmup_steps=5,
                         log_every_steps=10))
-    c.eval.update(dict(batch_size=32, seq_len=16, mem_len=16))
+    # Every run scores the whole valid and test splits: in wide batches, few steps.
+    c.eval.update(dict(batch_size=128, seq_len=16, mem_len=16))
     c.checkpoint.every_steps = 30
     e = c.experiments
     e.prune_train.update(dict(num_steps=100, warmup_steps=5))
