@@ -103,7 +103,8 @@ def run(stages: resolver.PreparedPipeline, workdir) -> dict:
                      f"({stages.speed_batches} batches, best of 3)")
     baseline_model = trained_model.load(workdir / "baseline")
     pruned_model = trained_model.load(pruned["export"]["directory"])
-    compared = demo_report.compare_models(baseline_config, corpus.splits["valid"],
+    compared = demo_report.compare_models(baseline_config, stages.baseline.setup.mesh,
+                                          corpus.splits["valid"],
                                           stages.speed_batches, baseline_model,
                                           pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",

@@ -8,21 +8,20 @@ the stages returned into report.json's content; `summary_table` renders it.
 import jax
 
 from allatt_jax import head_costs
-from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax.run_config import RunConfig
 from allatt_jax.trained_model import LoadedModel
 
 
-def measure_speed(config: RunConfig, tokens, num_batches, baseline_model: LoadedModel,
-                  pruned_model: LoadedModel, repeats: int = 3) -> dict:
+def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
+                  baseline_model: LoadedModel, pruned_model: LoadedModel,
+                  repeats: int = 3) -> dict:
   """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
-  lengths, on its mesh) of both models on `tokens`, the valid split.
+  lengths, on `mesh`, the baseline run's) of both models on `tokens`, the valid split.
 
   The models are timed in turns, `repeats` times each, and each keeps its best: on a
   shared machine the best of alternating runs is the least disturbed comparison.
   """
-  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
   evaluators = {}
   for name, model in (("baseline", baseline_model), ("pruned", pruned_model)):
     evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
@@ -37,12 +36,12 @@ def measure_speed(config: RunConfig, tokens, num_batches, baseline_model: Loaded
   return speeds
 
 
-def compare_models(config: RunConfig, tokens, num_batches, baseline_model: LoadedModel,
-                   pruned_model: LoadedModel) -> dict:
+def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
+                   baseline_model: LoadedModel, pruned_model: LoadedModel) -> dict:
   """What the report says of both models themselves, under 'baseline' and 'pruned':
   heads and persistent vectors per layer and costs at the baseline's eval lengths
   (head_costs); and under 'speed' their inference speeds (`measure_speed`)."""
-  speed = measure_speed(config, tokens, num_batches, baseline_model, pruned_model)
+  speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model)
   t = config.eval
   compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
                      "persistent_per_layer": head_costs.persistent_per_layer(lm.cfg),
