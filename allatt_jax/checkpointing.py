@@ -44,6 +44,14 @@ class RunCheckpoints:
             max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
             create=not read_only, cleanup_tmp_directories=not read_only))
 
+  def __enter__(self) -> "RunCheckpoints":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    # Whatever ends the block, a save in flight completes (or never counts).
+    self.wait()
+    self.close()
+
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
@@ -200,11 +208,9 @@ def _no_checkpoint(directory) -> CheckpointError:
 
 def latest_finished_step(workdir) -> int:
   """The step of a run's latest complete checkpoint; CheckpointError if it has none."""
-  run = RunCheckpoints(run_files.run_path(workdir), async_save=False, read_only=True)
-  try:
+  with RunCheckpoints(run_files.run_path(workdir), async_save=False,
+                      read_only=True) as run:
     step = run.latest_step()
-  finally:
-    run.close()
   if step is None:
     raise _no_checkpoint(run.directory)
   return step
@@ -262,11 +268,8 @@ def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[in
     with ocp.StandardCheckpointer() as checkpointer:
       metadata = checkpointer.metadata(directory / "params").item_metadata
     return {prefix + k: v for k, v in tree_shapes(metadata).items()}
-  run = RunCheckpoints(directory, async_save=False, read_only=True)
-  try:
+  with RunCheckpoints(directory, async_save=False, read_only=True) as run:
     shapes = run.newest_restorable(run.state_shapes)[1]
-  finally:
-    run.close()
   return {k: v for k, v in shapes.items() if k.startswith(prefix)}
 
 

@@ -19,6 +19,7 @@ from allatt_jax import checkpointing
 from allatt_jax import console
 from allatt_jax import data as data_lib
 from allatt_jax import errors
+from allatt_jax import gate_values
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
@@ -93,6 +94,14 @@ def export_and_evaluate(
     export and its 'directory'.
   """
   pruned_cfg, params = prune.remove_heads(cfg, variables, heads)
+  return _save_and_evaluate(directory, config, cfg, pruned_cfg, params, corpus, mesh)
+
+
+def _save_and_evaluate(directory, config: run_config.RunConfig,
+                       cfg: model_lib.ModelConfig, pruned_cfg: model_lib.ModelConfig,
+                       params, corpus: data_lib.Corpus, mesh) -> dict:
+  """`export_and_evaluate` once `cfg` is cut to `pruned_cfg` with `params`."""
+  save(directory, config, pruned_cfg, params, corpus.tokenizer)
   slots = head_costs.persistent_per_layer(pruned_cfg)
   if jax.process_index() == 0:
     kept_slots = ("" if pruned_cfg.persistent_slots is None else
@@ -101,7 +110,6 @@ def export_and_evaluate(
     console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
                    f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}"
                    f"{kept_slots}) to {directory}; evaluating it")
-  save(directory, config, pruned_cfg, params, corpus.tokenizer)
   evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
                                                config)
   results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
@@ -121,12 +129,16 @@ def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.Mod
 
   `variables`: on the host (`sharding.on_host`).
   """
-  results = export_and_evaluate(run_files.run_path(workdir) / EXPORT_DIR, config, cfg,
-                                variables, corpus, mesh)
+  # The gates read once: the surgery cuts the heads they close, the warnings count
+  # those they keep.
+  gates = gate_values.read(cfg, variables["gates"])
+  pruned_cfg, params = prune.cut_closed(cfg, variables["params"], gates)
+  warnings = pruning_warnings(config, sum(cfg.layer_heads), sum(pruned_cfg.layer_heads),
+                              decision, gate_flags)
+  results = _save_and_evaluate(run_files.run_path(workdir) / EXPORT_DIR, config, cfg,
+                               pruned_cfg, params, corpus, mesh)
   results["budget"] = decision
-  results["warnings"] = pruning_warnings(config, sum(cfg.layer_heads),
-                                         sum(results["heads_per_layer"]), decision,
-                                         gate_flags)
+  results["warnings"] = warnings
   if jax.process_index() == 0:
     print(stream_eval.results_line("exported model", results, corpus.metric), flush=True)
     for warning in results["warnings"]:

@@ -103,14 +103,16 @@ def run(stages: resolver.PreparedPipeline, workdir) -> dict:
                      f"({stages.speed_batches} batches, best of 3)")
     baseline_model = trained_model.load(workdir / "baseline")
     pruned_model = trained_model.load(pruned["export"]["directory"])
-    speed = demo_report.measure_speed(baseline_config, corpus.splits["valid"],
-                                      stages.speed_batches, baseline_model, pruned_model)
+    compared = demo_report.compare_models(baseline_config, stages.baseline.setup.mesh,
+                                          corpus.splits["valid"],
+                                          stages.speed_batches, baseline_model,
+                                          pruned_model)
     watch.stop_if_asked("the speed comparison (not kept)",
                         "measure it again and write the report")
     # The last safe point is behind: a SIGTERM now lets the report (a second's work)
     # finish, and the command ends with everything done.
     report = demo_report.build(baseline_config, prune_config, pruned_dir, baseline,
-                               pruned, baseline_model, pruned_model, speed)
+                               pruned, compared)
     if is_main:
       console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
       run_files.write_json(workdir / "report.json", report)

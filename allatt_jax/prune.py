@@ -91,8 +91,18 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
         "there is nothing to prune. Export needs a pruning run (gates.enabled=True), "
         "not a baseline.")
   gates = gate_values.read(cfg, variables.get("gates"), closed=removed)
+  return cut_closed(cfg, variables["params"], gates, removed_slots)
+
+
+def cut_closed(cfg: model_lib.ModelConfig, params, gates: gate_values.Gates,
+               removed_slots: Mapping[int, Mapping[int, list[int]]] | None = None
+               ) -> tuple[model_lib.ModelConfig, dict]:
+  """The smaller, ungated model of the heads and persistent slots `gates`
+  (`gate_values.read`'s) keeps open, less `removed_slots`: `remove_heads` once the
+  gates are read, for a caller that reads them itself (a pruning run's export, which
+  also counts the heads they keep)."""
   keep, kept_slots = _kept_units(cfg, gates, removed_slots)
-  return _cut_heads(cfg, variables["params"], gates.out_factors, keep, kept_slots)
+  return _cut_heads(cfg, params, gates.out_factors, keep, kept_slots)
 
 
 def _kept_units(cfg: model_lib.ModelConfig, gates: gate_values.Gates,

@@ -54,31 +54,27 @@ def train_and_evaluate(prepared: resolver.PreparedRun, workdir: str,
   setup, corpus = prepared.setup, prepared.corpus
   config = setup.run
   with preemption.watching(watch) as watch:
-    # --- The workdir: checked, opened, described, and the state the run starts from.
+    # --- The workdir: checked, described, opened, and the state the run starts from.
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
-    checkpoints = validation.open_checkpoints(config, setup.abstract_state, workdir,
-                                              vocabulary)
-    try:
-      if jax.process_index() == 0:
-        if prepared.note:
-          print(prepared.note, flush=True)
-        run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
-      source = run_files.run_path(config.init_source) if config.init_source else None
+    validation.check_run(config, setup.abstract_state, workdir, vocabulary)
+    if jax.process_index() == 0:
+      if prepared.note:
+        print(prepared.note, flush=True)
+      run_files.save_run(workdir, config, vocabulary, corpus.tokenizer.to_dict())
+    source = run_files.run_path(config.init_source) if config.init_source else None
+    # Whatever stops the run, the save in flight completes (or never counts).
+    with checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep) as checkpoints:
       if checkpoints.latest_step() is not None:
         resumed, state, data_state = checkpoints.restore_newest(setup.abstract_state)
         logging.info("Resuming from step %d in %s", resumed, checkpoints.directory)
       else:
         # A pruning run starts from the params of `init_from` (a run or an exported
-        # model), whose shapes `open_checkpoints` checked; its gates and optimizer
-        # start fresh.
+        # model), whose shapes `check_run` checked; its gates and optimizer start
+        # fresh.
         params = checkpointing.read_variables(source)[0]["params"] if source else None
         state, data_state = setup.new_state(params), None
       return _train_and_evaluate(setup, workdir, checkpoints, state, data_state, corpus,
                                  deadline, watch, gate_flags)
-    finally:
-      # Whatever stopped the run, the save in flight completes (or never counts).
-      checkpoints.wait()
-      checkpoints.close()
 
 
 def _train_and_evaluate(setup: resolver.RunSetup, workdir,

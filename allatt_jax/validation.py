@@ -1,7 +1,8 @@
 """Checks of a run against its files, made before any code is compiled.
 
-`open_checkpoints` checks `init_from`, the workdir and its checkpoints (against the
-abstract state) and the dataset's vocabulary (`check_vocabulary`) before opening them;
+`check_run` checks `init_from`, the workdir and its checkpoints (against the
+abstract state) and the dataset's vocabulary (`check_vocabulary`) before a run writes
+there;
 `check_export` guards an export. A failed check raises one error (errors.py) that
 says what is wrong, where, and how to fix it.
 """
@@ -35,13 +36,12 @@ RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
 
-def open_checkpoints(config: run_config.RunConfig, abstract_state,
-                     workdir: epath.Path, vocabulary: dict
-                     ) -> checkpointing.RunCheckpoints:
-  """The run's one CheckpointManager, opened after the checks of its `init_from`
-  (first, so that a wrong one leaves no workdir behind), its workdir and the
-  checkpoints it holds, against the state's shapes, the run's settings and the
-  loaded dataset's `vocabulary` (`run_files.vocabulary_fingerprint`).
+def check_run(config: run_config.RunConfig, abstract_state, workdir: epath.Path,
+              vocabulary: dict) -> None:
+  """The checks a run makes before it writes to its workdir: its `init_from` (first,
+  so that a wrong one leaves no workdir behind), its workdir and the checkpoints it
+  holds (read, not opened for writing), against the state's shapes, the run's
+  settings and the loaded dataset's `vocabulary` (`run_files.vocabulary_fingerprint`).
 
   Raises:
     CheckpointError: `init_from` is missing, unreadable or does not fit the config;
@@ -56,17 +56,13 @@ def open_checkpoints(config: run_config.RunConfig, abstract_state,
     _check_init_from(config, abstract_state)
   check_workdir(workdir)
   state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
-  checkpoints = checkpointing.RunCheckpoints(workdir, keep=config.checkpoint.keep)
-  try:
-    _check_resume(config, checkpoints, state_shapes)
-    resuming = bool(checkpoints.steps())
-    if resuming:
-      check_same_settings(config, workdir)
-    check_vocabulary(vocabulary, workdir, config.init_source, resuming=resuming)
-  except BaseException:
-    checkpoints.close()
-    raise
-  return checkpoints
+  # What the workdir holds, read before anything is compared with it.
+  with checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True) as saved:
+    resuming, newest = bool(saved.steps()), saved.newest_state_shapes()
+  _check_resume(config, saved.directory, newest, state_shapes)
+  if resuming:
+    check_same_settings(config, workdir)
+  check_vocabulary(vocabulary, workdir, config.init_source, resuming=resuming)
 
 
 def check_same_settings(config: run_config.RunConfig, workdir) -> None:
@@ -127,14 +123,15 @@ def check_workdir(workdir: epath.Path) -> None:
         "Choose a folder you can write to.") from None
 
 
-def _check_resume(config, checkpoints: checkpointing.RunCheckpoints, state_shapes):
-  newest = checkpoints.newest_state_shapes()
+def _check_resume(config, checkpoints: epath.Path, newest, state_shapes):
+  """Raises CheckpointError unless the newest checkpoint in `checkpoints` whose
+  metadata reads (`newest`: `RunCheckpoints.newest_state_shapes`) has `state_shapes`."""
   if newest is None:
     return
   step, found = newest
   if found == state_shapes:
     return
-  workdir = checkpoints.directory.parent
+  workdir = checkpoints.parent
   saved = workdir / run_files.CONFIG_FILE
   previous = run_files.load_config(workdir) if saved.is_file() else None
   if previous is not None and previous.model.vocab_size != config.model.vocab_size:

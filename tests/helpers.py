@@ -80,8 +80,9 @@ def start_run(config, workdir, vocabulary: dict | None = None):
   else:   # completed as a run completes it (a budget's λ is 0)
     config_checks.check_starting_point(run)
     setup = resolver.run_setup(run.completed(run.model.vocab_size))
-  return setup, validation.open_checkpoints(setup.run, setup.abstract_state,
-                                            run_files.run_path(workdir), vocabulary)
+  workdir = run_files.run_path(workdir)
+  validation.check_run(setup.run, setup.abstract_state, workdir, vocabulary)
+  return setup, checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
 
 
 def saved_state(workdir, step):

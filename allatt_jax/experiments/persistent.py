@@ -6,10 +6,13 @@ slots only (`gates.heads=False`), and by both, each plain and distilling; a kind
 cannot reach a budget is left out and the table says so. Each export's inference speed
 is measured against the baseline's on the same tokens (alternating, best of 3).
 """
+import jax
+
 from allatt_jax import data as data_lib
 from allatt_jax.reports import demo_report
 from allatt_jax.reports import figures
 from allatt_jax import head_costs
+from allatt_jax import sharding
 from allatt_jax import trained_model
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
@@ -115,10 +118,11 @@ def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   """Each export's inference tokens/s over the baseline's, measured in turns."""
   corpus = exp.corpus
   baseline = trained_model.load(exp.run_dir(base.name))
+  mesh = sharding.make_mesh(sharding.mesh_shape(exp.base.mesh, jax.device_count()))
   speed = {}
   for r in runs.values():
     export = exp.run_dir(r.name) / "export"
-    measured = demo_report.measure_speed(exp.base, corpus.splits["valid"], batches,
+    measured = demo_report.measure_speed(exp.base, mesh, corpus.splits["valid"], batches,
                                          baseline, trained_model.load(export))
     speed[r.name] = measured["pruned_tokens_per_s"] / measured["baseline_tokens_per_s"]
   return speed

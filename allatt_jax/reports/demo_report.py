@@ -1,27 +1,27 @@
 """The demo's report: both models' scores, sizes and inference speeds, and the summary
 table the demo prints (and the README quotes).
 
-`measure_speed` times both models on the same tokens; `build` gathers what the
-stages returned into report.json's content; `summary_table` renders it.
+`compare_models` sets both models side by side: their sizes and costs, and their
+speeds, which `measure_speed` times on the same tokens; `build` gathers that and what
+the stages returned into report.json's content; `summary_table` renders it.
 """
 import jax
 
 from allatt_jax import head_costs
-from allatt_jax import sharding
 from allatt_jax import stream_eval
 from allatt_jax.run_config import RunConfig
 from allatt_jax.trained_model import LoadedModel
 
 
-def measure_speed(config: RunConfig, tokens, num_batches, baseline_model: LoadedModel,
-                  pruned_model: LoadedModel, repeats: int = 3) -> dict:
+def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
+                  baseline_model: LoadedModel, pruned_model: LoadedModel,
+                  repeats: int = 3) -> dict:
   """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
-  lengths, on its mesh) of both models on `tokens`, the valid split.
+  lengths, on `mesh`, the baseline run's) of both models on `tokens`, the valid split.
 
   The models are timed in turns, `repeats` times each, and each keeps its best: on a
   shared machine the best of alternating runs is the least disturbed comparison.
   """
-  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
   evaluators = {}
   for name, model in (("baseline", baseline_model), ("pruned", pruned_model)):
     evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
@@ -36,41 +36,50 @@ def measure_speed(config: RunConfig, tokens, num_batches, baseline_model: Loaded
   return speeds
 
 
+def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
+                   baseline_model: LoadedModel, pruned_model: LoadedModel) -> dict:
+  """What the report says of both models themselves, under 'baseline' and 'pruned':
+  heads and persistent vectors per layer and costs at the baseline's eval lengths
+  (head_costs); and under 'speed' their inference speeds (`measure_speed`)."""
+  speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model)
+  t = config.eval
+  compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
+                     "persistent_per_layer": head_costs.persistent_per_layer(lm.cfg),
+                     **head_costs.param_counts(lm.cfg),
+                     **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len,
+                                                 t.batch_size)}
+              for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
+  return {**compared, "speed": speed}
+
+
 def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, baseline: dict,
-          pruned: dict, baseline_model: LoadedModel, pruned_model: LoadedModel,
-          speed: dict) -> dict:
+          pruned: dict, compared: dict) -> dict:
   """report.json's content: the stages' results (`train.train_and_evaluate`'s),
-  both models with their costs at the eval lengths,
-  the pruning goal and the budget's decision, and `speed` (`measure_speed`)."""
-  t = baseline_config.eval
-  cost = {name: {**head_costs.param_counts(lm.cfg),
-                 **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len, t.batch_size)}
-          for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
-  full_heads = sum(baseline_model.lm.cfg.layer_heads)
-  pruned_heads = list(pruned_model.lm.cfg.layer_heads)
-  slots = {name: head_costs.persistent_per_layer(lm.cfg)
-           for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
+  both models as `compare_models` describes them, the pruning goal and the budget's
+  decision."""
+  b, p, speed = compared["baseline"], compared["pruned"], compared["speed"]
   key = prune_config.gates.budget_target
   return {
       "dataset": baseline_config.data.name,
       "metric": baseline["metric"],
       "baseline": {
           "valid": baseline["valid"], "test": baseline["test"],
-          "params_non_embedding": cost["baseline"]["params_non_embedding"],
-          "heads_per_layer": list(baseline_model.lm.cfg.layer_heads),
-          "persistent_per_layer": slots["baseline"]},
+          "params_non_embedding": b["params_non_embedding"],
+          "heads_per_layer": b["heads_per_layer"],
+          "persistent_per_layer": b["persistent_per_layer"]},
       "pruned": {
           "directory": pruned_dir.name,     # beside report.json: 'pruned' or 'pruned-N'
           "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
           "gated_valid": pruned["valid"], "gated_test": pruned["test"],
-          "params_non_embedding": cost["pruned"]["params_non_embedding"],
-          "heads_per_layer": pruned_heads,
-          "sparsity": 1.0 - sum(pruned_heads) / full_heads,
+          "params_non_embedding": p["params_non_embedding"],
+          "heads_per_layer": p["heads_per_layer"],
+          "sparsity": 1.0 - sum(p["heads_per_layer"]) / sum(b["heads_per_layer"]),
           # Persistent slots kept per layer (summed over its heads), and the fraction
           # of all removed (with their heads, or as closed persistent groups).
-          "persistent_per_layer": slots["pruned"],
-          "persistent_sparsity": (1.0 - sum(slots["pruned"]) / sum(slots["baseline"])
-                                  if sum(slots["baseline"]) else 0.0),
+          "persistent_per_layer": p["persistent_per_layer"],
+          "persistent_sparsity": (
+              1.0 - sum(p["persistent_per_layer"]) / sum(b["persistent_per_layer"])
+              if sum(b["persistent_per_layer"]) else 0.0),
           # A fixed λ, or the budget asked for and what it decided at the freeze.
           "lambda": None if key else prune_config.gates.lam,
           "budget": ({"key": key, "value": getattr(prune_config.gates, key),
@@ -78,10 +87,9 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
       "speed": {
           **speed,
           "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
-          "macs_ratio": (cost["pruned"]["macs_per_token"]
-                         / cost["baseline"]["macs_per_token"]),
-          "macs_ratio_non_embedding": (cost["pruned"]["macs_per_token_non_embedding"]
-                                       / cost["baseline"]["macs_per_token_non_embedding"])},
+          "macs_ratio": p["macs_per_token"] / b["macs_per_token"],
+          "macs_ratio_non_embedding": (p["macs_per_token_non_embedding"]
+                                       / b["macs_per_token_non_embedding"])},
       "warnings": pruned["export"].get("warnings", []),
   }
 
