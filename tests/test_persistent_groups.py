@@ -15,10 +15,10 @@ from allatt_jax import budget
 from allatt_jax import budget_freeze
 from allatt_jax import config_base
 from allatt_jax import config_checks
+from allatt_jax import gate_values
 from allatt_jax import gates as gates_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
-from allatt_jax import gate_values
 from allatt_jax import prune
 from allatt_jax import run_config
 from allatt_jax.errors import ConfigError
@@ -209,8 +209,9 @@ def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD):
   gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
                                         "persistent_logits": np.array(groups[i], np.float32)}}
            for i in range(2)}
-  return cfg, gates, budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
-                                                     budget_value)
+  decided = budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
+                                             budget_value)
+  return cfg, gates, decided
 
 
 def _kept(cfg, new_gates):
@@ -241,7 +242,8 @@ def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():
   assert sum(map(sum, pruned_cfg.persistent_slots)) // GROUP == decision["groups"]
   assert decision["cost"] == 10 * decision["allowed"] + decision["groups"]
   # ... and applying the rule again changes nothing.
-  _, again = budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, new_gates), _Units, 80.0)
+  _, again = budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, new_gates), _Units,
+                                              80.0)
   assert again["changed"] == 0 and again["cost"] == decision["cost"]
 
 
