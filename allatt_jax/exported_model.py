@@ -20,7 +20,6 @@ from allatt_jax import console
 from allatt_jax import data as data_lib
 from allatt_jax import errors
 from allatt_jax import gate_values
-from allatt_jax import head_costs
 from allatt_jax import model as model_lib
 from allatt_jax import prune
 from allatt_jax import run_config
@@ -102,11 +101,11 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
                        params, corpus: data_lib.Corpus, mesh) -> dict:
   """`export_and_evaluate` once `cfg` is cut to `pruned_cfg` with `params`."""
   save(directory, config, pruned_cfg, params, corpus.tokenizer)
-  slots = head_costs.persistent_per_layer(pruned_cfg)
+  slots = pruned_cfg.layer_slots
   if jax.process_index() == 0:
     kept_slots = ("" if pruned_cfg.persistent_slots is None else
                   f", persistent vectors per layer {' '.join(map(str, slots))} of "
-                  f"{' '.join(map(str, head_costs.persistent_per_layer(cfg)))}")
+                  f"{' '.join(map(str, cfg.layer_slots))}")
     console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
                    f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}"
                    f"{kept_slots}) to {directory}; evaluating it")

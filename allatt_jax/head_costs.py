@@ -114,18 +114,13 @@ def padding_slots(cfg: model_lib.ModelConfig) -> int:
              for slots in cfg.persistent_slots)
 
 
-def persistent_per_layer(cfg: model_lib.ModelConfig) -> list[int]:
-  """The persistent slots each layer keeps, summed over its heads."""
-  return [sum(cfg.head_slots(i)) for i in range(cfg.num_layers)]
-
-
 def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
                    batch_size: int) -> dict[str, float]:
   """Forward MACs per token of a step on B = `batch_size` segments: the attention
   stack's, and with the output layer's as it runs; where tail capacities make that
   less than every position paying for every tail, that count too."""
   layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size, slots)
-               for h, slots in zip(cfg.layer_heads, persistent_per_layer(cfg)))
+               for h, slots in zip(cfg.layer_heads, cfg.layer_slots))
   macs = {"macs_per_token_non_embedding": layers,
           "macs_per_token": layers + output_macs_per_token(cfg, batch_size * seq_len)}
   every_tail = layers + output_macs_per_token(cfg)
@@ -139,7 +134,7 @@ def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: i
   """The cost report; with `heads_kept`, also relative to the unpruned model."""
   full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
           "heads_per_layer": list(cfg.layer_heads),
-          "persistent_per_layer": persistent_per_layer(cfg), "seq_len": seq_len,
+          "persistent_per_layer": cfg.layer_slots, "seq_len": seq_len,
           "mem_len": mem_len, "batch_size": batch_size}
   if heads_kept is None:
     return full

@@ -48,6 +48,11 @@ class ModelConfig(run_config.ModelSection):
       return (self.num_persistent,) * self.layer_heads[layer]
     return self.persistent_slots[layer]
 
+  @property
+  def layer_slots(self) -> list[int]:
+    """The persistent slots each layer keeps, summed over its heads."""
+    return [sum(self.head_slots(i)) for i in range(self.num_layers)]
+
   @classmethod
   def from_config(cls, config: run_config.RunConfig, **overrides) -> "ModelConfig":
     """The ModelConfig of a run config (a ConfigDict of the same shape reads the same):

@@ -171,6 +171,7 @@ def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
   smaller_cfg, smaller = prune.remove_heads(pruned_cfg, {"params": params}, {1: [0]},
                                             slots={0: {0: [0, 1, 7]}})
   assert smaller_cfg.persistent_slots == ((5, 4, 0), (6, 4, 2))
+  assert smaller_cfg.layer_slots == [9, 12] and cfg.layer_slots == [32, 32]
   # Parameters count the slots kept, not the padding each layer's arrays hold.
   padding = head_costs.padding_slots(smaller_cfg)
   assert padding == (5 * 3 - 9) + (6 * 3 - 12)

@@ -295,7 +295,7 @@ class Experiment:
         name=name, kind=kind, metric=results["metric"],
         valid=results["valid"], test=results["test"],
         heads_per_layer=list(cfg.layer_heads),
-        persistent_per_layer=head_costs.persistent_per_layer(cfg),
+        persistent_per_layer=cfg.layer_slots,
         params_non_embedding=head_costs.param_counts(cfg)["params_non_embedding"],
         macs_per_token=head_costs.macs_per_token(
             cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],

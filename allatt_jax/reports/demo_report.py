@@ -44,7 +44,7 @@ def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batch
   speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model)
   t = config.eval
   compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
-                     "persistent_per_layer": head_costs.persistent_per_layer(lm.cfg),
+                     "persistent_per_layer": lm.cfg.layer_slots,
                      **head_costs.param_counts(lm.cfg),
                      **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len,
                                                  t.batch_size)}
