@@ -8,7 +8,7 @@ softmax, Sukhbaatar et al. 2019) and Transformer-XL's (N = 0), scored as Dai et 
 
 u biases the context term only, as the official code (`persistent_content_bias`: (q_i +
 u)·p^K_n). Keys are [memory (S), segment (T)], K = S + T. The core is
-attention_kernel.py (XLA) or attention_pallas.py, by `attention_impl`.
+attention_kernel.py (XLA) or attention_pallas.py, as attention_impl.py chooses.
 """
 import math
 
@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from allatt_jax import attention_impl
 from allatt_jax import attention_kernel
 from allatt_jax import attention_pallas
 from allatt_jax import gates as gates_lib
@@ -155,7 +156,7 @@ class RelativeAttention(nn.Module):
               heads(head_major(v)), heads(r_pad), slot_vectors(pk), slot_vectors(pv))
       # Each run of heads draws its own dropout masks (the hash counts heads from 0).
       keys = keys_2x2 if keys_2x2 is None or not first else keys_2x2 + jnp.uint32(first)
-      if pw is None and attention_pallas.use_kernel(self.attention_impl):
+      if pw is None and attention_impl.use_kernel(self.attention_impl):
         # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
         return attention_pallas.attend(rate, *args, mask_TxK, keys)
       block = attention_kernel.divisor_at_most(last - first, self.head_block or h)

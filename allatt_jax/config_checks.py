@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from allatt_jax import attention
-from allatt_jax import attention_pallas
+from allatt_jax import attention_impl
 from allatt_jax import data as data_lib
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
@@ -311,7 +311,7 @@ def _check_names(config):
                        ("model.rel_pos", REL_POS),
                        ("model.same_length_keys", attention.SAME_LENGTH_KEYS),
                        ("model.score_dtype", SCORE_DTYPES),
-                       ("model.attention_impl", attention_pallas.IMPLS),
+                       ("model.attention_impl", attention_impl.IMPLS),
                        ("train.optimizer", optim.OPTIMIZERS),
                        ("distill.kl_clusters", KL_CLUSTERS)):
     if _value(config, key) not in choices:
@@ -349,7 +349,7 @@ def _check_model(config):
         f"[0, 1] per cluster of the adaptive softmax (cutoffs {tuple(m.cutoffs)}: "
         f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
   # Where the kernels cannot run, asking for them is refused now, not at the first trace.
-  attention_pallas.check_runs_here(m.attention_impl)
+  attention_impl.check_runs_here(m.attention_impl)
   if m.kind == "txl" and m.d_ff < 1:
     raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")

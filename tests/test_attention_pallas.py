@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from allatt_jax import attention
+from allatt_jax import attention_impl
 from allatt_jax import attention_kernel
 from allatt_jax import attention_pallas
 from allatt_jax import attention_pallas_kernels
@@ -40,7 +41,7 @@ SMALL_TILES = attention_pallas.Blocks(rows=16, slots=16, batch=2)
 def kernels_run_here(monkeypatch):
   """The kernels count as runnable here, in interpret mode (also on a GPU, where
   compiled they would compute in TF32, not float32)."""
-  monkeypatch.setattr(attention_pallas, "_why_not_here", lambda: None)
+  monkeypatch.setattr(attention_impl, "_why_not_here", lambda: None)
   monkeypatch.setattr(attention_pallas, "_interpreted", lambda: True)
 
 
@@ -146,10 +147,10 @@ def test_kernels_lower_for_the_gpu():
 def test_choice_of_core_and_its_errors():
   # On a CPU: the XLA path; a model that asks for the kernels (one trained on a GPU,
   # read from disk) runs on it too, with a warning.
-  assert not any(map(attention_pallas.use_kernel, attention_pallas.IMPLS))
+  assert not any(map(attention_impl.use_kernel, attention_impl.IMPLS))
   with pytest.raises(ConfigError, match=r"attention_impl='pallas'.*runs on cpu.*=auto.*=xla"):
-    attention_pallas.check_runs_here("pallas")
-  attention_pallas.check_runs_here("auto")
+    attention_impl.check_runs_here("pallas")
+  attention_impl.check_runs_here("auto")
   config = config_base.base_config()
   config.model.vocab_size = 11
   config.model.attention_impl = "auto"
@@ -174,7 +175,7 @@ def test_trial_runs_while_a_model_traces():
   result = {}
 
   def traced(x):
-    result["mismatch"] = attention_pallas.trial_mismatch(interpret=True)
+    result["mismatch"] = attention_impl.trial_mismatch(interpret=True)
     return x + 1
 
   jax.jit(traced)(1.0)
