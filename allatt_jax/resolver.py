@@ -254,7 +254,7 @@ def _build(run: RunConfig) -> RunSetup:
   """The objects of a checked, completed config."""
   cfg = model_lib.ModelConfig.from_config(run)
   lm = model_lib.TransformerLM(cfg)
-  mesh = sharding.make_mesh(sharding.mesh_shape(run.mesh, jax.device_count()))
+  mesh = sharding.run_mesh(run.mesh)
   # A budget becomes its number of open heads n* here, once; a bad one fails at setup.
   # With persistent groups it stays a size, in the units each kind of gate prunes.
   units = head_costs.budget_units(run, cfg)

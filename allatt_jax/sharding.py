@@ -52,6 +52,11 @@ def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def run_mesh(mesh_config: run_config.MeshSection) -> jax.sharding.Mesh:
+  """The mesh a run's `mesh` section gives over every device of the job."""
+  return make_mesh(mesh_shape(mesh_config, jax.device_count()))
+
+
 @contextlib.contextmanager
 def activate(mesh):
   """The mesh and logical rules under which models are traced and steps run."""

@@ -204,7 +204,7 @@ class Inference:
     self.heads_kept = heads_kept
     e = config.eval
     self.segments = segments
-    mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh, jax.device_count()))
+    mesh = sharding.run_mesh(config.mesh)
     self._evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
                                                        config)
     self._variables = jax.device_put({"params": params})

@@ -6,9 +6,6 @@ slots only (`gates.heads=False`), and by both, each plain and distilling; a kind
 cannot reach a budget is left out and the table says so. Each export's inference speed
 is measured against the baseline's on the same tokens (alternating, best of 3).
 """
-import jax
-
-from allatt_jax import data as data_lib
 from allatt_jax.reports import demo_report
 from allatt_jax.reports import figures
 from allatt_jax import head_costs
@@ -118,7 +115,7 @@ def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   """Each export's inference tokens/s over the baseline's, measured in turns."""
   corpus = exp.corpus
   baseline = trained_model.load(exp.run_dir(base.name))
-  mesh = sharding.make_mesh(sharding.mesh_shape(exp.base.mesh, jax.device_count()))
+  mesh = sharding.run_mesh(exp.base.mesh)
   speed = {}
   for r in runs.values():
     export = exp.run_dir(r.name) / "export"
