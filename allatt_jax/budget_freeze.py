@@ -14,8 +14,6 @@ by logit, not logit per cost: the L0 term already charged each gate its unit's c
 decision of the gates is kept as is; and both rules are idempotent (reversed decisions
 get logits of ±`gate_values.CERTAIN_LOGIT`).
 """
-import numpy as np
-
 from allatt_jax import budget
 from allatt_jax import errors
 from allatt_jax import gate_values

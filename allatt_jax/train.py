@@ -26,7 +26,6 @@ from allatt_jax import stream_eval
 from allatt_jax import validation
 from allatt_jax.errors import ConfigError
 from allatt_jax.errors import Preempted
-from allatt_jax.run_config import RunConfig
 
 PHASES_FILE = "finished_phases.json"
 BUDGET_FILE = "budget_decision.json"    # budget runs: the heads decided at the freeze

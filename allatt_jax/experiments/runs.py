@@ -20,7 +20,6 @@ import numpy as np
 from allatt_jax import checkpointing
 from allatt_jax import config_base
 from allatt_jax import config_checks
-from allatt_jax import data as data_lib
 from allatt_jax import exported_model
 from allatt_jax import head_costs
 from allatt_jax import model as model_lib
