@@ -59,8 +59,8 @@ def read(cfg: model_lib.ModelConfig, gates=None,
     CheckpointError: the gates do not fit `cfg`.
   """
   if cfg.gated:
-    logits, gate = head_logits(cfg, gates), cfg.gate
-    groups = group_logits(cfg, gates)
+    logits, gate = _head_logits(cfg, gates), cfg.gate
+    groups = _group_logits(cfg, gates)
   else:
     logits = [np.full((heads,), CERTAIN_LOGIT, np.float32) for heads in cfg.layer_heads]
     gate, groups = _UNGATED, [None] * cfg.num_layers
@@ -82,7 +82,7 @@ def read(cfg: model_lib.ModelConfig, gates=None,
                tuple(np.flatnonzero(g_H > 0) for g_H in values), kept_slots)
 
 
-def head_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
+def _head_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
   """Per layer, a float32 copy of the head gate logits (H_i,); empty for a headless
   layer; open for certain where the heads have no gates (`gates.heads=False`)."""
   logits = []
@@ -108,7 +108,7 @@ def head_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray]:
   return logits
 
 
-def group_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray | None]:
+def _group_logits(cfg: model_lib.ModelConfig, gates) -> list[np.ndarray | None]:
   """Per layer, a float32 copy of the group gate logits (H_i, N/G); None for a layer
   without heads, or a model without such gates."""
   group = cfg.gate.persistent_group
