@@ -14,17 +14,18 @@ import sys
 # Name -> module, in the order a user meets them. A command module defines its flags
 # and `run(argv)`; the first sentence of its docstring is its summary in `usage`.
 COMMANDS = {
-    "main": "allatt_jax.commands.main",
-    "evaluate": "allatt_jax.commands.evaluate",
-    "score": "allatt_jax.commands.score",
-    "sample": "allatt_jax.commands.sample",
-    "export": "allatt_jax.commands.export",
-    "costs": "allatt_jax.commands.costs",
-    "plots": "allatt_jax.commands.plots",
+    "main": "allatt_jax.main",
+    "evaluate": "allatt_jax.evaluate",
+    "score": "allatt_jax.score",
+    "sample": "allatt_jax.sample",
+    "export": "allatt_jax.export",
+    "costs": "allatt_jax.costs",
+    "plots": "allatt_jax.plots",
     "data": "allatt_jax.data.__main__",
-    "benchmark": "allatt_jax.commands.benchmark",
-    "compile_check": "allatt_jax.commands.compile_check",
+    "benchmark": "allatt_jax.benchmark",
+    "compile_check": "allatt_jax.compile_check",
     "experiments": "allatt_jax.experiments.__main__",
+    "readme_examples": "allatt_jax.readme_examples",
 }
 
 

@@ -16,16 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import errors
-from allatt_jax import exported_model
-from allatt_jax import head_costs
-from allatt_jax import likelihood
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import run_config
-from allatt_jax import sampler
-from allatt_jax import stream_eval
-from allatt_jax import trained_model
+from allatt_jax.config import errors
+from allatt_jax.pruning import model_export
+from allatt_jax.pruning import cost_model
+from allatt_jax.evaluation import likelihood
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.config import run_config
+from allatt_jax.evaluation import generation
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.runs import trained_model
 from allatt_jax.data import tokenization
 
 
@@ -101,15 +101,15 @@ class Model:
     """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it."""
     if num_tokens < 0:
       raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
-    result = sampler.sample_text(self._loaded, prompt, num_tokens,
+    result = generation.sample_text(self._loaded, prompt, num_tokens,
                                  temperature=temperature, top_k=top_k, seed=seed)
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:
     """Parameters and MACs per token of this model at its eval lengths (costs.py); a
     gated model's closed heads count as removed, as in its export."""
-    return head_costs.model_report(
-        self.config, prune.running_model_config(self.lm.cfg, self.variables))
+    return cost_model.model_report(
+        self.config, head_removal.running_model_config(self.lm.cfg, self.variables))
 
   def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
     """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's
@@ -123,8 +123,8 @@ class Model:
 
   def _pruned(self, heads, slots=None) -> "Model":
     host_variables = jax.device_get(self.variables)
-    pruned_cfg, params = prune.remove_heads(self.lm.cfg, host_variables, heads, slots)
-    config = exported_model.exported_config(self.config, pruned_cfg)
+    pruned_cfg, params = head_removal.remove_heads(self.lm.cfg, host_variables, heads, slots)
+    config = model_export.exported_config(self.config, pruned_cfg)
     return Model(trained_model.LoadedModel(config, model_lib.TransformerLM.from_config(config),
                                     jax.device_put({"params": params}), self.tokenizer))
 
@@ -174,7 +174,7 @@ class Model:
       FileExistsError: `directory` holds an exported model and `overwrite` is not
         set, or it holds anything else (a run, say), which is never replaced.
     """
-    found = exported_model.existing_target(directory)
+    found = model_export.existing_target(directory)
     if found == "other":
       raise FileExistsError(f"{directory} exists and is not an exported model; save to a "
                             "new or empty folder.")
@@ -183,7 +183,7 @@ class Model:
                             "elsewhere, or replace it with save(directory, "
                             "overwrite=True).")
     model = self.prune_heads({}) if self.lm.cfg.gated else self
-    exported_model.save(directory, model.config, model.lm.cfg,
+    model_export.save(directory, model.config, model.lm.cfg,
                         jax.device_get(model.variables["params"]), self.tokenizer)
 
 

@@ -1,5 +1,56 @@
-"""`python -m allatt_jax.benchmark`: runs allatt_jax/commands/benchmark.py."""
-from allatt_jax.commands import benchmark
+r"""Throughput of a config's model: train steps, pruned models' inference, matmul peak.
+
+  python -m allatt_jax.benchmark --config=configs/bench_cpu.py --out=/tmp/bench.json
+  python -m allatt_jax.benchmark --config=configs/bench_cpu.py --profile \
+    --variant=two_heads_a_step:model.head_block=2
+
+Prints a summary and the JSON report; the config's `benchmark` section sets steps,
+rounds and head fractions. `--profile` adds where the baseline step's time goes;
+`--variant=NAME:section.key=value,...` times the config with overrides beside it.
+"""
+from collections.abc import Sequence
+import dataclasses
+import json
+
+from absl import flags
+
+from allatt_jax.perf import bench_summary
+from allatt_jax.perf import config_variants
+from allatt_jax.config import cli
+from allatt_jax.training import assembly
+from allatt_jax.perf import timing
+
+_CONFIG = cli.DEFINE_config(
+    "config", "Config of the model to time; its `benchmark` section (if any) sets "
+    "steps, rounds and head fractions (configs/bench_cpu.py).")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file.")
+_PROFILE = flags.DEFINE_boolean(
+    "profile", False, "Also trace the baseline train steps and report where their time "
+    "goes (the config's benchmark.profile).")
+_VARIANT = flags.DEFINE_multi_string(
+    "variant", [], "NAME:SECTION.KEY=VALUE[,...]: also time the config with these "
+    "overrides, in the same rounds (adds to the config's benchmark.variants).")
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  plan = timing.BenchmarkPlan.from_dict(_CONFIG.value.get("benchmark", {}))
+  plan = dataclasses.replace(
+      plan, profile=plan.profile or _PROFILE.value,
+      variants=config_variants.from_flags(_VARIANT.value, plan.variants))
+  report = timing.measure(
+      assembly.checked_config(_CONFIG.value), plan)
+  print(bench_summary.summary(report))
+  print(json.dumps(report, indent=2))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(report, f, indent=2)
+
+
+def run(argv=None) -> None:
+  """Runs the command on `argv` (program name first; default: sys.argv)."""
+  cli.run(main, argv)
+
 
 if __name__ == "__main__":
-  benchmark.run()
+  run()

@@ -14,7 +14,7 @@ layer is 1.5% of the MACs here) rather than the softmax.
 """
 import ml_collections
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):
@@ -26,7 +26,7 @@ def get_config(arg=None):
   c.train.update(dict(batch_size=8, seq_len=192, mem_len=192))
   c.eval.update(dict(batch_size=8, seq_len=192, mem_len=192))
   c.gates.update(dict(lam=0.015, l0_warmup_steps=4000, freeze_step=16_000))
-  # The benchmark's settings (allatt_jax/commands/benchmark.py), in the config so that
+  # The benchmark's settings (allatt_jax/benchmark.py), in the config so that
   # --config.benchmark.rounds=... and the like can override them.
   c.benchmark = ml_collections.ConfigDict(dict(
       train_steps=5,               # timed steps per train-step variant and round

@@ -15,7 +15,7 @@ H200 (docs/performance.md); without attention dropout,
 """
 import ml_collections
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

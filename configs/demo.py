@@ -14,7 +14,7 @@ export of the pruned model, and a report comparing both (bpc, parameters, tokens
 """
 import ml_collections
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):
@@ -38,7 +38,7 @@ def get_config(arg=None):
       prune_train=dict(num_steps=1500, learning_rate=1e-3, warmup_steps=100),
       prune_gates=config_base.pruning_gates(lam=0.05, l0_warmup_steps=200,
                                             freeze_step=1000),
-      # The pruning stage learns from the baseline (allatt_jax/distill.py): logits only,
+      # The pruning stage learns from the baseline (allatt_jax/training/distill.py): logits only,
       # α = 0.5, τ = 1, the best variant of docs/experiments.md's distill suite (−0.01
       # to −0.08 bpc at 25-75% of heads removed). weight=0 is the paper's recipe.
       prune_distill=config_base.base_config().distill.copy_and_resolve_references(),

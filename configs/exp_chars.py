@@ -16,7 +16,7 @@ Rerunning a suite reuses its finished runs and resumes an interrupted one.
 """
 import ml_collections
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):
@@ -55,7 +55,7 @@ def get_config(arg=None):
       budget_seeds=(0,),
       budget_reference_lambdas=(0.04, 0.08, 0.16),   # fixed-λ runs the budgets meet
       # --suite=distill: these head sparsities, each plain and with each variant's
-      # distill section (the baseline as teacher; allatt_jax/distill.py).
+      # distill section (the baseline as teacher; allatt_jax/training/distill.py).
       distill_sparsities=(0.25, 0.5, 0.75),
       distill_variants=dict(
           logit=dict(weight=0.5, temperature=1.0, hidden_weight=0.0, kl_clusters="all"),

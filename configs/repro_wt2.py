@@ -55,7 +55,7 @@ WikiText-2-shaped corpus (set data.manual_dir and model.vocab_size to it).
 """
 import ml_collections
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

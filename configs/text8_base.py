@@ -13,7 +13,7 @@ logits), output scaling s_g and masked empty memory kept on purpose.
 
 `configs/text8_base.py:tiny` is a 2-layer variant for tests and smoke runs.
 """
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

@@ -8,7 +8,7 @@ persistent vectors. The paper compares pruned All-att against d = 512, 480, 448,
 
 `configs/txl_text8_base.py:tiny` is a 2-layer variant for tests and smoke runs.
 """
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

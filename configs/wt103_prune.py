@@ -17,7 +17,7 @@ logits), output scaling s_g and masked empty memory kept on purpose.
 Arguments: lam (0.01, 0.015, 0.02 in the paper), init_from, txl (prune a Transformer-XL
 baseline instead, of width d_model), tiny.
 """
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

@@ -7,7 +7,7 @@ r"""Train on a Cloud TPU VM or pod slice: create it, install, run, stream logs, 
 
 Arguments after `--` go to `python -m allatt_jax.main` on every worker (the run's
 --config and overrides). Each worker joins the run by itself: JAX reads the slice's
-layout from the TPU metadata (allatt_jax/distributed.py), so no coordinator flags.
+layout from the TPU metadata (allatt_jax/parallel/distributed.py), so no coordinator flags.
 
 Steps (--steps, in this order): create the TPU; setup (copy this checkout, or clone
 --source, to ~/allatt_jax on every worker and pip-install it with jax[tpu]; copy

@@ -10,14 +10,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import config_checks
-from allatt_jax import pipeline
-from allatt_jax import resolver
-from allatt_jax import run_files
-from allatt_jax import train
-from allatt_jax import validation
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.training import pipeline
+from allatt_jax.training import assembly
+from allatt_jax.runs import run_files
+from allatt_jax.training import loop
+from allatt_jax.runs import workdir_checks
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,33 +55,33 @@ def free_port() -> int:
 
 
 def train_run(config, workdir, **kwargs) -> dict:
-  """`train.train_and_evaluate` of a config (a ConfigDict or a RunConfig), resolved as
+  """`loop.train_and_evaluate` of a config (a ConfigDict or a RunConfig), resolved as
   the main command resolves it."""
-  return train.train_and_evaluate(resolver.prepared_run(resolver.checked_config(config)),
+  return loop.train_and_evaluate(assembly.prepared_run(assembly.checked_config(config)),
                                   workdir, **kwargs)
 
 
 def run_pipeline(config, workdir) -> dict:
   """`pipeline.run` of a pipeline config, resolved as the main command resolves it."""
-  return pipeline.run(pipeline.prepare(resolver.checked_pipeline(config), workdir), workdir)
+  return pipeline.run(pipeline.prepare(assembly.checked_pipeline(config), workdir), workdir)
 
 
 def start_run(config, workdir, vocabulary: dict | None = None):
   """(setup, checkpoints) of a run about to train, after the checks a run makes
   before it compiles (config and starting point before its dataset is read; then
-  `init_from`, workdir, resume and vocabulary), as `train.train_and_evaluate` makes
+  `init_from`, workdir, resume and vocabulary), as `loop.train_and_evaluate` makes
   them. `vocabulary`: the fingerprint of the config's dataset where the test does
   not hold that dataset (else it is loaded, as a run loads it)."""
-  run = resolver.checked_config(config)
+  run = assembly.checked_config(config)
   if vocabulary is None:
-    prepared = resolver.prepared_run(run)
+    prepared = assembly.prepared_run(run)
     setup, corpus = prepared.setup, prepared.corpus
     vocabulary = run_files.vocabulary_fingerprint(corpus.name, corpus.vocab)
   else:   # completed as a run completes it (a budget's λ is 0)
     config_checks.check_starting_point(run)
-    setup = resolver.run_setup(run.completed(run.model.vocab_size))
+    setup = assembly.run_setup(run.completed(run.model.vocab_size))
   workdir = run_files.run_path(workdir)
-  validation.check_run(setup.run, setup.abstract_state, workdir, vocabulary)
+  workdir_checks.check_run(setup.run, setup.abstract_state, workdir, vocabulary)
   return setup, checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
 
 

@@ -16,13 +16,13 @@ import sys
 import jax
 import numpy as np
 
-from allatt_jax import checkpointing
-from allatt_jax import config_base
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import exported_model
-from allatt_jax import resolver
-from allatt_jax import run_files
-from allatt_jax import sharding
+from allatt_jax.pruning import model_export
+from allatt_jax.training import assembly
+from allatt_jax.runs import run_files
+from allatt_jax.parallel import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ((8, 1), (4, 2), (2, 4))
@@ -35,7 +35,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
   with config.unlocked():
     del config["pipeline"]
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # resolver.run_setup reads no dataset to fill it in
+  config.model.vocab_size = 27   # assembly.run_setup reads no dataset to fill it in
   config.mesh.data, config.mesh.model = mesh
   # Dropout checks that random masks do not depend on how arrays are sharded.
   config.model.update(dict(dropout=0.1, dropout_attn=0.1, dropout_emb=0.1))
@@ -50,7 +50,7 @@ def test_config(data_dir: str, mesh=(-1, 1)):
 
 def train_steps(config, num_steps: int = NUM_STEPS):
   """(state, losses, last inputs, stream) after `num_steps` sampled-gate steps."""
-  setup = resolver.run_setup(config)
+  setup = assembly.run_setup(config)
   state = setup.new_state()
   batch = sharding.batch_sharding(setup.mesh)
   step_fn = setup.train_step(sample_gates=True)
@@ -119,7 +119,7 @@ def main(out_dir: str, data_dir: str) -> None:
                                       "placements": placements(state, inputs)}
     if mesh == (4, 2):
       save_run(out_dir / "pruning_run", config, state, stream)
-      exported_model.export_run(out_dir / "pruning_run")
+      model_export.export_run(out_dir / "pruning_run")
   (out_dir / "result.json").write_text(json.dumps(result, indent=1))
 
 

@@ -12,9 +12,9 @@ import sys
 
 import jax
 
-from allatt_jax import cli
-from allatt_jax.commands import main
-from allatt_jax import progress
+from allatt_jax.config import cli
+from allatt_jax import main
+from allatt_jax.training import progress
 
 
 def signal_after_step(signum: int, count: int) -> None:

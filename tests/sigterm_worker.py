@@ -11,9 +11,9 @@ import sys
 
 import jax
 
-from allatt_jax import checkpointing
-from allatt_jax import cli
-from allatt_jax.commands import main
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import cli
+from allatt_jax import main
 
 
 def sigterm_when_saving(step: int) -> None:

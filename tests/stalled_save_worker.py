@@ -18,8 +18,8 @@ import time
 import jax
 from orbax.checkpoint._src.path import atomicity
 
-from allatt_jax import cli
-from allatt_jax.commands import main
+from allatt_jax.config import cli
+from allatt_jax import main
 
 
 def stall_commits(when: str, marker: str) -> None:

@@ -7,13 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from allatt_jax import budget
-from allatt_jax import config_base
-from allatt_jax import model as model_lib
-from allatt_jax import optim
-from allatt_jax import run_config
-from allatt_jax import train_step
-from allatt_jax.errors import ConfigError
+from allatt_jax.pruning import budget
+from allatt_jax.config import config_base
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import optim
+from allatt_jax.config import run_config
+from allatt_jax.training import train_step
+from allatt_jax.config.errors import ConfigError
 
 VOCAB = 29
 BATCH, SEQ_LEN, MEM_LEN = 8, 8, 8

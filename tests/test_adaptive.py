@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import adaptive
-from allatt_jax import errors
-from allatt_jax import vocab_logsumexp
+from allatt_jax.model import adaptive
+from allatt_jax.config import errors
+from allatt_jax.model import vocab_logsumexp
 
 D = 16
 # Name -> (vocab_size, cutoffs, div_val, tie_projs).

@@ -17,22 +17,22 @@ import pytest
 import allatt_jax
 from helpers import train_run
 from allatt_jax import api
-from allatt_jax import config_base
-from allatt_jax import exported_model
+from allatt_jax.config import config_base
+from allatt_jax.pruning import model_export
 from allatt_jax.reports import figures
-from allatt_jax import gates as gates_lib
-from allatt_jax import likelihood
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import run_files
-from allatt_jax import train
-from allatt_jax import trained_model
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.evaluation import likelihood
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
+from allatt_jax.training import loop
+from allatt_jax.runs import trained_model
 from allatt_jax.data import tokenization
-from allatt_jax.errors import CheckpointError
-from allatt_jax.errors import ConfigError
-from allatt_jax.errors import FlagError
+from allatt_jax.config.errors import CheckpointError
+from allatt_jax.config.errors import ConfigError
+from allatt_jax.config.errors import FlagError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "The river flows past the old mill, and the town of 1850 grew along its banks."
@@ -46,7 +46,7 @@ def stages(tmp_path_factory):
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
   config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
-  stages = resolver.checked_pipeline(config)
+  stages = assembly.checked_pipeline(config)
   runs = tmp_path_factory.mktemp("runs")
   return stages.baseline, run_config.derived_run(stages.pruning,
                                                  init_from=str(runs / "baseline"))
@@ -181,7 +181,7 @@ def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
   smaller = model.prune_persistent_groups({0: {1: [0, 3]}, 1: {2: [0, 1, 2, 3]}},
                                           group_size=4)
   assert smaller.lm.cfg.persistent_slots == ((16, 16, 16, 8), (16, 16, 16, 0))
-  expected_cfg, expected = prune.remove_heads(
+  expected_cfg, expected = head_removal.remove_heads(
       model.lm.cfg, jax.device_get(model.variables),
       slots={0: {1: [0, 1, 2, 3, 12, 13, 14, 15]}, 1: {2: list(range(16))}})
   assert smaller.lm.cfg == expected_cfg
@@ -261,7 +261,7 @@ def test_export_is_standalone(model, tmp_path):
   evaluated = likelihood.evaluate_model(loaded, text=TEXT)
   assert evaluated["bpc"] == pytest.approx(scored["bpc"], rel=1e-5)
   assert evaluated["tokens"] == scored["tokens"]
-  assert exported_model.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
+  assert model_export.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
   assert allatt_jax.load(export).score(TEXT)["bpc"] == pytest.approx(scored["bpc"],
                                                                       rel=1e-5)
   assert not any(empty.iterdir())
@@ -305,7 +305,7 @@ def test_readme_python_example_runs(workdir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
-  for directory in (pruned_run, pruned_run / exported_model.EXPORT_DIR):
+  for directory in (pruned_run, pruned_run / model_export.EXPORT_DIR):
     assert run_files.load_tokenizer(directory) == model.tokenizer.to_dict()
     assert run_files.load_vocabulary(directory) == run_files.load_vocabulary(pruned_run)
 
@@ -313,7 +313,7 @@ def test_pruning_run_and_its_export_carry_the_tokenizer(pruned_run, model):
 @pytest.mark.slow
 def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
   gated = allatt_jax.load(pruned_run)
-  exported = allatt_jax.load(pruned_run / exported_model.EXPORT_DIR)
+  exported = allatt_jax.load(pruned_run / model_export.EXPORT_DIR)
   assert gated.lm.cfg.gated and sum(exported.heads_per_layer) < 32
   np.testing.assert_allclose(np.asarray(gated.log_probs(ids)[0]),
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
@@ -329,10 +329,10 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
 
 @pytest.mark.slow
 def test_export_of_an_earlier_step(pruned_run, tmp_path):
-  out = exported_model.export_run(pruned_run, tmp_path / "step20", step=20)
+  out = model_export.export_run(pruned_run, tmp_path / "step20", step=20)
   assert allatt_jax.load(out).tokenizer.vocab_size == 27
   with pytest.raises(CheckpointError, match="No checkpoint of step 25"):
-    exported_model.export_run(pruned_run, tmp_path / "step25", step=25)
+    model_export.export_run(pruned_run, tmp_path / "step25", step=25)
 
 
 @pytest.mark.slow
@@ -340,22 +340,22 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
   run = tmp_path / "pruned"
   shutil.copytree(pruned_run, run)
   own = json.loads((run / "results.json").read_text())["export"]
-  assert own["directory"] == str(pruned_run / exported_model.EXPORT_DIR)
-  before = allatt_jax.load(run / exported_model.EXPORT_DIR).costs()
+  assert own["directory"] == str(pruned_run / model_export.EXPORT_DIR)
+  before = allatt_jax.load(run / model_export.EXPORT_DIR).costs()
 
   # Another step goes next to the run's own export, which stays what results.json says.
-  assert exported_model.export_run(run, step=20) == run / "export-step-20"
-  assert allatt_jax.load(run / exported_model.EXPORT_DIR).costs() == before
+  assert model_export.export_run(run, step=20) == run / "export-step-20"
+  assert allatt_jax.load(run / model_export.EXPORT_DIR).costs() == before
   refused = run_cli("export", f"--workdir={run}", "--step=20", check=False)
   assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
   assert re.search(r"^error: .*export-step-20 already holds an exported model.* "
                    r"--out=DIR.* --overwrite\.$", refused.stderr, re.M), refused.stderr
   with pytest.raises(FlagError, match=r"/export already holds an exported model"):
-    exported_model.export_run(run)
-  assert exported_model.export_run(run, overwrite=True) == run / exported_model.EXPORT_DIR
+    model_export.export_run(run)
+  assert model_export.export_run(run, overwrite=True) == run / model_export.EXPORT_DIR
   # Not even --overwrite writes a model over a folder that is not one.
   with pytest.raises(FlagError, match=r"exists and is not an exported model"):
-    exported_model.export_run(run, out_dir=run, overwrite=True)
+    model_export.export_run(run, out_dir=run, overwrite=True)
 
 
 @pytest.mark.slow

@@ -4,15 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import attention
-from allatt_jax import attention_kernel
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import xla_core
 
 
 def test_threefry_matches_jax_at_20_rounds():
   key = jnp.array([0x13198A2E, 0x03707344], jnp.uint32)
   count = jnp.arange(64, dtype=jnp.uint32) * jnp.uint32(2654435761)
   expected = jax.extend.random.threefry_2x32(key, count)
-  b0, b1 = attention_kernel._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
+  b0, b1 = xla_core._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
   np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
 
 
@@ -20,7 +20,7 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
   # The rounds dropout uses, on the consecutive counters a mask hashes.
   n = 1 << 16
   lo = jnp.arange(n, dtype=jnp.uint32)
-  b0, b1 = attention_kernel._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
+  b0, b1 = xla_core._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
   words = np.asarray(b0 ^ b1)
   bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
   np.testing.assert_allclose(bits.mean(0), 0.5, atol=0.01)   # ~5 sd of 1/sqrt(4n)
@@ -32,13 +32,13 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
 def test_keep_mask_rate_keys_and_head_offset():
   shape = (4, 3, 64, 96)
   keys = jnp.array([[1, 2], [3, 4]], jnp.uint32)
-  a = attention_kernel._keep_mask(keys[0], shape, 0.2, 0)
-  b = attention_kernel._keep_mask(keys[1], shape, 0.2, 0)
+  a = xla_core._keep_mask(keys[0], shape, 0.2, 0)
+  b = xla_core._keep_mask(keys[1], shape, 0.2, 0)
   assert abs(float(a.mean()) - 0.8) < 0.01
   assert 0.6 < float((a == b).mean()) < 0.7   # independent masks agree on 0.8² + 0.2²
   # Heads 2.. drawn as a block starting at head 2 get the same mask.
-  np.testing.assert_array_equal(a[2:], attention_kernel._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
-  assert bool(attention_kernel._keep_mask(keys[0], shape, 0.0, 0).all())
+  np.testing.assert_array_equal(a[2:], xla_core._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
+  assert bool(xla_core._keep_mask(keys[0], shape, 0.0, 0).all())
 
 
 def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
@@ -53,7 +53,7 @@ def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):
     args += [normal((h, num_persistent, dh)), normal((h, num_persistent, dh))]
   else:
     args += [None, None]
-  mask = attention.attention_mask(t, s, jnp.int32(2), False)
+  mask = relative.attention_mask(t, s, jnp.int32(2), False)
   return args, mask, normal((h, b, t, dh))
 
 
@@ -70,8 +70,8 @@ def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, rema
   """Values and gradients equal autodiff of the all-heads forward, whatever the options."""
   args, mask, dout = _inputs(num_persistent)
   keys = KEYS if rate else None
-  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, F32, *a, mask, keys)
-  plain = lambda *a: attention_kernel._attend_fwd(rate, 4, False, F32, *a, mask, keys)[0]
+  custom = lambda *a: xla_core.attend(rate, head_block, remat, F32, *a, mask, keys)
+  plain = lambda *a: xla_core._attend_fwd(rate, 4, False, F32, *a, mask, keys)[0]
   out, custom_vjp = jax.vjp(custom, *args)
   expected_out, plain_vjp = jax.vjp(plain, *args)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
@@ -93,8 +93,8 @@ def test_dropout_zeroes_weights_and_rescales():
   pv = jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - dh)])
   inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask)
-  dropped = np.asarray(attention_kernel.attend(0.5, 1, False, F32, *inputs, KEYS))
-  full = np.asarray(attention_kernel.attend(0.0, 1, False, F32, *inputs, None))
+  dropped = np.asarray(xla_core.attend(0.5, 1, False, F32, *inputs, KEYS))
+  full = np.asarray(xla_core.attend(0.0, 1, False, F32, *inputs, None))
   np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)   # context + persistent
   kept = dropped != 0
   assert 0.4 < kept[full != 0].mean() < 0.6
@@ -108,7 +108,7 @@ def test_bfloat16_core_close_to_float32(score_dtype):
   setting), stays within bf16 rounding of the float32 core."""
   args32, mask, dout = _inputs(6)
   args16, _, _ = _inputs(6, jnp.bfloat16)
-  loss = lambda dtype: lambda *a: jnp.sum(attention_kernel.attend(
+  loss = lambda dtype: lambda *a: jnp.sum(xla_core.attend(
       0.0, 2, False, dtype, *a, mask, None).astype(jnp.float32) * dout)
   grads32 = jax.grad(loss(F32), argnums=range(8))(*args32)
   grads16 = jax.grad(loss(score_dtype), argnums=range(8))(*args16)
@@ -123,12 +123,12 @@ def test_scores_and_kept_weights_in_the_score_dtype(score_dtype):
   """The weights kept for the backward pass, and every (.., T, K) and (.., T, N) array
   the core writes, are in the score dtype: bf16 halves their memory and traffic."""
   args, mask, _ = _inputs(6, jnp.bfloat16)
-  _, residuals = attention_kernel._attend_fwd(0.3, 4, False, score_dtype, *args, mask, KEYS)
+  _, residuals = xla_core._attend_fwd(0.3, 4, False, score_dtype, *args, mask, KEYS)
   p_ctx, p_pers = residuals[-3:-1]
   assert p_ctx.dtype == p_pers.dtype == score_dtype
   t, k, n = args[0].shape[2], args[3].shape[2], args[6].shape[1]
   jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(
-      lambda *x: attention_kernel.attend(0.3, 4, False, score_dtype, *x, mask, KEYS),
+      lambda *x: xla_core.attend(0.3, 4, False, score_dtype, *x, mask, KEYS),
       *a)[1](a[0]))(*args)
   big = [v.aval for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"
          for v in e.outvars if v.aval.shape[-2:] in ((t, k + 1), (t, k), (t, n))]
@@ -136,4 +136,4 @@ def test_scores_and_kept_weights_in_the_score_dtype(score_dtype):
 
 
 def test_head_block_divides_any_head_count():
-  assert [attention_kernel.divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]
+  assert [xla_core.divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]

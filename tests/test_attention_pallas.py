@@ -18,31 +18,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import attention
-from allatt_jax import attention_impl
-from allatt_jax import attention_kernel
-from allatt_jax import attention_pallas
-from allatt_jax import attention_pallas_kernels
-from allatt_jax import config_base
-from allatt_jax import config_checks
-from allatt_jax import model as model_lib
-from allatt_jax import run_config
-from allatt_jax.errors import ConfigError
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import core_choice
+from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import pallas_core
+from allatt_jax.model.attention import pallas_kernels
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
+from allatt_jax.config.errors import ConfigError
 
 import helpers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 KEYS = jnp.array([[5, 6], [7, 8]], jnp.uint32)
-SMALL_TILES = attention_pallas.Blocks(rows=16, slots=16, batch=2)
+SMALL_TILES = pallas_core.Blocks(rows=16, slots=16, batch=2)
 
 
 @pytest.fixture
 def kernels_run_here(monkeypatch):
   """The kernels count as runnable here, in interpret mode (also on a GPU, where
   compiled they would compute in TF32, not float32)."""
-  monkeypatch.setattr(attention_impl, "_why_not_here", lambda: None)
-  monkeypatch.setattr(attention_pallas, "_interpreted", lambda: True)
+  monkeypatch.setattr(core_choice, "_why_not_here", lambda: None)
+  monkeypatch.setattr(pallas_core, "_interpreted", lambda: True)
 
 
 def core_inputs(h=2, b=4, t=20, s=13, n=40, dh=12, mem_valid=5, same_length=True):
@@ -55,7 +55,7 @@ def core_inputs(h=2, b=4, t=20, s=13, n=40, dh=12, mem_valid=5, same_length=True
           jnp.asarray(np.pad(rng.standard_normal((h, k, dh)), [(0, 0), (1, 0), (0, 0)]),
                       jnp.float32),
           normal(h, n, dh) if n else None, normal(h, n, dh) if n else None)
-  mask = np.asarray(attention.attention_mask(t, s, jnp.int32(mem_valid), same_length))
+  mask = np.asarray(relative.attention_mask(t, s, jnp.int32(mem_valid), same_length))
   return args, jnp.asarray(mask), normal(h, b, t, dh)
 
 
@@ -65,8 +65,8 @@ def outputs_and_grads(core, args, mask, dout, rate):
   return out, vjp(dout)
 
 
-def xla_core(rate, *args):
-  return attention_kernel.attend(rate, 1, False, jnp.float32, *args)
+def xla_path(rate, *args):
+  return xla_core.attend(rate, 1, False, jnp.float32, *args)
 
 
 @pytest.mark.parametrize("case", [
@@ -82,11 +82,11 @@ def xla_core(rate, *args):
 ], ids=["tiles", "stream_start", "txl", "default_tiles"])
 def test_kernels_match_xla_path(case):
   args, mask, dout = core_inputs(**case["shape"])
-  kernel_core = functools.partial(attention_pallas.attend, blocks=case["blocks"],
+  kernel_core = functools.partial(pallas_core.attend, blocks=case["blocks"],
                                   interpret=True)
   run = lambda core: jax.jit(functools.partial(outputs_and_grads, core, rate=case["rate"]))(
       args, mask, dout)
-  (out, grads), (expected_out, expected_grads) = run(kernel_core), run(xla_core)
+  (out, grads), (expected_out, expected_grads) = run(kernel_core), run(xla_path)
   np.testing.assert_allclose(out, expected_out, **TOLERANCE)
   names = ("qu", "qv", "qp", "k", "v", "r_pad", "pk", "pv")
   for name, got, expected in zip(names, grads, expected_grads):
@@ -105,23 +105,23 @@ def test_dropout_drops_the_same_weights():
   v, pv = jnp.broadcast_to(eye[:kk], (h, b, kk, kk + n)), jnp.broadcast_to(eye[kk:], (h, n, kk + n))
   wide = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kk + n - x.shape[-1])])
   inputs = (wide(qu), wide(qv), wide(qp), wide(k), v, wide(r_pad), wide(pk), pv, mask, KEYS)
-  dropped = jax.jit(functools.partial(attention_pallas.attend, 0.5, interpret=True))(*inputs)
-  expected = jax.jit(functools.partial(xla_core, 0.5))(*inputs)
+  dropped = jax.jit(functools.partial(pallas_core.attend, 0.5, interpret=True))(*inputs)
+  expected = jax.jit(functools.partial(xla_path, 0.5))(*inputs)
   assert 0.3 < float(jnp.mean(expected == 0)) < 0.7
   np.testing.assert_array_equal(dropped == 0, expected == 0)
   np.testing.assert_allclose(dropped, expected, **TOLERANCE)
 
 
 @pytest.mark.parametrize("same_length", [False, True])
-@pytest.mark.parametrize("keys", attention.SAME_LENGTH_KEYS)
+@pytest.mark.parametrize("keys", relative.SAME_LENGTH_KEYS)
 def test_mask_rows_are_the_intervals_the_kernels_read(same_length, keys):
   t, s = 7, 5
   for mem_valid in range(s + 1):
-    mask = np.asarray(attention.attention_mask(t, s, jnp.int32(mem_valid), same_length, keys))
-    geometry = attention_pallas_kernels.Geometry(
+    mask = np.asarray(relative.attention_mask(t, s, jnp.int32(mem_valid), same_length, keys))
+    geometry = pallas_kernels.Geometry(
         t=t, k=s + t, n=0, dh=8, rows=16, slots=16, batch_block=1, rate=0.0,
         interpret=True)
-    (lo, hi), _, _ = attention_pallas._mask_bounds(jnp.asarray(mask), geometry)
+    (lo, hi), _, _ = pallas_core._mask_bounds(jnp.asarray(mask), geometry)
     j = np.arange(s + t)
     np.testing.assert_array_equal((j >= lo[:t, None]) & (j <= hi[:t, None]), mask)
 
@@ -131,7 +131,7 @@ def test_kernels_lower_for_the_gpu():
   backward, in bf16 with dropout; compiling it needs a GPU."""
   args, mask, _ = core_inputs(h=2, b=2, t=24, s=8, n=20, dh=12)
   args = [x.astype(jnp.bfloat16) for x in args]
-  kernel_core = functools.partial(attention_pallas.attend, blocks=SMALL_TILES,
+  kernel_core = functools.partial(pallas_core.attend, blocks=SMALL_TILES,
                                   interpret=False)
   loss = lambda args: jnp.sum(kernel_core(0.2, *args, mask, KEYS).astype(jnp.float32))
   try:
@@ -147,10 +147,10 @@ def test_kernels_lower_for_the_gpu():
 def test_choice_of_core_and_its_errors():
   # On a CPU: the XLA path; a model that asks for the kernels (one trained on a GPU,
   # read from disk) runs on it too, with a warning.
-  assert not any(map(attention_impl.use_kernel, attention_impl.IMPLS))
+  assert not any(map(core_choice.use_kernel, core_choice.IMPLS))
   with pytest.raises(ConfigError, match=r"attention_impl='pallas'.*runs on cpu.*=auto.*=xla"):
-    attention_impl.check_runs_here("pallas")
-  attention_impl.check_runs_here("auto")
+    core_choice.check_runs_here("pallas")
+  core_choice.check_runs_here("auto")
   config = config_base.base_config()
   config.model.vocab_size = 11
   config.model.attention_impl = "auto"
@@ -175,7 +175,7 @@ def test_trial_runs_while_a_model_traces():
   result = {}
 
   def traced(x):
-    result["mismatch"] = attention_impl.trial_mismatch(interpret=True)
+    result["mismatch"] = core_choice.trial_mismatch(interpret=True)
     return x + 1
 
   jax.jit(traced)(1.0)
@@ -214,7 +214,8 @@ def test_inference_paths_match(kernels_run_here):
   """Scoring a stream in segments (evaluation, the API, export's scores), greedy
   generation (one token at a time against the memory) and the layer outputs that
   distillation reads: the same with either core."""
-  from allatt_jax import likelihood, sampler   # pylint: disable=import-outside-toplevel
+  from allatt_jax.evaluation import likelihood   # pylint: disable=import-outside-toplevel
+  from allatt_jax.evaluation import generation
   config = tiny_model(dropout=0.0, dropout_attn=0.0, dropout_emb=0.0)
   tokens = np.random.default_rng(3).integers(0, 11, 20)
   results = {}
@@ -224,7 +225,7 @@ def test_inference_paths_match(kernels_run_here):
     variables = jax.jit(lm.init)(jax.random.key(0), tokens[None, :6], tokens[None, :6],
                                  memory)
     log_probs = likelihood.token_log_probs(lm, variables, tokens, seq_len=6, mem_len=5)
-    generated = sampler.Sampler(lm, seq_len=6, mem_len=5, temperature=0.0).generate(
+    generated = generation.Sampler(lm, seq_len=6, mem_len=5, temperature=0.0).generate(
         variables, tokens[:7], 4)
     _, layers = jax.jit(functools.partial(lm.apply, method=lm.distill_outputs,
                                           mutable=["intermediates"]))(
@@ -240,7 +241,9 @@ def test_train_step_updates_match(kernels_run_here):
   """One accumulated train step (2 micro-batches) with dropout from a state with
   memory: every parameter's update (minus its gradient) is the same."""
   import optax   # pylint: disable=import-outside-toplevel
-  from allatt_jax import budget, optim, train_step   # pylint: disable=import-outside-toplevel
+  from allatt_jax.pruning import budget   # pylint: disable=import-outside-toplevel
+  from allatt_jax.training import optim
+  from allatt_jax.training import train_step
   tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
   updates, metrics = {}, {}
   for impl in ("pallas", "xla"):
@@ -271,15 +274,16 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, sys.argv[1])
 import test_attention_pallas as t
-from allatt_jax import attention_pallas, sharding
+from allatt_jax.model.attention import pallas_core
+from allatt_jax.parallel import sharding
 mesh = sharding.make_mesh((2, 2))
 args, mask, dout = t.core_inputs(h=4, b=4)
 with jax.set_mesh(mesh):
   place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
   args = [place(x, P("model", "data")) for x in args[:5]] + [place(x, P("model")) for x in args[5:]]
-  kernel_core = functools.partial(attention_pallas.attend, blocks=t.SMALL_TILES)
+  kernel_core = functools.partial(pallas_core.attend, blocks=t.SMALL_TILES)
   got = jax.jit(functools.partial(t.outputs_and_grads, kernel_core, rate=0.3))(args, mask, dout)
-  expected = jax.jit(functools.partial(t.outputs_and_grads, t.xla_core, rate=0.3))(args, mask, dout)
+  expected = jax.jit(functools.partial(t.outputs_and_grads, t.xla_path, rate=0.3))(args, mask, dout)
 print(json.dumps(max(float(jnp.abs(a - b).max() / (1 + jnp.abs(b).max()))
                      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))))
 """

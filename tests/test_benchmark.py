@@ -10,36 +10,36 @@ import sys
 
 import pytest
 
-from allatt_jax import bench_variants
-from allatt_jax import config_base
-from allatt_jax import resolver
-from allatt_jax import throughput
-from allatt_jax.errors import ConfigError
+from allatt_jax.perf import config_variants
+from allatt_jax.config import config_base
+from allatt_jax.training import assembly
+from allatt_jax.perf import timing
+from allatt_jax.config.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
   tiny = config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")
-  assert throughput.BenchmarkPlan.from_dict(tiny.benchmark) == throughput.BenchmarkPlan(
+  assert timing.BenchmarkPlan.from_dict(tiny.benchmark) == timing.BenchmarkPlan(
       train_steps=1, eval_segments=1, rounds=1, heads_kept=(1.0, 0.5), matmul_size=256)
-  assert throughput.BenchmarkPlan.from_dict({"rounds": 2}) == throughput.BenchmarkPlan(
+  assert timing.BenchmarkPlan.from_dict({"rounds": 2}) == timing.BenchmarkPlan(
       rounds=2)
   with pytest.raises(ConfigError, match=r"Unknown key --config\.benchmark\.round; known: "
                      "train_steps, "):
-    throughput.BenchmarkPlan.from_dict({"round": 2})
+    timing.BenchmarkPlan.from_dict({"round": 2})
   with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is '3'; it takes int"):
-    throughput.BenchmarkPlan.from_dict({"rounds": "3"})
-  plan = throughput.BenchmarkPlan.from_dict(
+    timing.BenchmarkPlan.from_dict({"rounds": "3"})
+  plan = timing.BenchmarkPlan.from_dict(
       {"profile": True, "variants": {"two": {"model": {"head_block": 2}}}})
   assert plan.profile and plan.variants == {"two": {"model": {"head_block": 2}}}
   with pytest.raises(ConfigError, match=r"--config\.benchmark\.variants is \{'two': 2\}; it "
                      "takes a dict"):
-    throughput.BenchmarkPlan.from_dict({"variants": {"two": 2}})
+    timing.BenchmarkPlan.from_dict({"variants": {"two": 2}})
 
 
 def test_variant_flags_add_to_the_configs_variants():
-  variants = bench_variants.from_flags(
+  variants = config_variants.from_flags(
       ["before:model.head_block=2,model.remat=False,model.dtype=bfloat16",
        "before:train.batch_size=4", "cut:model.cutoffs=(10, 20),model.heads_per_layer=[2,2]"],
       {"before": {"model": {"head_block": 4, "dropout": 0.0}}})
@@ -47,20 +47,20 @@ def test_variant_flags_add_to_the_configs_variants():
       "before": {"model": {"head_block": 2, "dropout": 0.0, "remat": False,
                            "dtype": "bfloat16"}, "train": {"batch_size": 4}},
       "cut": {"model": {"cutoffs": (10, 20), "heads_per_layer": [2, 2]}}}
-  assert bench_variants.from_flags([], {"v": {"model": 3}}) == {"v": {"model": 3}}
+  assert config_variants.from_flags([], {"v": {"model": 3}}) == {"v": {"model": 3}}
   for bad in ("model.head_block=2", "before:head_block=2", "before:model.remat"):
     with pytest.raises(ConfigError, match=r"expected NAME:SECTION\.KEY=VALUE"):
-      bench_variants.from_flags([bad])
+      config_variants.from_flags([bad])
 
 
 @pytest.fixture(scope="module")
 def tiny_run():
-  return resolver.with_vocab_size(resolver.checked_config(
+  return assembly.with_vocab_size(assembly.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
 
 
 def test_a_variant_is_the_config_with_its_overrides(tiny_run):
-  variants = bench_variants.resolve(tiny_run, {
+  variants = config_variants.resolve(tiny_run, {
       "two": {"model": {"head_block": 2, "remat": False, "dropout": 0}},
       "cut": {"model": {"heads_per_layer": [2, 4]}, "train": {"batch_size": 4}}})
   two, cut = variants["two"], variants["cut"]
@@ -87,7 +87,7 @@ def test_a_variant_is_the_config_with_its_overrides(tiny_run):
 ])
 def test_a_bad_variant_is_a_one_line_config_error(tiny_run, overrides, message):
   with pytest.raises(ConfigError, match=message) as error:
-    bench_variants.resolve(tiny_run, {"v": overrides})
+    config_variants.resolve(tiny_run, {"v": overrides})
   assert "\n" not in str(error.value)
 
 
@@ -107,17 +107,17 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   gpu = config_base.load(ROOT / "configs" / "bench_gpu.py")
   paper = config_base.load(ROOT / "configs" / "wt103_base.py")
   assert gpu.model == paper.model and gpu.train == paper.train and gpu.mesh == paper.mesh
-  plan = throughput.BenchmarkPlan.from_dict(gpu.benchmark)
-  assert dataclasses.replace(plan, variants={}) == throughput.BenchmarkPlan(
+  plan = timing.BenchmarkPlan.from_dict(gpu.benchmark)
+  assert dataclasses.replace(plan, variants={}) == timing.BenchmarkPlan(
       rounds=3, matmul_size=8192, variants={})
   # Beside the code as it is, the code before the accelerator rewrite.
-  variants = bench_variants.resolve(resolver.checked_config(gpu), plan.variants)
+  variants = config_variants.resolve(assembly.checked_config(gpu), plan.variants)
   assert list(variants) == ["before"]
   before = variants["before"].model
   assert (before.vocab_block, before.tail_capacity, before.score_dtype,
           before.attention_impl) == (8192, 0.0, "float32", "xla")
-  assert resolver.checked_config(paper).model.attention_impl == "xla"
-  resolver.checked_config(gpu)   # its checks pass as it ships
+  assert assembly.checked_config(paper).model.attention_impl == "xla"
+  assembly.checked_config(gpu)   # its checks pass as it ships
 
 
 @pytest.mark.slow   # trains a few steps in a process

@@ -16,24 +16,24 @@ import pytest
 from helpers import train_run
 from helpers import run_pipeline
 from allatt_jax import api
-from allatt_jax import budget
-from allatt_jax import budget_freeze
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import exported_model
-from allatt_jax import gate_values
-from allatt_jax import gates as gates_lib
-from allatt_jax import model as model_lib
-from allatt_jax import optim
-from allatt_jax import pipeline
-from allatt_jax import progress
-from allatt_jax import prune
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import run_files
-from allatt_jax import train
-from allatt_jax import validation
-from allatt_jax.errors import ConfigError
+from allatt_jax.pruning import budget
+from allatt_jax.pruning import freeze
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.pruning import model_export
+from allatt_jax.pruning import gate_values
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import optim
+from allatt_jax.training import pipeline
+from allatt_jax.training import progress
+from allatt_jax.pruning import head_removal
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
+from allatt_jax.training import loop
+from allatt_jax.runs import workdir_checks
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 
@@ -57,7 +57,7 @@ def open_heads(cfg, gates):
 def test_too_many_open_heads_lose_the_lowest_logits():
   gates = gates_of([3.0, 0.5, -1.0, 2.0], [0.1, 4.0, 0.2, -2.0], [1.0, 1.5, -0.3, 0.4])
   assert sum(map(len, open_heads(CFG, gates))) == 9
-  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
+  new, decision = freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert open_heads(CFG, new) == [[0, 1, 3], [1], [0, 1]]
   assert decision == {"allowed": 6, "by_gates": 9, "changed": 3, "opened": [],
                       "closed": [[1, 0], [1, 2], [2, 3]]}
@@ -67,7 +67,7 @@ def test_too_many_open_heads_lose_the_lowest_logits():
 
 def test_too_few_open_heads_gain_the_highest_closed_logits():
   gates = gates_of([-0.2, -3.0, 1.0, -1.0], [-0.1, -4.0, 2.0, -2.0], [-5, -5, -5, 3.0])
-  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 5)
+  new, decision = freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 5)
   assert open_heads(CFG, new) == [[0, 2], [0, 2], [3]]
   assert decision["by_gates"] == 3 and decision["changed"] == 2
   assert decision["opened"] == [[0, 0], [1, 0]] and decision["closed"] == []
@@ -75,20 +75,20 @@ def test_too_few_open_heads_gain_the_highest_closed_logits():
 
 def test_equal_logits_go_to_the_lower_layer_then_the_lower_head():
   gates = gates_of([2.0] * 4, [2.0] * 4, [2.0] * 4)
-  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
+  new, decision = freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert open_heads(CFG, new) == [[0, 1, 2, 3], [0, 1], []]
   assert decision["changed"] == 6
 
 
 def test_the_rule_changes_nothing_when_the_gates_agree_and_is_idempotent():
   gates = gates_of([3.0, -0.5, -1.0, 2.0], [0.1, 4.0, -0.2, -2.0], [1.0, -1.5, -0.3, 0.4])
-  new, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
+  new, decision = freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 6)
   assert decision["changed"] == 0
   for i in range(3):
     np.testing.assert_array_equal(new[f"layer_{i}"]["attention"]["logits"],
                                   gates[f"layer_{i}"]["attention"]["logits"])
-  once = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 2)[0]
-  again, decision = budget_freeze.keep_open_heads(CFG, gate_values.read(CFG, once), 2)
+  once = freeze.keep_open_heads(CFG, gate_values.read(CFG, gates), 2)[0]
+  again, decision = freeze.keep_open_heads(CFG, gate_values.read(CFG, once), 2)
   assert decision["changed"] == 0 and sum(map(len, open_heads(CFG, again))) == 2
 
 
@@ -96,10 +96,10 @@ def test_soft_gates_and_a_budget_out_of_range():
   soft = dataclasses.replace(CFG, gate=run_config.GatesSection(hard=False))
   # Soft gates are open down to σ(π) = 1/12 (π ≈ -2.4).
   gates = gates_of([-2.0, -3.0, 0.0, 1.0], [-4.0] * 4, [-4.0] * 4)
-  new, decision = budget_freeze.keep_open_heads(soft, gate_values.read(soft, gates), 2)
+  new, decision = freeze.keep_open_heads(soft, gate_values.read(soft, gates), 2)
   assert decision["by_gates"] == 3 and open_heads(soft, new) == [[2, 3], [], []]
   with pytest.raises(ConfigError, match="13 open heads does not fit a model of 12"):
-    budget_freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
+    freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
 
 
 # --- What the controller counts.
@@ -146,7 +146,7 @@ def test_one_ascent_step_raises_lambda_1_while_too_many_heads_are_open():
   config.gates.update(config.experiments.prune_gates.to_dict())
   config.gates.target_sparsity = 0.5
   config.train.update(config.experiments.prune_train.to_dict())
-  setup = resolver.run_setup(config)
+  setup = assembly.run_setup(config)
   state = setup.new_state()
   step = config.gates.freeze_step - 1          # the target is n* = 4 of 8 by now
   gap = float(setup.penalty.open_count(state.variables, step)) - 4.0
@@ -218,7 +218,7 @@ def demo_baseline(tmp_path_factory, data_dir):
   """The tiny demo's baseline stage, trained once: the pipelines below start from a
   copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
   workdir = tmp_path_factory.mktemp("demo_baseline")
-  baseline = resolver.checked_pipeline(demo_config(data_dir)).baseline
+  baseline = assembly.checked_pipeline(demo_config(data_dir)).baseline
   train_run(baseline, workdir / "baseline")
   return workdir / "baseline"
 
@@ -317,7 +317,7 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 @pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   config = demo_config(data_dir)
-  baseline = resolver.checked_pipeline(config).baseline
+  baseline = assembly.checked_pipeline(config).baseline
   baseline = dataclasses.replace(
       run_config.derived_run(baseline, train=dict(num_steps=10)),
       checkpoint=dataclasses.replace(baseline.checkpoint, every_steps=5))
@@ -343,7 +343,7 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
   config.data.data_dir = data_dir
   config.train.num_steps = 5
   experiment = lambda: runs_lib.Experiment(
-      resolver.checked_config(config), plan_lib.from_section(config.experiments.to_dict()),
+      assembly.checked_config(config), plan_lib.from_section(config.experiments.to_dict()),
       tmp_path)
   experiment().baseline()
   config.train.learning_rate = 0.01
@@ -355,12 +355,12 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
 
 def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
                                                                            data_dir):
-  config = resolver.checked_pipeline(demo_config(data_dir)).baseline
+  config = assembly.checked_pipeline(demo_config(data_dir)).baseline
   assert config.model.vocab_size == 0
-  completed, corpus = resolver.completed_config(resolver.checked_config(config))
+  completed, corpus = assembly.completed_config(assembly.checked_config(config))
   assert completed.model.vocab_size == corpus.vocab_size == 27
   with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
-    resolver.completed_config(run_config.derived_run(config, model=dict(vocab_size=30)))
+    assembly.completed_config(run_config.derived_run(config, model=dict(vocab_size=30)))
 
 
 def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
@@ -373,7 +373,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
                           data_dir=str(tmp_path / "tfds")))
   with caplog.at_level(logging.WARNING):
-    resolver.completed_config(resolver.checked_config(config))
+    assembly.completed_config(assembly.checked_config(config))
   [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
   assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
           in message and "--config.data.min_count=2" in message)
@@ -381,7 +381,7 @@ def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplo
   config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
   (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
   with caplog.at_level(logging.WARNING):
-    resolver.completed_config(resolver.checked_config(config))
+    assembly.completed_config(assembly.checked_config(config))
   assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
 
 
@@ -391,10 +391,10 @@ def test_controller_settings_count_only_for_a_budget_run():
   config.gates.lam = 0.2
   other = config.copy_and_resolve_references()
   other.gates.budget_sharpness = 3.0
-  assert validation.setting_differences(config, other) == []      # a fixed-λ run
+  assert workdir_checks.setting_differences(config, other) == []      # a fixed-λ run
   for c in (config, other):
     c.gates.update(dict(lam=0.0, target_sparsity=0.5))
-  assert validation.setting_differences(config, other) == [
+  assert workdir_checks.setting_differences(config, other) == [
       "gates.budget_sharpness: 10.0 -> 3.0"]
 
 
@@ -404,14 +404,14 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   config = config_base.base_config()
   config.model.vocab_size = 27
   config.gates.update(dict(enabled=True, target_sparsity=0.0, freeze_step=100))
-  setup = resolver.run_setup(config)
+  setup = assembly.run_setup(config)
   total = sum(setup.lm.cfg.layer_heads)
   everything = dict(allowed=total, by_gates=total, changed=0)
-  [warning] = exported_model.pruning_warnings(setup.run, total, total, everything,
+  [warning] = model_export.pruning_warnings(setup.run, total, total, everything,
                                               "--config.gates")
   assert f"--config.gates.target_sparsity=0.0 allows all {total} heads" in warning
   far = dict(allowed=total // 2, by_gates=total, changed=total // 2)
-  [warning] = exported_model.pruning_warnings(setup.run, total, total // 2, far,
+  [warning] = model_export.pruning_warnings(setup.run, total, total // 2, far,
                                               "--config.gates")
   assert "--config.gates.freeze_step (now 100" in warning
   assert "--config.gates.budget_warmup_steps (now 60)" in warning
@@ -420,10 +420,10 @@ def test_pruning_warnings_name_the_budget_and_its_value():
           f"{total // 2}: to keep exactly those, the budget reversed {total // 2} of the "
           "gates' decisions by logit rank.") in warning
   empty = dict(allowed=0, by_gates=total, changed=total)
-  [warning] = exported_model.pruning_warnings(setup.run, total, 0, empty,
+  [warning] = model_export.pruning_warnings(setup.run, total, 0, empty,
                                               "--config.gates")
   assert f"keeps none of the {total} heads (--config.gates.allow_empty=True)" in warning
-  [warning] = exported_model.pruning_warnings(setup.run, total, 0, None, "--config.gates")
+  [warning] = model_export.pruning_warnings(setup.run, total, 0, None, "--config.gates")
   assert f"pruning removed every one of the {total} heads" in warning
 
 

@@ -19,10 +19,10 @@ import helpers
 from helpers import assert_bit_identical
 from helpers import train_run
 from helpers import saved_state
-from allatt_jax import checkpointing
-from allatt_jax import exported_model
-from allatt_jax import train
-from allatt_jax.errors import CheckpointError
+from allatt_jax.runs import checkpointing
+from allatt_jax.pruning import model_export
+from allatt_jax.training import loop
+from allatt_jax.config.errors import CheckpointError
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
@@ -65,7 +65,7 @@ def stopped_after_step_4(finished: pathlib.Path, workdir: pathlib.Path) -> None:
   """`finished` as a run killed after saving step 4 leaves it."""
   shutil.copytree(finished, workdir)
   shutil.rmtree(workdir / "checkpoints" / str(NUM_STEPS))
-  for name in ("results.json", train.PHASES_FILE, "export"):
+  for name in ("results.json", loop.PHASES_FILE, "export"):
     shutil.rmtree(workdir / name, ignore_errors=True)
     (workdir / name).unlink(missing_ok=True)
 
@@ -106,7 +106,7 @@ def test_readers_and_export_fall_back_but_an_explicit_step_does_not(finished_run
     _, variables, step = checkpointing.read_model(workdir)
     assert_bit_identical(variables, expected)
     assert step == 4
-    exported_model.export_run(workdir, tmp_path / "export")
+    model_export.export_run(workdir, tmp_path / "export")
   assert f"Checkpoint {workdir / 'checkpoints' / str(NUM_STEPS)} is unreadable (" in (
       caplog.text)
   assert (f"Using the checkpoint of step 4 in {workdir / 'checkpoints'}, the newest that "
@@ -133,12 +133,12 @@ def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):
   damage(workdir / "checkpoints" / "6", "garbage_metadata")
   damage(workdir / "checkpoints" / "4", "truncated_array_file")
   damage(workdir / "checkpoints" / "2", "truncated_array_file")
-  (workdir / train.PHASES_FILE).unlink()
+  (workdir / loop.PHASES_FILE).unlink()
   pattern = (r"No checkpoint in .*/checkpoints restores \(step 6: UnicodeDecodeError: "
              r".*; step 4: .*; step 2: .*"
              r".*\)\. Restore those folders from a copy, or move checkpoints/ aside")
   with pytest.raises(CheckpointError, match=pattern):
-    exported_model.export_run(workdir)
+    model_export.export_run(workdir)
   with pytest.raises(CheckpointError, match=pattern):
     train_run(config, workdir)
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from allatt_jax import config_base
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax.errors import ConfigError
+from allatt_jax.config import config_base
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
@@ -62,7 +62,7 @@ def demo(section: str = "", **keys):
 def test_the_pruning_stage_is_checked_with_the_baseline_naming_its_flags(section, keys,
                                                                          named):
   with pytest.raises(ConfigError) as error:
-    resolver.checked_pipeline(demo(section, **keys))
+    assembly.checked_pipeline(demo(section, **keys))
   message = str(error.value)
   for text in named:
     assert text in message, message
@@ -76,7 +76,7 @@ def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
   with pytest.raises(ConfigError, match=(
       rf"^config.pipeline.prune_gates.freeze_step=40 is beyond config.train.num_steps=30"
       rf".* Set {GATES}.freeze_step to at most 30, or raise --config.train.num_steps ")):
-    resolver.checked_pipeline(config)
+    assembly.checked_pipeline(config)
 
 
 @pytest.mark.parametrize("keys, named", [
@@ -98,7 +98,7 @@ def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
 ])
 def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, named):
   with pytest.raises(ConfigError) as error:
-    resolver.checked_pipeline(demo("prune_gates", **keys))
+    assembly.checked_pipeline(demo("prune_gates", **keys))
   for text in named:
     assert text in str(error.value), str(error.value)
 
@@ -106,9 +106,9 @@ def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, n
 @pytest.mark.parametrize("keys", [dict(target_sparsity=0.99), dict(target_sparsity=1.0),
                                   dict(target_params=64), dict(target_params=1000)])
 def test_an_empty_model_is_made_when_asked_for(keys):
-  pruning = resolver.checked_pipeline(demo("prune_gates", allow_empty=True, **keys)).pruning
+  pruning = assembly.checked_pipeline(demo("prune_gates", allow_empty=True, **keys)).pruning
   assert pruning.gates.allow_empty
-  assert head_costs.target_open_heads(pruning,
+  assert cost_model.target_open_heads(pruning,
                                       model_lib.ModelConfig.from_config(pruning)) == 0
 
 
@@ -121,13 +121,13 @@ def test_the_nearest_budgets_named_are_met():
   for key, value in (("target_sparsity", 0.5), ("target_params", 5000),
                      ("target_macs", 5000.0)):
     budget = run_config.derived_run(config, gates=dict(enabled=True, **{key: value}))
-    scale = head_costs.BudgetScale.of(budget, cfg)
+    scale = cost_model.BudgetScale.of(budget, cfg)
     for heads in range(9):
       assert scale.heads(float(scale.value_for(heads))) == heads, (key, heads)
   empty = dataclasses.replace(cfg, heads_per_layer=(0, 0))
   params = run_config.derived_run(config, gates=dict(enabled=True, target_params=1))
-  assert (head_costs.BudgetScale.of(params, cfg).empty
-          == head_costs.param_counts(empty)["params_non_embedding"] == 64)
+  assert (cost_model.BudgetScale.of(params, cfg).empty
+          == cost_model.param_counts(empty)["params_non_embedding"] == 64)
 
 
 def test_a_pipeline_with_a_bad_pruning_key_stops_before_the_baseline(tmp_path):
@@ -153,7 +153,7 @@ def experiment(tmp_path_factory):
 
 def planned_check(config, suite, **plan_keys):
   plan = plan_lib.ExperimentPlan.from_dict({**config.experiments.to_dict(), **plan_keys})
-  experiment = runs_lib.Experiment(resolver.checked_config(config),
+  experiment = runs_lib.Experiment(assembly.checked_config(config),
                                    plan, "unused", read_data=False)
   experiment.check(cli.PLANNED_RUNS[suite](experiment), suite)
 
@@ -211,7 +211,9 @@ def test_a_suite_with_a_bad_run_stops_before_any_data_is_read(tmp_path):
 
 
 def test_a_pipeline_checks_each_stage_once_and_reads_its_dataset_once(tmp_path, monkeypatch):
-  from allatt_jax import config_checks, data as data_lib, pipeline   # pylint: disable=g-import-not-at-top
+  from allatt_jax.training import config_checks   # pylint: disable=g-import-not-at-top
+  from allatt_jax import data as data_lib
+  from allatt_jax.training import pipeline
   calls = {"check_config": 0, "load_run_corpus": 0}
 
   def counted(module, name):
@@ -225,7 +227,7 @@ def test_a_pipeline_checks_each_stage_once_and_reads_its_dataset_once(tmp_path, 
   counted(data_lib, "load_run_corpus")
   config = demo()
   config.data.data_dir = str(tmp_path / "tfds")
-  stages = pipeline.prepare(resolver.checked_pipeline(config), tmp_path / "run")
+  stages = pipeline.prepare(assembly.checked_pipeline(config), tmp_path / "run")
   assert calls == {"check_config": 2, "load_run_corpus": 1}
   assert stages.pruning.corpus is stages.baseline.corpus
   assert stages.pruning.run.init_from == str(tmp_path / "run" / "baseline")

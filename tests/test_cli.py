@@ -16,14 +16,14 @@ import sys
 import pytest
 
 import helpers
-from allatt_jax import checkpointing
-from allatt_jax import cli
-from allatt_jax import config_base
-from allatt_jax import console
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import cli
+from allatt_jax.config import config_base
+from allatt_jax.config import console
 from allatt_jax import data as data_lib
-from allatt_jax import run_files
-from allatt_jax.errors import CheckpointError
-from allatt_jax.errors import ConfigError
+from allatt_jax.runs import run_files
+from allatt_jax.config.errors import CheckpointError
+from allatt_jax.config.errors import ConfigError
 from helpers import start_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -379,31 +379,6 @@ def test_help_through_the_command_list_is_the_commands_help():
   heading = re.compile(r"^\S*score(\.py)?:$", re.M)
   assert heading.sub("", listed.stdout) == heading.sub("", direct.stdout)
   assert "--text_file" in listed.stdout
-
-
-def test_no_library_module_imports_a_command():
-  """Only a command's starter (allatt_jax/NAME.py, for `python -m allatt_jax.NAME`)
-  imports it, and imports nothing else."""
-  commands = set(cli_commands().values())
-  starters = {f"allatt_jax.{c.rsplit('.', 1)[1]}": c for c in commands
-              if c.startswith("allatt_jax.commands.")}
-  assert "allatt_jax.main" in starters
-  package = ROOT / "allatt_jax"
-  for path in package.rglob("*.py"):
-    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    if name in commands:
-      continue
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-      if isinstance(node, ast.ImportFrom) and node.module:
-        imported = {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-      elif isinstance(node, ast.Import):
-        imported = {alias.name for alias in node.names}
-      else:
-        continue
-      if name in starters:
-        assert imported == {"allatt_jax.commands", starters[name]}, (name, imported)
-        continue
-      assert not imported & commands, f"{name} imports {imported & commands}"
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from allatt_jax import config_base
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import resolver
+from allatt_jax.config import config_base
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import assembly
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,10 +43,10 @@ def test_layer_formula_equals_parameter_tree(kind, heads, official):
   for i, h in enumerate(cfg.layer_heads):
     tree = params.get(f"layer_{i}", {})
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-    assert count == head_costs.layer_param_count(cfg, h), (i, h)
-  counts = head_costs.param_counts(cfg)
+    assert count == cost_model.layer_param_count(cfg, h), (i, h)
+  counts = cost_model.param_counts(cfg)
   assert counts["params_non_embedding"] == (
-      sum(head_costs.layer_param_count(cfg, h) for h in cfg.layer_heads)
+      sum(cost_model.layer_param_count(cfg, h) for h in cfg.layer_heads)
       + (2 * cfg.d_model if cfg.final_norm else 0))
 
 
@@ -63,14 +63,14 @@ def test_macs_formula_matches_xla_cost_analysis(kind):
   analysis = forward.lower(variables, x, memory).compile().cost_analysis()
   if isinstance(analysis, list):   # older jax returns one dict per device
     analysis = analysis[0]
-  formula_flops = 2 * head_costs.macs_per_token(cfg, t, s, b)["macs_per_token"] * b * t
+  formula_flops = 2 * cost_model.macs_per_token(cfg, t, s, b)["macs_per_token"] * b * t
   # XLA also counts elementwise work (softmax, LayerNorm) that the formula leaves out.
   assert 1.0 <= analysis["flops"] / formula_flops < 1.06
 
 
 def test_paper_parameter_counts():
-  wt103 = head_costs.param_counts(paper_cfg("wt103_base.py"))
-  text8 = head_costs.param_counts(paper_cfg("text8_base.py"))
+  wt103 = cost_model.param_counts(paper_cfg("wt103_base.py"))
+  text8 = cost_model.param_counts(paper_cfg("text8_base.py"))
   assert round(wt103["params_non_embedding"] / 1e6, 1) == 54.6   # Table 1
   assert round(text8["params_non_embedding"] / 1e6, 1) == 40.9   # Table 2
   assert round(wt103["params_embedding"] / 1e6, 1) == 19.5       # paper: 19.6M
@@ -78,8 +78,8 @@ def test_paper_parameter_counts():
 
 def test_head_pruning_shrinks_allatt_proportionally_but_not_txl():
   """Fig. 1: at 50% heads, TXL keeps ~81% params / ~73% MACs, All-att 50% / 50%."""
-  allatt = head_costs.report(paper_cfg("wt103_base.py"), 192, 192, 96, heads_kept=0.5)
-  txl = head_costs.report(paper_cfg("txl_wt103_base.py"), 192, 192, 96, heads_kept=0.5)
+  allatt = cost_model.report(paper_cfg("wt103_base.py"), 192, 192, 96, heads_kept=0.5)
+  txl = cost_model.report(paper_cfg("txl_wt103_base.py"), 192, 192, 96, heads_kept=0.5)
   assert allatt["relative_params"] == pytest.approx(0.5, abs=0.001)
   assert allatt["relative_macs"] == pytest.approx(0.5, abs=0.001)
   assert txl["relative_params"] == pytest.approx(0.81, abs=0.01)
@@ -105,4 +105,4 @@ def test_a_pruning_config_without_init_from_has_costs(tmp_path):
   config.gates.update(dict(enabled=True, freeze_step=10))
   config.data.data_dir = str(tmp_path / "tfds")
   assert not config.init_from and not config.model.vocab_size
-  assert resolver.with_vocab_size(config).model.vocab_size == 27
+  assert assembly.with_vocab_size(config).model.vocab_size == 27

@@ -22,7 +22,7 @@ from allatt_jax.data import builder
 from allatt_jax.data import cache
 from allatt_jax.data import sources
 from allatt_jax.data import tokenization
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 SHARED = data_fixtures.SHARED_DATA
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} not present')

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from helpers import train_run
-from allatt_jax import adaptive
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import distill
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import sharding
-from allatt_jax import train
-from allatt_jax import train_step
-from allatt_jax.errors import ConfigError
+from allatt_jax.model import adaptive
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.training import distill
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
+from allatt_jax.training import loop
+from allatt_jax.training import train_step
+from allatt_jax.config.errors import ConfigError
 from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -161,8 +161,8 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   """α = β = 0 with a teacher in the state: parameters, gates, optimizer state, memory
   and metrics after three steps (gates sampled) equal the plain pruning step's, bit
   for bit."""
-  plain = resolver.run_setup(_tiny_pruning_config())
-  with_teacher = resolver.run_setup(_tiny_pruning_config(weight=0.5))
+  plain = assembly.run_setup(_tiny_pruning_config())
+  with_teacher = assembly.run_setup(_tiny_pruning_config(weight=0.5))
   zero = dataclasses.replace(with_teacher.step_config, grad_accum_steps=accum,
                              distill=run_config.DistillSection())
   batch = sharding.batch_sharding(plain.mesh)
@@ -190,7 +190,7 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
 def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
   """The teacher's params leave a step bit for bit as they came; its memory is its own
   forward pass's on the batch, not the student's and not the old one."""
-  setup = resolver.run_setup(_tiny_pruning_config(weight=0.5, hidden_weight=0.1))
+  setup = assembly.run_setup(_tiny_pruning_config(weight=0.5, hidden_weight=0.1))
   state = setup.new_state()
   # A teacher other than the student, so that their memories differ.
   teacher = {**state.teacher, "params": jax.tree.map(lambda p: p * 1.5 + 0.01,
@@ -216,7 +216,7 @@ def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
   """A run that does not distill saves no 'teacher' entry, so checkpoints made before
   distillation existed (step, variables, opt_state, memory) restore unchanged."""
-  setup = resolver.run_setup(_tiny_pruning_config())
+  setup = assembly.run_setup(_tiny_pruning_config())
   checkpoints = checkpointing.RunCheckpoints(tmp_path, async_save=False)
   try:
     checkpoints.save(1, setup.new_state(), {"position": 0})
@@ -230,11 +230,11 @@ def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
 
 def test_distillation_config_errors():
   with pytest.raises(ConfigError, match=r"distill.weight=1.5 is out of range.*\[0, 1\]"):
-    resolver.checked_config(_tiny_pruning_config(weight=1.5))
+    assembly.checked_config(_tiny_pruning_config(weight=1.5))
   with pytest.raises(ConfigError, match="distill.temperature=0.0 is out of range"):
-    resolver.checked_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
+    assembly.checked_config(_tiny_pruning_config(weight=0.5, temperature=0.0))
   with pytest.raises(ConfigError, match="kl_clusters='tails' is unknown"):
-    resolver.checked_config(_tiny_pruning_config(kl_clusters="tails"))
+    assembly.checked_config(_tiny_pruning_config(kl_clusters="tails"))
   config = _tiny_pruning_config(hidden_weight=1.0)
   config.gates.enabled = False
   with pytest.raises(ConfigError, match="init_from is not set.*--config.distill.weight=0"):
@@ -242,7 +242,7 @@ def test_distillation_config_errors():
   demo = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   demo.distill.weight = 0.5
   with pytest.raises(ConfigError, match="--config.pipeline.prune_distill.weight=0.5"):
-    resolver.checked_pipeline(demo)
+    assembly.checked_pipeline(demo)
 
 
 @pytest.mark.slow

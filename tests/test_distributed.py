@@ -4,9 +4,9 @@ import types
 import numpy as np
 import pytest
 
-from allatt_jax import distributed
-from allatt_jax import sharding
-from allatt_jax.errors import ConfigError
+from allatt_jax.parallel import distributed
+from allatt_jax.parallel import sharding
+from allatt_jax.config.errors import ConfigError
 
 Settings = distributed.Settings
 

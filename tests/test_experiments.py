@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import run_files
-from allatt_jax.errors import ConfigError
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
 from allatt_jax.experiments import plan as plan_lib
@@ -122,7 +122,7 @@ def test_michel_importance_is_the_mean_absolute_batch_gradient(tiny_model):
 def test_masked_model_equals_the_exported_one(tiny_model):
   lm, variables, segments = tiny_model
   mask = (np.array([True, False, True, False]), np.zeros(4, bool), np.ones(4, bool))
-  pruned_cfg, params = prune.remove_heads(lm.cfg, variables, mask)
+  pruned_cfg, params = head_removal.remove_heads(lm.cfg, variables, mask)
   assert pruned_cfg == dataclasses.replace(lm.cfg, heads_per_layer=(2, 0, 4))
   inputs, targets = segments.batches[0]
   masked, _ = heuristics.masked_loss(lm, variables, [jnp.asarray(m, jnp.float32)
@@ -144,18 +144,18 @@ def test_budgets_convert_to_the_most_heads_that_fit():
   cfg = model_lib.ModelConfig.from_config(config)
   e = config.eval
   for key, cost in (("target_params",
-                     lambda c: head_costs.param_counts(c)["params_non_embedding"]),
-                    ("target_macs", lambda c: head_costs.macs_per_token(
+                     lambda c: cost_model.param_counts(c)["params_non_embedding"]),
+                    ("target_macs", lambda c: cost_model.macs_per_token(
                         c, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"])):
     five = cost(dataclasses.replace(cfg, heads_per_layer=(3, 2)))
     for value, heads in ((five, 5), (five - 1, 4), (five * 10, 8), (1, 0)):
-      assert head_costs.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
-  assert head_costs.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
+      assert cost_model.target_open_heads(budget_config(**{key: value}), cfg) == heads, (key, value)
+  assert cost_model.target_open_heads(budget_config(target_sparsity=0.25), cfg) == 6
 
 
 def test_a_config_sets_at_most_one_budget():
   with pytest.raises(ConfigError, match="at most one budget target"):
-    resolver.checked_config(budget_config(target_sparsity=0.5, target_params=10))
+    assembly.checked_config(budget_config(target_sparsity=0.5, target_params=10))
 
 
 @pytest.mark.parametrize("gates, match", [
@@ -165,7 +165,7 @@ def test_a_config_sets_at_most_one_budget():
 def test_budget_config_errors(gates, match):
   with pytest.raises(ConfigError, match=match):
     config = budget_config(**gates)
-    head_costs.target_open_heads(config, model_lib.ModelConfig.from_config(config))
+    cost_model.target_open_heads(config, model_lib.ModelConfig.from_config(config))
 
 
 def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
@@ -174,7 +174,7 @@ def test_a_budget_replaces_the_fixed_lambda_in_the_saved_config():
   corpus = data_lib.load_run_corpus(config)
   completed = config.completed(corpus.vocab_size)
   assert completed.gates.lam == 0.0 and completed.gates.target_sparsity == 0.5
-  penalty = resolver.run_setup(completed).penalty
+  penalty = assembly.run_setup(completed).penalty
   assert penalty.allowed == 4 and float(penalty.target(0)) == 4.0
 
 
@@ -257,7 +257,7 @@ def experiment(tmp_path_factory, monkeypatch_module):
   monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
       k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
   return runs_lib.Experiment(
-      resolver.checked_config(config),
+      assembly.checked_config(config),
       plan_lib.ExperimentPlan.from_dict(exp_chars_plan(heuristics=("michel",))),
       tmp_path_factory.mktemp("experiment"))
 

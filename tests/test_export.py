@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import errors
-from allatt_jax import gate_values
-from allatt_jax import gates as gates_lib
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import run_config
+from allatt_jax.config import errors
+from allatt_jax.pruning import gate_values
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.config import run_config
 
 VOCAB = 41
 SEQ_LEN = 8
@@ -72,7 +72,7 @@ def abstract_params(cfg):
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_model_reproduces_deterministic_gated_outputs(kind, gate):
   cfg, variables = gated_model(kind, gate)
-  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   gated_lm, pruned_lm = model_lib.TransformerLM(cfg), model_lib.TransformerLM(pruned_cfg)
   seq = tokens(2, (2, 2 * SEQ_LEN + 1))
   gated_mem = model_lib.init_memory(cfg, 2, SEQ_LEN)
@@ -111,7 +111,7 @@ def test_surviving_heads(gate, expected):
 @pytest.mark.parametrize("kind", model_lib.KINDS)
 def test_exported_tree_is_the_pruned_models(kind):
   cfg, variables = gated_model(kind, HARD)
-  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4) and not pruned_cfg.gated
   assert pruned_cfg.head_dim == cfg.head_dim
 
@@ -146,7 +146,7 @@ def test_exported_tree_is_the_pruned_models(kind):
   assert jax.tree.map(np.shape, params) == jax.tree.map(lambda x: x.shape, expected)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
   count = sum(x.size for x in jax.tree.leaves(params))
-  assert count == head_costs.param_counts(pruned_cfg)["params_total"]
+  assert count == cost_model.param_counts(pruned_cfg)["params_total"]
 
   # Everything outside the attention of pruned layers is copied unchanged.
   flat_full = traverse_util.flatten_dict(variables["params"])
@@ -158,7 +158,7 @@ def test_exported_tree_is_the_pruned_models(kind):
 def test_gated_model_with_a_headless_layer_exports():
   cfg, variables = gated_model("allatt", HARD, heads_per_layer=(4, 0, 4))
   assert "layer_1" not in variables["gates"]
-  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4)
   assert jax.tree.structure(params) == jax.tree.structure(abstract_params(pruned_cfg))
 
@@ -167,7 +167,7 @@ def test_variables_without_gates_are_refused():
   cfg, variables = gated_model("allatt")
   with pytest.raises(errors.CheckpointError, match="no head gates, so there is nothing "
                      "to prune. Export needs a pruning run"):
-    prune.remove_heads(cfg, {"params": variables["params"]})
+    head_removal.remove_heads(cfg, {"params": variables["params"]})
 
 
 def test_variables_that_do_not_fit_the_config_are_refused():
@@ -175,7 +175,7 @@ def test_variables_that_do_not_fit_the_config_are_refused():
   wrong_cfg = make_cfg("allatt", num_persistent=8)
   with pytest.raises(errors.CheckpointError,
                      match=r"do not fit the config.*persistent_key: shape \(2, 4, 8\)"):
-    prune.remove_heads(wrong_cfg, variables)
+    head_removal.remove_heads(wrong_cfg, variables)
 
 
 @pytest.mark.parametrize("open_at_zero,expected", [(True, [0, 1]), (False, [0])])
@@ -191,8 +191,8 @@ def test_a_mask_removes_the_heads_that_indices_remove(kind):
   ungated = dataclasses.replace(cfg, gated=False)
   params = {"params": variables["params"]}
   mask = (np.array([True, False, True, False]), np.zeros(4, bool), np.ones(4, bool))
-  by_mask = prune.remove_heads(ungated, params, mask)
-  by_index = prune.remove_heads(ungated, params, {0: [3, 1], 1: [0, 1, 2, 3]})
+  by_mask = head_removal.remove_heads(ungated, params, mask)
+  by_index = head_removal.remove_heads(ungated, params, {0: [3, 1], 1: [0, 1, 2, 3]})
   assert by_mask[0] == by_index[0]
   assert by_mask[0].layer_heads == (2, 0, 4) and not by_mask[0].gated
   assert by_mask[0].gate == SOFT   # the model's own gate settings, not the surgery's
@@ -203,7 +203,7 @@ def test_a_mask_removes_the_heads_that_indices_remove(kind):
   full = variables["params"]["layer_0"]["attention"]["out"]["kernel"]
   np.testing.assert_array_equal(by_mask[1]["layer_0"]["attention"]["out"]["kernel"],
                                 np.asarray(full)[[0, 2]])
-  unchanged_cfg, unchanged = prune.remove_heads(ungated, params)
+  unchanged_cfg, unchanged = head_removal.remove_heads(ungated, params)
   assert unchanged_cfg.layer_heads == (4, 4, 4)
   for a, b in zip(jax.tree.leaves(unchanged), jax.tree.leaves(variables["params"])):
     np.testing.assert_array_equal(a, b)
@@ -211,7 +211,7 @@ def test_a_mask_removes_the_heads_that_indices_remove(kind):
 
 def test_a_gated_model_loses_its_closed_heads_and_the_chosen_ones():
   cfg, variables = gated_model("allatt", HARD)
-  pruned_cfg, params = prune.remove_heads(cfg, variables, {2: [1]})
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables, {2: [1]})
   assert pruned_cfg.layer_heads == (2, 0, 3)
   # Three open heads of four in layer 2: s_g = 4/3 folds into the survivors' W_O.
   full = np.asarray(variables["params"]["layer_2"]["attention"]["out"]["kernel"])
@@ -229,4 +229,4 @@ def test_masks_of_another_shape_are_refused(mask, match):
   cfg = make_cfg("allatt", gated=False)
   _, variables = gated_model("allatt")
   with pytest.raises(errors.ConfigError, match=match):
-    prune.remove_heads(cfg, {"params": variables["params"]}, mask)
+    head_removal.remove_heads(cfg, {"params": variables["params"]}, mask)

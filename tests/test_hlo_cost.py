@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from allatt_jax import config_base
-from allatt_jax import head_costs
-from allatt_jax import hlo_cost
-from allatt_jax import hlo_text
-from allatt_jax import resolver
-from allatt_jax import sharding
-from allatt_jax import throughput
+from allatt_jax.config import config_base
+from allatt_jax.pruning import cost_model
+from allatt_jax.perf import hlo_counts
+from allatt_jax.perf import hlo_text
+from allatt_jax.training import assembly
+from allatt_jax.parallel import sharding
+from allatt_jax.perf import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, D = 64, 128
@@ -45,7 +45,7 @@ def _arrays(*shapes):
 ])
 def test_loop_free_functions_count_what_xla_counts(name, fn, shapes):
   compiled = _compiled(fn, *_arrays(*shapes))
-  analysis, xla = hlo_cost.analyse(compiled.as_text()), _xla(compiled)
+  analysis, xla = hlo_counts.analyse(compiled.as_text()), _xla(compiled)
   assert analysis.loops == 0, name
   assert analysis.cost.flops == xla["flops"]
   assert analysis.cost.transcendentals == xla.get("transcendentals", 0.0)
@@ -57,7 +57,7 @@ def test_loop_free_functions_count_what_xla_counts(name, fn, shapes):
 
 def test_a_gather_reads_the_rows_it_gathers_not_the_table():
   table, ids = jnp.ones((1000, D)), jnp.array([1, 5, 9])
-  analysis = hlo_cost.analyse(_compiled(lambda t, i: t[i] * 2, table, ids).as_text())
+  analysis = hlo_counts.analyse(_compiled(lambda t, i: t[i] * 2, table, ids).as_text())
   rows = 3 * D * 4
   # XLA's analysis reads the whole table (512 KB) of a gather fused with its use.
   assert analysis.cost.bytes_accessed < 4 * rows + 1000
@@ -71,7 +71,7 @@ def _scan(n):
 @pytest.mark.parametrize("n", [4, 10])
 def test_a_scan_counts_its_body_once_per_step(n):
   compiled = _compiled(_scan(n), *_arrays((B, D), (D, D)))
-  analysis = hlo_cost.analyse(compiled.as_text())
+  analysis = hlo_counts.analyse(compiled.as_text())
   assert analysis.loops == 1 and not analysis.unknown_trip_counts
   assert analysis.cost.matmul_flops == n * MATMUL_FLOPS
   assert analysis.cost.transcendentals == n * B * D
@@ -83,7 +83,7 @@ def test_nested_loops_multiply():
   def nested(x, w):
     inner = lambda c: jax.lax.scan(lambda c2, _: (c2 @ w, None), c, None, length=3)[0]
     return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=4)[0]
-  analysis = hlo_cost.analyse(_compiled(nested, *_arrays((B, D), (D, D))).as_text())
+  analysis = hlo_counts.analyse(_compiled(nested, *_arrays((B, D), (D, D))).as_text())
   assert analysis.loops == 2
   assert analysis.cost.matmul_flops == 12 * MATMUL_FLOPS
 
@@ -93,7 +93,7 @@ def test_a_loop_of_unknown_length_counts_once_and_is_listed():
     return jax.lax.while_loop(lambda c: c[1] < limit, lambda c: (c[0] @ w, c[1] + 1),
                               (x, 0))[0]
   x, w = _arrays((B, D), (D, D))
-  analysis = hlo_cost.analyse(_compiled(until, x, w, 5).as_text())
+  analysis = hlo_counts.analyse(_compiled(until, x, w, 5).as_text())
   assert len(analysis.unknown_trip_counts) == 1
   assert analysis.cost.matmul_flops == MATMUL_FLOPS
 
@@ -102,13 +102,13 @@ def test_a_conditional_counts_its_cheapest_branch_and_reports_the_costliest():
   def rare_fallback(x, w, p):
     return jax.lax.cond(p > 0, lambda x: x * 2, lambda x: jnp.exp(x) @ w, x)
   compiled = _compiled(rare_fallback, *_arrays((B, D), (D, D)), 1.0)
-  analysis = hlo_cost.analyse(compiled.as_text())
+  analysis = hlo_counts.analyse(compiled.as_text())
   assert analysis.conditionals == 1
   assert analysis.cost.matmul_flops == 0 and analysis.cost.flops < 2 * B * D
   assert analysis.costliest.matmul_flops == MATMUL_FLOPS
   # XLA takes each count's maximum over the branches: here the costly branch's.
   assert analysis.costliest.flops == _xla(compiled)["flops"]
-  proxy = hlo_cost.step_proxy(compiled, tokens=B)
+  proxy = hlo_counts.step_proxy(compiled, tokens=B)
   assert proxy["costliest_branches"]["matmul_flops"] == MATMUL_FLOPS / B
 
 
@@ -147,7 +147,7 @@ ENTRY %main (p: f32[64,128], q: f32[128,128]) -> f32[64,128] {
 
 
 def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
-  analysis = hlo_cost.analyse(_GPU_LOOP)
+  analysis = hlo_counts.analyse(_GPU_LOOP)
   assert analysis.loops == 1 and not analysis.unmodelled
   assert analysis.cost.matmul_flops == 6 * MATMUL_FLOPS
   assert analysis.cost.flops == 6 * MATMUL_FLOPS + 6 + 7   # the adds, the compares
@@ -160,9 +160,9 @@ def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
 @pytest.fixture(scope="module")
 def tiny_train_step():
   """(the compiled baseline train step of configs/bench_cpu.py:tiny, its tokens)."""
-  config = resolver.with_vocab_size(resolver.checked_config(
+  config = assembly.with_vocab_size(assembly.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
-  setup, t = resolver.run_setup(config), config.train
+  setup, t = assembly.run_setup(config), config.train
   tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32,
                                 sharding=sharding.batch_sharding(setup.mesh))
   with sharding.activate(setup.mesh):
@@ -173,9 +173,9 @@ def tiny_train_step():
 def test_a_train_step_counted_with_loops_once_is_xlas_count(tiny_train_step, monkeypatch):
   compiled, _ = tiny_train_step
   xla = _xla(compiled)
-  counted = hlo_cost.analyse(compiled.as_text())
+  counted = hlo_counts.analyse(compiled.as_text())
   monkeypatch.setattr(hlo_text.Instruction, "trip_count", property(lambda self: 1))
-  once = hlo_cost.analyse(compiled.as_text())
+  once = hlo_counts.analyse(compiled.as_text())
   assert once.loops == counted.loops > 0 and not counted.unmodelled
   # Each loop's condition (one compare) runs twice for one trip; XLA counts it once.
   assert 0 <= once.cost.flops - xla["flops"] <= once.loops
@@ -185,7 +185,7 @@ def test_a_train_step_counted_with_loops_once_is_xlas_count(tiny_train_step, mon
 
 
 def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
-  proxy = hlo_cost.step_proxy(*tiny_train_step)
+  proxy = hlo_counts.step_proxy(*tiny_train_step)
   parts = proxy["parts"]
   assert set(parts) == {"output_layer", "attention", "rest"}
   for key in ("flops", "matmul_flops", "bytes"):
@@ -204,10 +204,10 @@ def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
 def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept):
   """The cost model counts a forward pass's MACs by formula; the walk counts the
   compiled evaluation step's dots (pruned models included): they agree."""
-  config = resolver.with_vocab_size(resolver.checked_config(
+  config = assembly.with_vocab_size(assembly.checked_config(
       config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
-  model = throughput.Inference(config, throughput.random_model(config), heads_kept, 1)
+  model = timing.Inference(config, timing.random_model(config), heads_kept, 1)
   model.seconds.append(model.run())
   proxy, e = model.figures()["proxy"], config.eval
-  macs = head_costs.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+  macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
   assert proxy["matmul_flops"] == pytest.approx(2 * macs["macs_per_token"], rel=0.005)

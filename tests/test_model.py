@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import attention_kernel
-from allatt_jax import gates as gates_lib
-from allatt_jax import model as model_lib
-from allatt_jax import run_config
+from allatt_jax.model.attention import xla_core
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
 
 VOCAB = 37
 
@@ -39,7 +39,7 @@ def test_rel_shift_matches_gather():
   b, h, t, s = 2, 3, 5, 4
   k = s + t
   raw = jax.random.normal(jax.random.key(0), (b, h, t, k))
-  shifted = attention_kernel.rel_shift(jnp.pad(raw, [(0, 0)] * 3 + [(1, 0)]))
+  shifted = xla_core.rel_shift(jnp.pad(raw, [(0, 0)] * 3 + [(1, 0)]))
   i, j = np.meshgrid(np.arange(t), np.arange(k), indexing="ij")
   valid = j <= s + i
   # Column m of the raw scores is relative distance k-1-m; key j at distance s+i-j.

@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from allatt_jax import checkpointing
+from allatt_jax.runs import checkpointing
 from allatt_jax import data as data_lib
-from allatt_jax import exported_model
-from allatt_jax import model as model_lib
-from allatt_jax import run_files
+from allatt_jax.pruning import model_export
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.runs import run_files
 
 import helpers
 import multidevice_worker as worker
@@ -92,7 +92,7 @@ def test_sharded_checkpoint_exports_here_as_there(runs, tmp_path):
   workdir = out_dir / "pruning_run"
   there_config, there, _ = checkpointing.read_model(workdir / "export")
   here_config, here, _ = checkpointing.read_model(
-      exported_model.export_run(workdir, tmp_path / "export"))
+      model_export.export_run(workdir, tmp_path / "export"))
   assert here_config.to_dict() == there_config.to_dict()
   assert 0 < sum(here_config.model.heads_per_layer) < 8, "some heads should be removed"
   for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(there)):

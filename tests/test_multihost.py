@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import helpers
-from allatt_jax import checkpointing
+from allatt_jax.runs import checkpointing
 from allatt_jax import data as data_lib
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # no warm-up) makes the schedule independent of num_steps, so a run stopped at step
 # 3 and resumed to step 6 takes the same steps as one going straight to 6.
 CONFIG = f'''
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

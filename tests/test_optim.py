@@ -5,9 +5,9 @@ import numpy as np
 import optax
 import pytest
 
-from allatt_jax import budget
-from allatt_jax import config_base
-from allatt_jax import optim
+from allatt_jax.pruning import budget
+from allatt_jax.config import config_base
+from allatt_jax.training import optim
 
 
 def tiny_config(**train):

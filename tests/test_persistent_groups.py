@@ -9,19 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import attention
-from allatt_jax import attention_kernel
-from allatt_jax import budget
-from allatt_jax import budget_freeze
-from allatt_jax import config_base
-from allatt_jax import config_checks
-from allatt_jax import gate_values
-from allatt_jax import gates as gates_lib
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import prune
-from allatt_jax import run_config
-from allatt_jax.errors import ConfigError
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import xla_core
+from allatt_jax.pruning import budget
+from allatt_jax.pruning import freeze
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.pruning import gate_values
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.config import run_config
+from allatt_jax.config.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def _core_inputs(h=3, b=2, t=5, s=4, dh=8, n=6):
               k=normal((h, b, k, dh)), v=normal((h, b, k, dh)),
               r_pad=jnp.pad(normal((h, k, dh)), [(0, 0), (1, 0), (0, 0)]),
               pk=normal((h, n, dh)), pv=normal((h, n, dh)),
-              mask=attention.attention_mask(t, s, jnp.int32(2), False))
+              mask=relative.attention_mask(t, s, jnp.int32(2), False))
 
 
 def test_closed_slots_take_no_mass_as_if_they_were_not_there():
@@ -103,7 +103,7 @@ def test_closed_slots_take_no_mass_as_if_they_were_not_there():
   open_HxN = np.array([[1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
   # A large logit on a closed slot must not matter either.
   pk = x["pk"].at[0, 1].multiply(50.0)
-  p_ctx, p_pers = attention_kernel.attention_weights(
+  p_ctx, p_pers = xla_core.attention_weights(
       x["qu"], x["qv"], x["qp"], x["k"], x["r_pad"], pk, x["mask"],
       pw=jnp.asarray(open_HxN, jnp.float32))
   assert np.all(np.asarray(p_pers)[~np.broadcast_to(open_HxN[:, None, None], p_pers.shape)]
@@ -111,7 +111,7 @@ def test_closed_slots_take_no_mass_as_if_they_were_not_there():
   for h, open_N in enumerate(open_HxN):
     kept = np.flatnonzero(open_N)
     head = lambda a: a[h:h + 1]
-    expected_ctx, expected_pers = attention_kernel.attention_weights(
+    expected_ctx, expected_pers = xla_core.attention_weights(
         head(x["qu"]), head(x["qv"]), head(x["qp"]), head(x["k"]), head(x["r_pad"]),
         head(pk)[:, kept] if kept.size else None, x["mask"])
     np.testing.assert_allclose(p_ctx[h:h + 1], expected_ctx, rtol=1e-6, atol=1e-7)
@@ -144,7 +144,7 @@ def _forward_both(cfg, variables, pruned_cfg, params):
 @pytest.mark.parametrize("heads", [True, False], ids=["heads_and_groups", "groups_only"])
 def test_export_equals_the_gated_model_with_uneven_groups_per_head(heads):
   cfg, variables = gated_model(dataclasses.replace(HARD, heads=heads))
-  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   # Kept heads ordered by their slots, most first; head 2 of layer 0 keeps none.
   expected = ((8, 4, 2, 0), (8, 6, 4, 2)) if not heads else ((8, 4, 0), (8, 6, 4, 2))
   assert pruned_cfg.persistent_slots == expected
@@ -166,31 +166,31 @@ def test_export_equals_the_gated_model_with_uneven_groups_per_head(heads):
 
 def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
   cfg, variables = gated_model()
-  pruned_cfg, params = prune.remove_heads(cfg, variables)
+  pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   # Its heads can be cut again (the slots go with them), and slots by hand.
-  smaller_cfg, smaller = prune.remove_heads(pruned_cfg, {"params": params}, {1: [0]},
+  smaller_cfg, smaller = head_removal.remove_heads(pruned_cfg, {"params": params}, {1: [0]},
                                             slots={0: {0: [0, 1, 7]}})
   assert smaller_cfg.persistent_slots == ((5, 4, 0), (6, 4, 2))
   assert smaller_cfg.layer_slots == [9, 12] and cfg.layer_slots == [32, 32]
   # Parameters count the slots kept, not the padding each layer's arrays hold.
-  padding = head_costs.padding_slots(smaller_cfg)
+  padding = cost_model.padding_slots(smaller_cfg)
   assert padding == (5 * 3 - 9) + (6 * 3 - 12)
   tree = sum(np.size(x) for x in jax.tree.leaves(smaller))
-  counts = head_costs.param_counts(smaller_cfg)
+  counts = cost_model.param_counts(smaller_cfg)
   assert counts["params_total"] == tree - 2 * smaller_cfg.head_dim * padding
-  expected = sum(head_costs.layer_param_count(smaller_cfg, h, sum(s)) for h, s in
+  expected = sum(cost_model.layer_param_count(smaller_cfg, h, sum(s)) for h, s in
                  zip(smaller_cfg.layer_heads, smaller_cfg.persistent_slots))
   assert counts["params_non_embedding"] == expected
   with pytest.raises(Exception, match="no persistent slot"):
-    prune.remove_heads(pruned_cfg, {"params": params}, slots={0: {2: [0]}})
+    head_removal.remove_heads(pruned_cfg, {"params": params}, slots={0: {2: [0]}})
 
 
 @pytest.mark.parametrize("key", ["target_params", "target_macs"])
 def test_unit_costs_add_up_to_the_cost_model(key):
   cfg = make_cfg(gated=False, gate=run_config.GatesSection())
   lengths = (SEQ_LEN, SEQ_LEN, 2)
-  units = head_costs.UnitCosts.of(cfg, key, lengths, GROUP)
-  measure = lambda c: head_costs._budget_cost(c, key, lengths)
+  units = cost_model.UnitCosts.of(cfg, key, lengths, GROUP)
+  measure = lambda c: cost_model._budget_cost(c, key, lengths)
   assert units.cost(cfg.layer_heads, [16, 16]) == pytest.approx(measure(cfg))
   assert units.cost((0, 0), (0, 0)) == pytest.approx(units.empty)
   slots = ((8, 4, 2), (6, 0, 0, 0))
@@ -201,7 +201,7 @@ def test_unit_costs_add_up_to_the_cost_model(key):
 
 
 # Unit costs for the rank rule's tests: a head 10, a group 1, layers free.
-_Units = head_costs.UnitCosts("target_macs", empty=0.0, layer=0.0, head=10.0, group=1.0,
+_Units = cost_model.UnitCosts("target_macs", empty=0.0, layer=0.0, head=10.0, group=1.0,
                               groups_per_head=4)
 
 
@@ -210,13 +210,13 @@ def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD):
   gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
                                         "persistent_logits": np.array(groups[i], np.float32)}}
            for i in range(2)}
-  decided = budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
+  decided = freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
                                              budget_value)
   return cfg, gates, decided
 
 
 def _kept(cfg, new_gates):
-  pruned_cfg, _ = prune.remove_heads(cfg, {"params": init_variables(cfg)["params"],
+  pruned_cfg, _ = head_removal.remove_heads(cfg, {"params": init_variables(cfg)["params"],
                                            "gates": new_gates})
   return pruned_cfg
 
@@ -243,7 +243,7 @@ def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():
   assert sum(map(sum, pruned_cfg.persistent_slots)) // GROUP == decision["groups"]
   assert decision["cost"] == 10 * decision["allowed"] + decision["groups"]
   # ... and applying the rule again changes nothing.
-  _, again = budget_freeze.keep_within_budget(cfg, gate_values.read(cfg, new_gates), _Units,
+  _, again = freeze.keep_within_budget(cfg, gate_values.read(cfg, new_gates), _Units,
                                               80.0)
   assert again["changed"] == 0 and again["cost"] == decision["cost"]
 
@@ -309,9 +309,9 @@ def test_the_core_backward_with_slot_weights_is_autodiff_of_its_forward(rate, he
                      jnp.float32)
   args = (x["qu"], x["qv"], x["qp"], x["k"], x["v"], x["r_pad"], x["pk"], x["pv"])
   keys = jnp.array([[5, 6], [7, 8]], jnp.uint32) if rate else None
-  custom = lambda *a: attention_kernel.attend(rate, head_block, remat, jnp.float32,
+  custom = lambda *a: xla_core.attend(rate, head_block, remat, jnp.float32,
                                               *a[:-1], x["mask"], keys, a[-1])
-  plain = lambda *a: attention_kernel._attend_fwd(rate, 3, False, jnp.float32, *a[:-1],
+  plain = lambda *a: xla_core._attend_fwd(rate, 3, False, jnp.float32, *a[:-1],
                                                   x["mask"], keys, a[-1])[0]
   out, custom_vjp = jax.vjp(custom, *args, pw_HxN)
   expected_out, plain_vjp = jax.vjp(plain, *args, pw_HxN)

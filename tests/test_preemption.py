@@ -21,16 +21,16 @@ import data_fixtures
 from helpers import assert_bit_identical
 from helpers import run_pipeline
 from helpers import saved_state
-from allatt_jax import checkpointing
-from allatt_jax import config_base
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
 from allatt_jax.reports import demo_report
-from allatt_jax import errors
-from allatt_jax import exported_model
-from allatt_jax import pipeline
-from allatt_jax import resolver
-from allatt_jax import stream_eval
-from allatt_jax import train
-from allatt_jax.errors import Preempted
+from allatt_jax.config import errors
+from allatt_jax.pruning import model_export
+from allatt_jax.training import pipeline
+from allatt_jax.training import assembly
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.training import loop
+from allatt_jax.config.errors import Preempted
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE_STEPS, PRUNE_STEPS = 4, 4
 
 CONFIG_FILE = """
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):
@@ -138,19 +138,19 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   # 2. During the baseline's final evaluation: no step is trained again.
   calls = rerun(lambda m: sigterm_before(m, stream_eval, "evaluate_splits"),
                 rf"^Preempted after the final evaluation \(kept in "
-                rf"{baseline}/{train.PHASES_FILE}\)\. Rerun the same command to write "
+                rf"{baseline}/{loop.PHASES_FILE}\)\. Rerun the same command to write "
                 r"results.json\.$")
   assert (calls.saves, calls.evaluations) == (0, 1) and not pruned.exists()
 
   # 3. Between the stages: the baseline is not evaluated again.
-  calls = rerun(lambda m: sigterm_after(m, train, "train_and_evaluate"),
+  calls = rerun(lambda m: sigterm_after(m, loop, "train_and_evaluate"),
                 rf"^Preempted after the baseline stage \(in {baseline}\)\. Rerun the same "
                 r"command to go on with the pruning stage\.$")
   assert (calls.saves, calls.evaluations) == (0, 0)
   assert (baseline / "results.json").is_file() and not pruned.exists()
 
   # 4. During the pruning run's export, after its own training and evaluation.
-  calls = rerun(lambda m: sigterm_before(m, exported_model, "save"),
+  calls = rerun(lambda m: sigterm_before(m, model_export, "save"),
                 rf"^Preempted after the export to {pruned}/export\. Rerun the same "
                 r"command to write results.json\.$")
   assert calls.evaluations == 2 and not (pruned / "results.json").exists()

@@ -4,7 +4,7 @@ import pathlib
 import pytest
 
 from allatt_jax.reports import readme_blocks
-from allatt_jax.errors import ConfigError
+from allatt_jax.config.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = {"demo", "score", "sample"}

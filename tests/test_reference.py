@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import gates as gates_lib
-from allatt_jax import model as model_lib
-from allatt_jax import run_config
+from allatt_jax.model import gates as gates_lib
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
 
 VOCAB, D, H, N, D_FF = 29, 16, 4, 5, 24
 T, S = 4, 6          # segments shorter than the memory: it fills partly, then fully

@@ -23,13 +23,13 @@ import data_fixtures
 from helpers import assert_bit_identical
 from helpers import train_run
 from helpers import saved_state
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import errors
-from allatt_jax import preemption
-from allatt_jax import progress
-from allatt_jax import train
-from allatt_jax import train_step
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.config import errors
+from allatt_jax.training import preemption
+from allatt_jax.training import progress
+from allatt_jax.training import loop
+from allatt_jax.training import train_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25
@@ -37,7 +37,7 @@ NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25
 # A tiny pruning run: gates sampled until FREEZE_STEP, dropout on, so the RNG, the λ
 # warm-up, the freeze, the memory and the data position all matter for the result.
 CONFIG_FILE = """
-from allatt_jax import config_base
+from allatt_jax.config import config_base
 
 
 def get_config(arg=None):

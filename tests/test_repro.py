@@ -12,12 +12,12 @@ import pytest
 
 from helpers import train_run
 import data_fixtures
-from allatt_jax import checkpointing
-from allatt_jax import config_base
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import resolver
-from allatt_jax import train
-from allatt_jax.errors import Preempted
+from allatt_jax.training import assembly
+from allatt_jax.training import loop
+from allatt_jax.config.errors import Preempted
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
@@ -83,7 +83,7 @@ def test_time_boxed_slices_then_the_whole_suite(config, tmp_path):
   assert not (tmp_path / "runs").exists()
 
   # A deadline inside a run stops it like SIGTERM: a checkpoint of the step, no results.
-  base = resolver.checked_config(config)
+  base = assembly.checked_config(config)
   plan = plan_lib.Plan.from_dict(config.experiments.to_dict())
   exp = runs_lib.Experiment(base, plan, tmp_path)
   baseline_dir = exp.run_dir("baseline")

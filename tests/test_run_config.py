@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from allatt_jax import config_base
-from allatt_jax import model as model_lib
-from allatt_jax import run_files
-from allatt_jax.errors import CheckpointError
-from allatt_jax.errors import ConfigError
-from allatt_jax.run_config import RunConfig
+from allatt_jax.config import config_base
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.runs import run_files
+from allatt_jax.config.errors import CheckpointError
+from allatt_jax.config.errors import ConfigError
+from allatt_jax.config.run_config import RunConfig
 
 
 def test_the_config_files_start_from_the_sections_defaults():

@@ -13,14 +13,14 @@ import pytest
 import helpers
 from helpers import train_run
 from allatt_jax import data as data_lib
-from allatt_jax import likelihood
-from allatt_jax import model as model_lib
-from allatt_jax import sampler as sampler_lib
-from allatt_jax import sharding
-from allatt_jax import stream_eval
-from allatt_jax import train
-from allatt_jax import trained_model
-from allatt_jax.errors import ConfigError
+from allatt_jax.evaluation import likelihood
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.evaluation import generation as sampler_lib
+from allatt_jax.parallel import sharding
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.training import loop
+from allatt_jax.runs import trained_model
+from allatt_jax.config.errors import ConfigError
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 

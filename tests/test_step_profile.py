@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from allatt_jax import hlo_text
-from allatt_jax import scopes
-from allatt_jax import step_profile
+from allatt_jax.perf import hlo_text
+from allatt_jax.perf import scopes
+from allatt_jax.perf import step_profile
 
 
 @pytest.mark.parametrize("op_name, folded", [

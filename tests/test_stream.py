@@ -14,9 +14,9 @@ import helpers
 from allatt_jax.data import eval_batches
 from allatt_jax.data import SegmentStream
 from allatt_jax.data import to_global_array
-from allatt_jax.errors import DataError
-from allatt_jax.stream_eval import read_stream
-from allatt_jax.stream_eval import row_segments
+from allatt_jax.config.errors import DataError
+from allatt_jax.evaluation.stream_eval import read_stream
+from allatt_jax.evaluation.stream_eval import row_segments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,8 @@ _TWO_PROCESS_WORKER = textwrap.dedent('''
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(f'127.0.0.1:{sys.argv[1]}', num_processes=2,
                                process_id=int(sys.argv[2]))
-    from allatt_jax.data import SegmentStream, to_global_array
+    from allatt_jax.data import SegmentStream
+    from allatt_jax.data import to_global_array
     tokens = np.arange(3001, dtype=np.int32)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))

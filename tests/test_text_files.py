@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 
 from helpers import run_pipeline
-from allatt_jax import adaptive
-from allatt_jax import config_base
-from allatt_jax import config_checks
-from allatt_jax import likelihood
-from allatt_jax import model as model_lib
-from allatt_jax import pipeline
-from allatt_jax import resolver
-from allatt_jax import run_files
-from allatt_jax import trained_model
-from allatt_jax import validation
+from allatt_jax.model import adaptive
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.evaluation import likelihood
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import pipeline
+from allatt_jax.training import assembly
+from allatt_jax.runs import run_files
+from allatt_jax.runs import trained_model
+from allatt_jax.runs import workdir_checks
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import specs
 from allatt_jax.data import builder
 from allatt_jax.data import sources
-from allatt_jax.errors import DataError
-from allatt_jax.run_config import RunConfig
+from allatt_jax.config.errors import DataError
+from allatt_jax.config.run_config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = 'the cat sat on the mat\nthe dog sat\n\na cat ran\n'
@@ -145,7 +145,7 @@ def test_a_run_cannot_resume_with_another_option_set(tmp_path):
       word.name, word.vocab))
   capped = load(tmp_path, max_vocab=4)
   with pytest.raises(DataError, match="vocabulary of dataset 'text_files' .* is not the one"):
-    validation.check_vocabulary(run_files.vocabulary_fingerprint(
+    workdir_checks.check_vocabulary(run_files.vocabulary_fingerprint(
         capped.name, capped.vocab), tmp_path / 'init', init_from=str(tmp_path / 'run'),
         resuming=False)
   assert (tmp_path / 'run' / 'vocabulary.json').is_file()   # nothing deleted
@@ -238,10 +238,10 @@ def word_level_demo(vocab_size, **model):
 def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the_layers():
   # 33,278 types (WikiText-2's): the plain softmax, 4.3M MACs a token, is 7.5x the layers.
   run = word_level_demo(33_278)
-  assert resolver.word_output(run) == dict(cutoffs=(2496, 4992, 24958), div_val=4)
-  completed = resolver.with_vocab_size(run)
+  assert assembly.word_output(run) == dict(cutoffs=(2496, 4992, 24958), div_val=4)
+  completed = assembly.with_vocab_size(run)
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
-  note = resolver.output_note(completed)
+  note = assembly.output_note(completed)
   assert note.startswith('Word level, 33,278 types: an adaptive softmax (cutoffs 2496, '
                          '4992, 24958; div_val 4) costs 0.40M MACs per token, where a '
                          'plain one would cost 4.26M, 7.5x the 0.57M of all the layers')
@@ -250,15 +250,15 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   for other in (word_level_demo(2_000), word_level_demo(33_278, auto_cutoffs=False),
                 word_level_demo(33_278, cutoffs=(1000,)),
                 word_level_demo(33_278, div_val=2)):
-    assert resolver.word_output(other) == {}
-    assert resolver.output_note(resolver.with_vocab_size(other)) == ''
+    assert assembly.word_output(other) == {}
+    assert assembly.output_note(assembly.with_vocab_size(other)) == ''
   words = word_level_demo(33_278)
   characters = RunConfig.from_dict({**words.to_dict(),
                                     'data': {**words.data.to_dict(), 'level': 'char'}})
-  assert resolver.word_output(characters) == {}
+  assert assembly.word_output(characters) == {}
   # A model too narrow for width d/64 in the last cluster gets d/8 there.
   narrow = word_level_demo(33_278, d_model=32, num_heads=4, num_layers=1)
-  assert resolver.word_output(narrow)['div_val'] == 2
+  assert assembly.word_output(narrow)['div_val'] == 2
 
 
 def test_a_run_saved_before_the_automatic_cutoffs_keeps_its_plain_softmax(tmp_path):

@@ -11,15 +11,15 @@ import pytest
 import helpers
 from helpers import train_run
 from helpers import run_pipeline
-from allatt_jax import checkpointing
-from allatt_jax import config_base
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import model as model_lib
-from allatt_jax import pipeline
-from allatt_jax import resolver
-from allatt_jax import run_files
-from allatt_jax import sharding
-from allatt_jax import train
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import pipeline
+from allatt_jax.training import assembly
+from allatt_jax.runs import run_files
+from allatt_jax.parallel import sharding
+from allatt_jax.training import loop
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
@@ -34,7 +34,7 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **train_overrides):
   config = helpers.tiny_run()
   config.data.data_dir = data_dir
-  config.model.vocab_size = 27   # resolver.run_setup reads no dataset to fill it in
+  config.model.vocab_size = 27   # assembly.run_setup reads no dataset to fill it in
   config.eval.batch_size = 64      # the final evaluation of all of valid and test: quick
   config.train.update(train_overrides)
   return config
@@ -99,7 +99,7 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_grou
   config = tiny_config(data_dir, num_steps=8)
   config.gates.update(dict(enabled=True, lam=0.1, freeze_step=3, l0_warmup_steps=0,
                            persistent_group=persistent_group))
-  setup = resolver.run_setup(config)
+  setup = assembly.run_setup(config)
   state = setup.new_state()
   step_fns = {sample: setup.train_step(sample_gates=sample) for sample in (True, False)}
   stream = data_lib.SegmentStream(data_lib.load_run_corpus(config).splits["train"], 4, 16)

@@ -12,20 +12,20 @@ import pytest
 
 import data_fixtures
 import helpers
-from allatt_jax import checkpointing
-from allatt_jax import config_base
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
-from allatt_jax import model as model_lib
-from allatt_jax import pipeline
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import run_files
-from allatt_jax import train
-from allatt_jax import validation
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import pipeline
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
+from allatt_jax.training import loop
+from allatt_jax.runs import workdir_checks
 from allatt_jax.data import tokenization
-from allatt_jax.errors import CheckpointError
-from allatt_jax.errors import ConfigError
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import CheckpointError
+from allatt_jax.config.errors import ConfigError
+from allatt_jax.config.errors import DataError
 from helpers import start_run
 from helpers import train_run
 
@@ -37,7 +37,7 @@ def tiny_config(**sections):
   """configs/demo.py:tiny as a single run; `sections` update config sections."""
   config = helpers.tiny_run()
   config.data.name = "text8"
-  config.model.vocab_size = 27   # what a run takes from its dataset (resolver.prepared_run)
+  config.model.vocab_size = 27   # what a run takes from its dataset (assembly.prepared_run)
   for name, values in sections.items():
     if isinstance(values, dict):
       config[name].update(values)
@@ -58,7 +58,7 @@ def baseline(tmp_path_factory):
   """A baseline workdir with a step-1 checkpoint (made without training)."""
   workdir = tmp_path_factory.mktemp("baseline")
   config = tiny_config()
-  state = resolver.run_setup(config).new_state()
+  state = assembly.run_setup(config).new_state()
   checkpoints = checkpointing.RunCheckpoints(workdir, async_save=False)
   checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
   checkpoints.close()
@@ -270,7 +270,7 @@ def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
   (workdir / run_files.CONFIG_FILE).write_text(json.dumps(saved))
   loaded = run_files.load_config(workdir)
   assert not loaded.gates.allow_empty and not loaded.model.auto_cutoffs
-  validation.check_same_settings(run_config.RunConfig.of(tiny_config()), workdir)
+  workdir_checks.check_same_settings(run_config.RunConfig.of(tiny_config()), workdir)
   check_run(tiny_config(), workdir)
 
 
@@ -311,15 +311,15 @@ def test_vocabulary_differs_from_the_resumed_run(baseline, tmp_path, text8_dirs)
 def test_vocabulary_differs_from_init_from(baseline, tmp_path):
   other = run_files.vocabulary_fingerprint("wikitext103", ["<eos>", "the"] * 10)
   with pytest.raises(DataError, match=r"is not the one config.init_from=.* was trained with"):
-    validation.check_vocabulary(other, tmp_path, str(baseline), resuming=False)
-  validation.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline), resuming=False)
+    workdir_checks.check_vocabulary(other, tmp_path, str(baseline), resuming=False)
+  workdir_checks.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline), resuming=False)
 
 
 # Export.
 
 def test_export_of_a_run_without_gates(baseline):
   with pytest.raises(CheckpointError, match="baseline run .* no head gates"):
-    validation.check_export(baseline)
+    workdir_checks.check_export(baseline)
 
 
 def _cli(module, *flags):
@@ -409,7 +409,7 @@ def test_every_batch_split_over_the_data_axis_is_checked(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   config = tiny_config(train=dict(batch_size=8, grad_accum_steps=4),
                        eval=dict(batch_size=12), mesh=dict(data=-1, model=2))
-  check = lambda: resolver.checked_config(config)
+  check = lambda: assembly.checked_config(config)
   with pytest.raises(ConfigError) as raised:
     check()
   assert str(raised.value) == (
@@ -431,6 +431,6 @@ def test_a_run_whose_vocab_size_is_not_its_datasets_is_refused(tmp_path):
   config.model.vocab_size = 5
   with pytest.raises(ConfigError, match=r"config.model.vocab_size is 5 but dataset "
                      r"'wikitext_chars' has 27 types; set --config.model.vocab_size=27"):
-    resolver.completed_config(resolver.checked_config(config))
+    assembly.completed_config(assembly.checked_config(config))
   # A trained model's dataset is read with the model's own checks (trained_model).
   assert data_lib.load_run_corpus(config).vocab_size == 27

@@ -11,7 +11,7 @@ import json
 
 from absl import flags
 
-from allatt_jax import cli
+from allatt_jax.config import cli
 from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import embedded
 from allatt_jax.data import specs

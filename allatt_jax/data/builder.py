@@ -23,7 +23,7 @@ from allatt_jax.data import cache
 from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 _AS_DATASET_CHUNK = 1 << 16
 

@@ -15,13 +15,13 @@ import os
 from absl import logging
 import numpy as np
 
-from allatt_jax import console
+from allatt_jax.config import console
 from allatt_jax.data import cache
 from allatt_jax.data import encoding as encoding_lib
 from allatt_jax.data import sources
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pathlib
 
 from allatt_jax.data import specs
 from allatt_jax.data.tokenization import clean_text8_style
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 RAW_FILES = ('wiki.valid.raw', 'wiki.test.raw')
 def make_embedded_corpus(raw_dir, out_path=None) -> pathlib.Path:

@@ -12,7 +12,7 @@ import numpy as np
 
 from allatt_jax.data import specs
 from allatt_jax.data import tokenization
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 # Bump when the encoding of any dataset changes: every prepared dataset is then rebuilt.
 ENCODING_VERSION = 1

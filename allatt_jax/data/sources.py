@@ -17,7 +17,7 @@ import urllib.request
 from absl import logging
 
 from allatt_jax.data import specs
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 _HEAD_BYTES = 1 << 16
 _HASH_BLOCK = 1 << 22

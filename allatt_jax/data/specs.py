@@ -3,7 +3,7 @@ import dataclasses
 from collections.abc import Mapping
 import pathlib
 
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 SPLITS = ('train', 'valid', 'test')
 

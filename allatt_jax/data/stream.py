@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 
 def _local_rows(global_batch: int, process_index: int, process_count: int) -> range:

@@ -14,7 +14,7 @@ import unicodedata
 
 import numpy as np
 
-from allatt_jax.errors import DataError
+from allatt_jax.config.errors import DataError
 
 EOS = '<eos>'
 UNK = '<unk>'

@@ -14,9 +14,9 @@ import time
 from absl import flags
 import jax
 
-from allatt_jax import cli
-from allatt_jax import preemption
-from allatt_jax import resolver
+from allatt_jax.config import cli
+from allatt_jax.training import preemption
+from allatt_jax.training import assembly
 from allatt_jax.experiments import persistent
 from allatt_jax.experiments import plan
 from allatt_jax.experiments import repro
@@ -68,7 +68,7 @@ def main(argv):
     names = list(ALL) if _SUITE.value == "all" else [_SUITE.value]
     experiment_plan = plan.from_section(config.experiments.to_dict())
     suites.check_plan(experiment_plan, names)
-    base = resolver.checked_config(config)
+    base = assembly.checked_config(config)
     # Every run of every suite asked for, checked before any data is read.
     planned = runs.Experiment(base, experiment_plan, _WORKDIR.value, read_data=False)
     for name in names:

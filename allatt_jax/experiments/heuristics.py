@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allatt_jax import attention
+from allatt_jax.model.attention import relative
 from allatt_jax import data as data_lib
-from allatt_jax import model as model_lib
-from allatt_jax import stream_eval
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.evaluation import stream_eval
 
 METHODS = ("michel", "entropy", "sparsity", "distribution", "magnitude", "random")
 ATTENTION_METRICS = ("entropy", "sparsity", "distribution")
@@ -64,7 +64,7 @@ def _head_mask_interceptor(xi):
   """Multiplies each head's output by ξ[layer][head] on its way into W_O."""
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
-    if (context.method_name == "__call__" and isinstance(module, attention.Projection)
+    if (context.method_name == "__call__" and isinstance(module, relative.Projection)
         and module.name == "out"):
       layer = int(module.path[0].removeprefix("layer_"))
       x_BxTxHxDh = args[0]
@@ -170,7 +170,7 @@ def attention_metrics(lm, variables, segments: Segments) -> dict[str, list[np.nd
   batch, seq_len = segments.batches[0][0].shape
 
   def statistics(memory, inputs_and_targets):
-    mask_TxK = attention.attention_mask(seq_len, segments.mem_len, memory["length"],
+    mask_TxK = relative.attention_mask(seq_len, segments.mem_len, memory["length"],
                                         lm.cfg.same_length, lm.cfg.same_length_keys)
     probs, memory = _attention_probs(lm, variables, *inputs_and_targets, memory)
     return [None if layer is None else _head_statistics(*layer, mask_TxK)

@@ -8,9 +8,9 @@ is measured against the baseline's on the same tokens (alternating, best of 3).
 """
 from allatt_jax.reports import demo_report
 from allatt_jax.reports import figures
-from allatt_jax import head_costs
-from allatt_jax import sharding
-from allatt_jax import trained_model
+from allatt_jax.pruning import cost_model
+from allatt_jax.parallel import sharding
+from allatt_jax.runs import trained_model
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
 
@@ -18,9 +18,9 @@ KINDS = {"": "heads", "groups": "groups", "both": "heads + groups"}
 KEY = "target_macs"
 
 
-def _units(exp: runs_lib.Experiment) -> head_costs.UnitCosts:
+def _units(exp: runs_lib.Experiment) -> cost_model.UnitCosts:
   e = exp.base.eval
-  return head_costs.UnitCosts.of(exp.base_model, KEY, (e.seq_len, e.mem_len, e.batch_size),
+  return cost_model.UnitCosts.of(exp.base_model, KEY, (e.seq_len, e.mem_len, e.batch_size),
                                  exp.plan.persistent_group)
 
 
@@ -101,7 +101,7 @@ def persistent(exp: runs_lib.Experiment) -> suites.Report:
   return suites.Report(md, [str(out)], [base, continued, *runs.values()])
 
 
-def _by_gates(decision: dict, units: head_costs.UnitCosts) -> str:
+def _by_gates(decision: dict, units: cost_model.UnitCosts) -> str:
   """What the gates alone kept at the freeze, before the budget's rank rule."""
   if not decision:
     return "-"

@@ -8,9 +8,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from allatt_jax import run_config
-from allatt_jax import typed_section
-from allatt_jax.errors import ConfigError
+from allatt_jax.config import run_config
+from allatt_jax.config import typed_section
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import heuristics
 
 

@@ -17,23 +17,23 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import config_checks
-from allatt_jax import exported_model
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import preemption
-from allatt_jax import resolver
-from allatt_jax import run_config
-from allatt_jax import run_files
-from allatt_jax import train
-from allatt_jax import validation
-from allatt_jax.errors import ConfigError
-from allatt_jax.errors import Preempted
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.pruning import model_export
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import preemption
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
+from allatt_jax.training import loop
+from allatt_jax.runs import workdir_checks
+from allatt_jax.config.errors import ConfigError
+from allatt_jax.config.errors import Preempted
 from allatt_jax.experiments import heuristics
 from allatt_jax.experiments import plan as plan_lib
-from allatt_jax.run_config import RunConfig
+from allatt_jax.config.run_config import RunConfig
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "experiment.json"
@@ -93,7 +93,7 @@ class Experiment:
                deadline: float | None = None,
                watch: preemption.PreemptionWatch | None = None, *,
                read_data: bool = True):
-    """`base`: a checked config (`resolver.checked_config`). `read_data`: read its
+    """`base`: a checked config (`assembly.checked_config`). `read_data`: read its
     dataset (once, for every run) and complete the config from it, as the runs are
     made; False: to list and `check` the runs only, before any data is read."""
     self.plan = plan
@@ -102,7 +102,7 @@ class Experiment:
     self.workdir = pathlib.Path(workdir)
     # Completed from the dataset once (model.vocab_size), as every run saves it, so a
     # finished run's config.json compares like with like.
-    self.base, self.corpus = (resolver.completed_config(base) if read_data
+    self.base, self.corpus = (assembly.completed_config(base) if read_data
                               else (base, None))
     self.base_model = model_lib.ModelConfig.from_config(self.base)
 
@@ -164,7 +164,7 @@ class Experiment:
     if key != "target_sparsity":
       del flags[f"gates.{key}"]
       e = self.base.eval
-      full, _ = head_costs.head_cost(self.base_model, key,
+      full, _ = cost_model.head_cost(self.base_model, key,
                                      (e.seq_len, e.mem_len, e.batch_size))
       value = int(fraction * full) if key == "target_params" else fraction * full
       origin = (f"{fraction:g} of the baseline's {full:,.0f} from "
@@ -189,7 +189,7 @@ class Experiment:
     made for every run of a suite before its first run trains."""
     for run in runs:
       try:
-        resolver.checked_config(run.config)
+        assembly.checked_config(run.config)
       except ConfigError as e:
         origin = f" ({run.origin})" if run.origin else ""
         raise ConfigError(f"--suite={suite}, run {run.name}{origin}: "
@@ -224,7 +224,7 @@ class Experiment:
     gates = planned.config.gates
     record.extra.update(target_key=key, fraction=fraction, target=getattr(gates, key),
                         seed=seed, distill=distill, groups=groups,
-                        target_heads=None if groups else head_costs.target_open_heads(
+                        target_heads=None if groups else cost_model.target_open_heads(
                             planned.config, self.base_model),
                         by_gates=decision.get("by_gates"), changed=decision.get("changed"),
                         decision=decision)
@@ -241,7 +241,7 @@ class Experiment:
     masked = self._record(f"{name}_masked", "heuristic", masked_config,
                           json.loads((masked_dir / RESULTS_FILE).read_text()))
     # Made from the masked export, so not among the runs checked before the suite.
-    config = resolver.checked_config(run_config.derived_run(
+    config = assembly.checked_config(run_config.derived_run(
         self._continued_config(seed), init_from=str(masked_dir),
         model=dict(heads_per_layer=tuple(masked_config.model.heads_per_layer))))
     tuned = self._run(name, "heuristic", config)
@@ -259,7 +259,7 @@ class Experiment:
     results = None
     if (workdir / RESULTS_FILE).is_file():
       # A finished run is reused only for the settings it was trained with.
-      validation.check_same_settings(config, workdir)
+      workdir_checks.check_same_settings(config, workdir)
     else:
       if self.deadline is not None and time.monotonic() >= self.deadline:
         raise Preempted(f"Time box reached before run {name} started. Rerun the same "
@@ -270,8 +270,8 @@ class Experiment:
       start = time.perf_counter()
       try:
         # What it wrote to RESULTS_FILE (which other processes may not see yet).
-        results = train.train_and_evaluate(
-            resolver.prepared_run(config, self.corpus), workdir, self.deadline, self.watch,
+        results = loop.train_and_evaluate(
+            assembly.prepared_run(config, self.corpus), workdir, self.deadline, self.watch,
             gate_flags="--config.experiments.prune_gates")
       finally:   # the run's wall time, summed over the slices that made it
         if workdir.is_dir():
@@ -295,8 +295,8 @@ class Experiment:
         valid=results["valid"], test=results["test"],
         heads_per_layer=list(cfg.layer_heads),
         persistent_per_layer=cfg.layer_slots,
-        params_non_embedding=head_costs.param_counts(cfg)["params_non_embedding"],
-        macs_per_token=head_costs.macs_per_token(
+        params_non_embedding=cost_model.param_counts(cfg)["params_non_embedding"],
+        macs_per_token=cost_model.macs_per_token(
             cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"],
         d_model=cfg.d_model,
         wall_s=_read_json(self.run_dir(name) / SUMMARY_FILE).get("wall_s", 0.0), extra=extra)
@@ -304,7 +304,7 @@ class Experiment:
   def _export_masked(self, directory: pathlib.Path, method: str, num_remove: int,
                      seed: int) -> None:
     """The baseline without the heads `method` removes, as an exported model
-    (`exported_model.export_and_evaluate`), with its mask and scores.
+    (`model_export.export_and_evaluate`), with its mask and scores.
 
     The fine-tuning run starts from it through `init_from`, which takes exported
     models. What an interrupted call left is redone.
@@ -314,7 +314,7 @@ class Experiment:
     _all_processes_reach(f"cleared {directory}")
     start = time.perf_counter()
     base_config, variables, _ = checkpointing.read_model(self.run_dir("baseline"))
-    setup, corpus = resolver.run_setup(self.base), self.corpus
+    setup, corpus = assembly.run_setup(self.base), self.corpus
     train_cfg = self.base.train
     segments = heuristics.Segments.from_tokens(
         corpus.splits["train"], train_cfg.batch_size, train_cfg.seq_len,
@@ -322,7 +322,7 @@ class Experiment:
     mask = heuristics.prune_mask(
         method, setup.lm, {"params": variables["params"]}, segments, num_remove, seed=seed,
         michel_step_fraction=self.plan.michel_step_fraction)
-    results = exported_model.export_and_evaluate(
+    results = model_export.export_and_evaluate(
         directory, base_config, setup.lm.cfg, {"params": variables["params"]}, corpus,
         setup.mesh, heads=mask)
     _write_json(directory / MASK_FILE,

@@ -11,7 +11,7 @@ import glob
 import numpy as np
 
 from allatt_jax.reports import figures
-from allatt_jax.errors import ConfigError
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 

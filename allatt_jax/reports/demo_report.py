@@ -7,10 +7,10 @@ the stages returned into report.json's content; `summary_table` renders it.
 """
 import jax
 
-from allatt_jax import head_costs
-from allatt_jax import stream_eval
-from allatt_jax.run_config import RunConfig
-from allatt_jax.trained_model import LoadedModel
+from allatt_jax.pruning import cost_model
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.config.run_config import RunConfig
+from allatt_jax.runs.trained_model import LoadedModel
 
 
 def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
@@ -40,13 +40,13 @@ def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batch
                    baseline_model: LoadedModel, pruned_model: LoadedModel) -> dict:
   """What the report says of both models themselves, under 'baseline' and 'pruned':
   heads and persistent vectors per layer and costs at the baseline's eval lengths
-  (head_costs); and under 'speed' their inference speeds (`measure_speed`)."""
+  (cost_model); and under 'speed' their inference speeds (`measure_speed`)."""
   speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model)
   t = config.eval
   compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
                      "persistent_per_layer": lm.cfg.layer_slots,
-                     **head_costs.param_counts(lm.cfg),
-                     **head_costs.macs_per_token(lm.cfg, t.seq_len, t.mem_len,
+                     **cost_model.param_counts(lm.cfg),
+                     **cost_model.macs_per_token(lm.cfg, t.seq_len, t.mem_len,
                                                  t.batch_size)}
               for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
   return {**compared, "speed": speed}

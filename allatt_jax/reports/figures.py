@@ -10,14 +10,14 @@ import jax
 import matplotlib
 import numpy as np
 
-from allatt_jax import checkpointing
-from allatt_jax import config_base
-from allatt_jax import errors
-from allatt_jax import gate_values
-from allatt_jax import head_costs
-from allatt_jax import model as model_lib
-from allatt_jax import run_config
-from allatt_jax import run_files
+from allatt_jax.runs import checkpointing
+from allatt_jax.config import config_base
+from allatt_jax.config import errors
+from allatt_jax.pruning import gate_values
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
+from allatt_jax.runs import run_files
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -41,8 +41,8 @@ def relative_costs(cfg: model_lib.ModelConfig, lengths) -> dict[str, np.ndarray]
   every layer keeps k of its H heads, for k = H .. 0 (sparsity 0 .. 1)."""
   heads = cfg.num_heads
   kept = np.arange(heads, -1, -1)
-  params = np.array([cfg.num_layers * head_costs.layer_param_count(cfg, k) for k in kept], float)
-  macs = np.array([cfg.num_layers * head_costs.layer_macs_per_token(cfg, k, *lengths)
+  params = np.array([cfg.num_layers * cost_model.layer_param_count(cfg, k) for k in kept], float)
+  macs = np.array([cfg.num_layers * cost_model.layer_macs_per_token(cfg, k, *lengths)
                    for k in kept])
   return {"sparsity": 1.0 - kept / heads, "params": params / params[0],
           "macs": macs / macs[0]}

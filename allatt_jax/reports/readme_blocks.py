@@ -9,11 +9,11 @@ import re
 import textwrap
 
 from allatt_jax.reports import demo_report
-from allatt_jax import errors
-from allatt_jax import likelihood
-from allatt_jax import run_files
-from allatt_jax import sampler
-from allatt_jax import trained_model
+from allatt_jax.config import errors
+from allatt_jax.evaluation import likelihood
+from allatt_jax.runs import run_files
+from allatt_jax.evaluation import generation
+from allatt_jax.runs import trained_model
 
 # The demo folder the README's commands use; outputs name it whatever the workdir.
 README_WORKDIR = "/tmp/allatt_demo"
@@ -72,7 +72,7 @@ def _wrap(paragraph: str) -> str:
 
 def _sample_block(pruned: trained_model.LoadedModel) -> str:
   o = SAMPLE_OPTIONS
-  text = sampler.sample_text(pruned, o["prompt"], o["num_tokens"],
+  text = generation.sample_text(pruned, o["prompt"], o["num_tokens"],
                              temperature=o["temperature"], top_k=o["top_k"],
                              seed=o["seed"])["text"]
   return (f"```bash\npython -m allatt_jax.sample --checkpoint={README_WORKDIR}/pruned/"

@@ -1,0 +1,1 @@
+"""A trained model's scores: evaluation with memory, per-token log-likelihoods, generated text."""

@@ -1,0 +1,378 @@
+"""Measured throughput of a config's model: train steps, pruned models' inference,
+matmul peak.
+
+`measure` times train steps (baseline, pruning, distilling) and their model GFLOP/s
+(3 · 2 · forward MACs per token), inference of random models cut to fractions of their
+heads against the ideal 1 / MAC ratio, and one matmul in the compute dtype (the peak),
+in interleaved rounds (medians). Parameters and tokens are random: throughputs only.
+"""
+from collections.abc import Mapping
+import dataclasses
+import os
+import resource
+import statistics
+import time
+import types
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from allatt_jax.perf import config_variants
+from allatt_jax.pruning import cost_model
+from allatt_jax.perf import hlo_counts
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.pruning import head_removal
+from allatt_jax.training import assembly
+from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
+from allatt_jax.perf import step_profile
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.config import typed_section
+from allatt_jax.model import vocab_logsumexp
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkPlan:
+  """How much the benchmark times: a config's `benchmark` section (configs/bench_cpu.py),
+  over these defaults for what it leaves out (or for a config without one)."""
+  train_steps: int = 5             # timed steps per train-step variant and round
+  eval_segments: int = 5           # timed segments per exported model and round
+  rounds: int = 5                  # variants alternate within a round; medians reported
+  heads_kept: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+  matmul_size: int = 2048          # n of the n x n x n matmul taken as the peak
+  profile: bool = False            # trace baseline steps after the rounds (step_profile)
+  profile_steps: int = 3           # steps per trace
+  # name -> {section: {key: value}}: configs timed beside this one (config_variants.py)
+  variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+      default_factory=lambda: types.MappingProxyType({}))
+
+  @classmethod
+  def from_dict(cls, section) -> "BenchmarkPlan":
+    """The plan of a config's `benchmark` section (a mapping, or a ConfigDict).
+
+    Raises:
+      ConfigError: a key the plan does not have, or a value of another type.
+    """
+    values = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    return typed_section.read(cls, values, "--config.benchmark")
+
+
+# The distillation the benchmark times for configs that do not turn it on: both terms,
+# so the teacher's whole cost shows.
+DISTILL = dict(weight=0.5, temperature=1.0, hidden_weight=0.1)
+
+
+def _median(values):
+  return float(statistics.median(values))
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  return result, time.perf_counter() - start
+
+
+class _Usage:
+  """Wall seconds, process CPU seconds (all threads) and minor page faults of a block.
+
+  CPU seconds stay meaningful when other processes share the cores and stretch the
+  wall time; page faults count fresh memory the step touched.
+  """
+
+  def __enter__(self):
+    self._wall, self._usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    return self
+
+  def __exit__(self, *exc):
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    self.wall = time.perf_counter() - self._wall
+    self.cpu = (usage.ru_utime + usage.ru_stime
+                - self._usage.ru_utime - self._usage.ru_stime)
+    self.faults = usage.ru_minflt - self._usage.ru_minflt
+
+
+class Matmul:
+  """One n x n x n matmul: the device's practical peak GFLOP/s in that dtype."""
+
+  def __init__(self, n: int, dtype=jnp.float32):
+    self.n = n
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    self._args = (a, jax.random.normal(jax.random.key(1), (n, n), dtype))
+    self._fn = jax.jit(jnp.matmul)
+    jax.block_until_ready(self._fn(*self._args))
+
+  def gflops(self, repeats: int = 3) -> tuple[float, float]:
+    """(GFLOP per wall second, GFLOP per CPU second) of the fastest of `repeats`."""
+    runs = []
+    for _ in range(repeats):
+      with _Usage() as usage:
+        jax.block_until_ready(self._fn(*self._args))
+      runs.append(usage)
+    best = min(runs, key=lambda u: u.wall)
+    flops = 2 * self.n ** 3 / 1e9
+    return flops / best.wall, flops / max(best.cpu, 1e-9)
+
+
+class TrainStep:
+  """The real jitted train step on a fresh state, fed one fixed random batch."""
+
+  def __init__(self, config: run_config.RunConfig, *, gated: bool,
+               distill: bool = False):
+    if not distill:
+      distill_keys = dict(weight=0.0, hidden_weight=0.0)
+    else:
+      distill_keys = None if config.distill.enabled else DISTILL
+    config = run_config.derived_run(
+        config, gates=dict(enabled=gated), distill=distill_keys,
+        init_from="",   # a teacher starts as a copy of the random params
+        # A setup refuses a gate freeze after the last step; the benchmark times a few
+        # steps of a run whose freeze may lie beyond the config's step count.
+        train=dict(num_steps=max(config.train.num_steps, config.gates.freeze_step)))
+    self.config = config
+    setup = assembly.run_setup(config)
+    mesh = setup.mesh
+    self.lm = setup.lm
+    self._state = setup.new_state()
+    batch = sharding.batch_sharding(mesh)
+    train = config.train
+    tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(0), config.model.vocab_size,
+                                         (train.batch_size, train.seq_len + 1))
+    self._batch = tuple(jax.device_put(a, batch) for a in (tokens[:, :-1], tokens[:, 1:]))
+    step = setup.train_step(sample_gates=gated)
+    self._mesh = mesh
+    start = time.perf_counter()
+    with sharding.activate(mesh):
+      self._compiled = step.lower(self._state, *self._batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self.run(1)   # the first call also allocates and warms up
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.config.train.batch_size * self.config.train.seq_len
+
+  @property
+  def compiled(self) -> jax.stages.Compiled:
+    """The compiled step: its optimized HLO, XLA's cost and memory analyses."""
+    return self._compiled
+
+  def run(self, num_steps: int) -> _Usage:
+    """Usage of `num_steps` consecutive steps."""
+    with sharding.activate(self._mesh), _Usage() as usage:
+      for _ in range(num_steps):
+        self._state, metrics = self._compiled(self._state, *self._batch)
+      jax.block_until_ready((self._state, metrics))
+    return usage
+
+  def temp_bytes(self) -> int | None:
+    analysis = self._compiled.memory_analysis()
+    return getattr(analysis, "temp_size_in_bytes", None)
+
+
+def random_model(config: run_config.RunConfig, seed: int = 0):
+  """(config, variables) of the config's model, all its heads, random parameters.
+
+  N(0, 0.02) entries of the right shapes: throughput does not depend on the values,
+  and this skips compiling the initialisers.
+  """
+  cfg = model_lib.ModelConfig.from_config(config, gated=False, heads_per_layer=None)
+  abstract = model_lib.abstract_variables(cfg)
+  rng = np.random.default_rng(seed)
+  return cfg, jax.tree.map(lambda a: rng.normal(0.0, 0.02, a.shape).astype(a.dtype),
+                           nn.unbox(abstract))
+
+
+def removed_heads(cfg: model_lib.ModelConfig, heads_kept: float,
+                  seed: int = 0) -> dict[int, list[int]]:
+  """{layer: heads} that leave round(heads_kept · H) random heads in every layer."""
+  rng = np.random.default_rng(seed)
+  return {i: rng.permutation(heads)[round(heads_kept * heads):].tolist()
+          for i, heads in enumerate(cfg.layer_heads)}
+
+
+class Inference:
+  """Evaluation-with-memory throughput of one exported model on random tokens."""
+
+  def __init__(self, config: run_config.RunConfig, model, heads_kept: float,
+               segments: int):
+    full_cfg, variables = model
+    cfg, params = head_removal.remove_heads(full_cfg, variables,
+                                     removed_heads(full_cfg, heads_kept))
+    self.cfg = cfg
+    self.heads_kept = heads_kept
+    e = config.eval
+    self.segments = segments
+    mesh = sharding.run_mesh(config.mesh)
+    self._evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
+                                                       config)
+    self._variables = jax.device_put({"params": params})
+    length = e.batch_size * e.seq_len * self.segments + 1
+    self._tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(1), cfg.vocab_size,
+                                               (length,))
+    self.tokens_per_segment = e.batch_size * e.seq_len
+    # The first segment compiles the step; its time less a steady segment's is the
+    # compile time.
+    _, self._first_s = _timed(self.warm)
+    self.seconds = [self.run()]
+
+  def warm(self) -> None:
+    """One segment: the first call compiles the step; later ones, untimed, let a round
+    time the steady state (see `run`)."""
+    self._evaluator.score(self._variables, self._tokens, 1)
+
+  def run(self) -> float:
+    """Seconds per segment over the config's number of segments."""
+    scored = self._evaluator.score(self._variables, self._tokens, self.segments)
+    return self.tokens_per_segment / scored["tokens_per_s"]
+
+  @property
+  def compile_s(self) -> float:
+    return self._first_s - min(self.seconds)
+
+  def figures(self) -> dict:
+    """Tokens/s (median of the timed rounds), compile time, and the compiled step's
+    XLA temporaries and proxy figures (`hlo_counts.step_proxy`)."""
+    compiled = self._evaluator.compiled_step(self._variables)   # compiled already
+    return {"tokens_per_s": self.tokens_per_segment / _median(self.seconds[1:]),
+            "compile_s": self.compile_s,
+            "xla_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
+            "proxy": hlo_counts.step_proxy(compiled, self.tokens_per_segment)}
+
+
+def _rss_peak_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def _device_memory() -> dict | None:
+  stats = jax.devices()[0].memory_stats()
+  if not stats:
+    return None
+  return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def _train_entry(step: TrainStep, usages, first_steps, plan: BenchmarkPlan,
+                 peaks: tuple[float, float]) -> dict:
+  """A train step's figures: medians of its rounds, model GFLOP/s against the matmul
+  `peaks` (per wall and per CPU second), and its compiled form's proxy figures."""
+  train, cfg = step.config.train, step.lm.cfg
+  flops_per_token = 6 * cost_model.macs_per_token(
+      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
+  per_step = lambda attr: _median(getattr(u, attr) / plan.train_steps for u in usages)
+  seconds, cpu_seconds = per_step("wall"), per_step("cpu")
+  gflops = flops_per_token * step.tokens_per_step / seconds / 1e9
+  gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
+  return {
+      "step_s": seconds, "tokens_per_s": step.tokens_per_step / seconds,
+      "compile_s": step.compile_s, "first_step_in_round_s": _median(first_steps),
+      "model_flops_per_token": flops_per_token,
+      "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peaks[0],
+      "cpu_s_per_step": cpu_seconds,
+      "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peaks[1],
+      "minor_page_faults_per_step": per_step("faults"),
+      "step_s_rounds": [u.wall / plan.train_steps for u in usages],
+      "xla_temp_bytes": step.temp_bytes(),
+      "proxy": hlo_counts.step_proxy(step.compiled, step.tokens_per_step)}
+
+
+def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
+  """The benchmark report of `config`'s model, timed as `plan` says (see the module
+  docstring), with its variants' (config_variants.py) beside it.
+
+  Raises:
+    ConfigError: a variant overrides a key the config lacks, or fails the config's
+      checks (before anything compiles).
+  """
+  config = assembly.with_vocab_size(config)
+  variant_configs = config_variants.resolve(config, plan.variants)
+  train, e = config.train, config.eval
+  load_before = os.getloadavg()
+  matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
+  train_steps = {"baseline": TrainStep(config, gated=False),
+                 "gated": TrainStep(config, gated=True),
+                 "distill": TrainStep(config, gated=True, distill=True)}
+  model = random_model(config)
+  models = [Inference(config, model, f, plan.eval_segments) for f in plan.heads_kept]
+  # Each variant's baseline step and its evaluation with all heads.
+  variants = {name: (TrainStep(c, gated=False),
+                     Inference(c, random_model(c), 1.0, plan.eval_segments))
+              for name, c in variant_configs.items()}
+  steps = [*train_steps.values(), *(step for step, _ in variants.values())]
+  evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
+
+  # Each step's first step in a round runs untimed: after another executable has
+  # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
+  # `first_step_in_round_s`), which back-to-back training steps never do.
+  peaks, usages, first_steps = [], {s: [] for s in steps}, {s: [] for s in steps}
+  for i in range(plan.rounds):
+    order = lambda items: items[::-1] if i % 2 else items   # none goes first every round
+    peaks.append(matmul.gflops())
+    for step in order(steps):
+      first_steps[step].append(step.run(1).wall)
+      usages[step].append(step.run(plan.train_steps))
+    for model in order(evaluations):
+      model.warm()
+      model.seconds.append(model.run())
+
+  # Traced after the rounds, so that tracing slows none of them.
+  profiled = (train_steps["baseline"], *(step for step, _ in variants.values()))
+  profiles = {step: step_profile.profile(step.run, step.compiled.as_text(),
+                                         plan.profile_steps)
+              for step in (profiled if plan.profile else ())}
+  cfg = train_steps["baseline"].lm.cfg
+  peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
+  entry = lambda step: (_train_entry(step, usages[step], first_steps[step], plan,
+                                     (peak, peak_cpu))
+                        | ({"profile": profiles[step]} if step in profiles else {}))
+  train_report = {name: entry(step) for name, step in train_steps.items()}
+  train_report["flops_per_token"] = train_report["baseline"]["model_flops_per_token"]
+  train_report["gated_overhead"] = (train_report["gated"]["step_s"]
+                                    / train_report["baseline"]["step_s"] - 1)
+  distilled, gated = train_report["distill"], train_report["gated"]
+  train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
+  train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
+  if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
+    train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
+
+  full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
+  inference = []
+  for model in models:
+    macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
+    figures = model.figures()
+    first = inference[0] if inference else figures   # the first fraction's, all heads
+    mac_ratio = macs["macs_per_token"] / full_macs
+    speedup = figures["tokens_per_s"] / first["tokens_per_s"]
+    inference.append({
+        "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
+        **figures, "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
+        "proxy_bytes_ratio": figures["proxy"]["bytes"] / first["proxy"]["bytes"],
+        "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
+        "speedup_fraction_of_ideal": speedup * mac_ratio})
+  full = next((r for r in inference if r["heads_kept"] == 1.0), None)
+  variant_report = {
+      name: config_variants.entry(plan.variants[name], entry(step), evaluation.figures(),
+                                 train_report["baseline"], full)
+      for name, (step, evaluation) in variants.items()}
+
+  return {
+      "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+      "num_devices": jax.device_count(), "jax_version": jax.__version__,
+      "model": {"kind": cfg.kind, "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+                "num_heads": cfg.num_heads, "num_persistent": cfg.num_persistent,
+                "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
+                "head_block": cfg.head_block, "remat": cfg.remat,
+                "batch_size": train.batch_size, "seq_len": train.seq_len,
+                "mem_len": train.mem_len},
+      "matmul": {"n": plan.matmul_size, "dtype": config.model.dtype, "gflops_per_s": peak,
+                 "gflop_per_cpu_s": peak_cpu,
+                 "gflops_per_s_rounds": [p[0] for p in peaks]},
+      "train": train_report,
+      "inference": inference,
+      "variants": variant_report,
+      "memory": {"peak_rss_bytes": _rss_peak_bytes(), "device": _device_memory()},
+      "environment": {"load_average_before": load_before,
+                      "load_average_after": os.getloadavg(),
+                      "cpu_count": os.cpu_count(),
+                      **{k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "XLA_FLAGS")}},
+  }

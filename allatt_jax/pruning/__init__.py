@@ -1,0 +1,1 @@
+"""Head pruning: costs and budgets, the gates' decisions, head removal, and the smaller model's export."""

@@ -1,0 +1,413 @@
+"""The checks of a run config alone, made once when a command resolves it, before any
+data is loaded or code compiled (resolver.py).
+
+A failed check raises one ConfigError (or DataError, for dataset options) that names
+the config key, with the flag that sets it, and how to fix it, instead of a
+trace-time traceback minutes later. The checks of a run against its files (workdir,
+checkpoints, `init_from`, vocabulary) are validation.py's.
+"""
+from collections.abc import Mapping
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import core_choice
+from allatt_jax import data as data_lib
+from allatt_jax.pruning import cost_model
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import optim
+from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
+from allatt_jax.config.errors import ConfigError
+
+REL_POS = ("learned", "sinusoidal")
+SCORE_DTYPES = ("compute", "float32")
+KL_CLUSTERS = ("all", "head")
+
+# Lower bounds of numeric keys; a None value (e.g. gates.learning_rate) means "unset".
+_MINIMUM = {
+    "model.vocab_size": 0, "model.num_layers": 1, "model.d_model": 1,
+    "model.num_heads": 1, "model.num_persistent": 0, "model.d_ff": 0,
+    "model.max_relative_len": 0, "model.vocab_block": 0, "model.tail_capacity": 0,
+    "gates.lam": 0, "gates.learning_rate": 0, "gates.l0_warmup_steps": 0,
+    "gates.freeze_step": 0, "gates.lr_multiplier": 0, "gates.budget_sharpness": 1,
+    "gates.budget_warmup_steps": 0, "gates.lagrangian_lr": 0,
+    "model.layer_norm_eps": 0, "train.lamb_eps": 0, "train.lamb_max_weight_norm": 0,
+    "train.batch_size": 1, "train.seq_len": 1, "train.mem_len": 0, "train.num_steps": 1,
+    "train.learning_rate": 0, "train.final_learning_rate": 0, "train.warmup_steps": 0,
+    "train.weight_decay": 0, "train.grad_clip": 0, "train.log_every_steps": 1,
+    "eval.batch_size": 1, "eval.seq_len": 1, "eval.mem_len": 0, "eval.every_steps": 0,
+    "eval.max_batches": 0,
+    "checkpoint.every_steps": 1, "checkpoint.keep": 1,
+    "distill.weight": 0, "distill.hidden_weight": 0,
+}
+_WHY_NOT_NEGATIVE = {
+    "gates.lam": "a negative λ rewards open heads instead of penalising them",
+    "train.learning_rate": "a negative learning rate climbs the loss",
+    "train.final_learning_rate": "a negative learning rate climbs the loss",
+    "gates.learning_rate": "a negative learning rate climbs the loss",
+}
+
+
+def check_config(config: run_config.RunConfig, num_devices: int) -> tuple[int, int]:
+  """The checks of the config alone, before any of it is built; returns the (data,
+  model) sizes `config.mesh` gives on `num_devices` devices. An unset
+  `model.vocab_size` is the dataset's, which the caller reads next, or refuses
+  (`check_vocab_size_set`).
+
+  Raises:
+    ConfigError: an inconsistent or out-of-range config.
+  """
+  _check_ranges(config)
+  _check_names(config)
+  _check_model(config)
+  _check_lengths(config)
+  _check_persistent_groups(config)
+  _check_budget(config)
+  return _checked_mesh(config, num_devices)
+
+
+def check_starting_point(config: run_config.RunConfig) -> None:
+  """The config of a run about to train says what it starts from: pruning an
+  untrained model is almost always a forgotten flag, which would only show in the
+  results after the whole pruning schedule (from scratch is an explicit choice), and
+  a distilling run needs its teacher.
+
+  Raises:
+    ConfigError: a pruning or distilling run without `init_from`.
+  """
+  _check_teacher(config)
+  if config.gates.enabled and not config.init_from:
+    raise ConfigError(
+        "config.gates.enabled=True makes this a pruning run, which starts from a "
+        "trained baseline, but config.init_from is not set. Add "
+        "--config.init_from=BASELINE_WORKDIR (a finished baseline run's --workdir, or "
+        "an exported model); to prune a model trained from scratch, "
+        f"--config.init_from={run_config.FROM_SCRATCH}.")
+
+
+def check_vocab_size_set(config: run_config.RunConfig) -> None:
+  """A command that reads no dataset needs `model.vocab_size`.
+
+  Raises:
+    ConfigError: it is unset.
+  """
+  if not config.model.vocab_size:
+    raise ConfigError(
+        "config.model.vocab_size is unset, which means 'the dataset's', and this "
+        "command reads no dataset. Set --config.model.vocab_size=V (python -m "
+        "allatt_jax.data --dataset=NAME prints V).")
+
+
+def named_as(message: str, flags: Mapping[str, str]) -> str:
+  """A check's `message`, which names run config keys as `config.SECTION.KEY` (and
+  flags as `--config.SECTION.KEY`), with the keys of a run made from another config
+  named as its user sets them: `flags` maps a key ('train.num_steps') or a whole
+  section ('gates') to its place in that config ('pipeline.prune_gates')."""
+  def rename(match):
+    section, key = match.groups()
+    if key and f"{section}.{key}" in flags:
+      return f"config.{flags[f'{section}.{key}']}"
+    if section in flags:
+      return f"config.{flags[section]}" + (f".{key}" if key else "")
+    return match.group(0)
+  return re.sub(r"(?<![\w.])config\.(\w+)(?:\.(\w+))?", rename, message)
+
+
+def _check_teacher(config: run_config.RunConfig) -> None:
+  """The teacher is the `init_from` model: a run that distills needs one."""
+  if config.distill.enabled and not config.init_source:
+    raise ConfigError(
+        f"config.distill (weight={config.distill.weight}, hidden_weight="
+        f"{config.distill.hidden_weight}) asks to learn from a teacher, the model that "
+        "config.init_from names, but init_from is not set. Add "
+        "--config.init_from=BASELINE_WORKDIR (a finished run's --workdir, or an exported "
+        "model), or turn distillation off with --config.distill.weight=0 "
+        "--config.distill.hidden_weight=0.")
+
+
+def _value(config, key):
+  section, name = key.split(".")
+  return getattr(getattr(config, section), name)
+
+
+def _check_ranges(config):
+  for key, minimum in _MINIMUM.items():
+    value = _value(config, key)
+    if value is not None and value < minimum:
+      why = _WHY_NOT_NEGATIVE.get(key, f"it must be at least {minimum}")
+      raise ConfigError(f"config.{key}={value} is out of range: {why}. "
+                        f"Set --config.{key} to a value >= {minimum}.")
+  distill = config.distill
+  if distill.weight > 1:
+    raise ConfigError(f"config.distill.weight={distill.weight} is out of range: the "
+                      "cross-entropy's weight 1 − α would be negative. Set "
+                      "--config.distill.weight to a value in [0, 1].")
+  if distill.temperature <= 0:
+    raise ConfigError(f"config.distill.temperature={distill.temperature} is out of range: "
+                      "the logits are divided by it. Set --config.distill.temperature "
+                      "to a value > 0 (1 = the plain distributions).")
+  gates, train = config.gates, config.train
+  if gates.temperature <= 0:
+    raise ConfigError(f"config.gates.temperature={gates.temperature} is out of range: the "
+                      "hard-concrete gates divide their logits by it. Set "
+                      "--config.gates.temperature to a value > 0 (the official code's "
+                      "1/3; Louizos et al.'s 2/3).")
+  if len(gates.budget_targets) > 1:
+    raise ConfigError(f"config.gates sets {list(gates.budget_targets)}; set at most one "
+                      "budget target.")
+  if gates.enabled and gates.freeze_step > train.num_steps:
+    raise ConfigError(
+        f"config.gates.freeze_step={gates.freeze_step} is beyond "
+        f"config.train.num_steps={train.num_steps}: the gates would never freeze and "
+        "the run would end without its fine-tuning phase. Set "
+        f"--config.gates.freeze_step to at most {train.num_steps}, or raise "
+        "--config.train.num_steps (the paper freezes at 20%: 16K of 80K steps).")
+
+
+def _check_persistent_groups(config: run_config.RunConfig) -> None:
+  """Gates on persistent groups (`gates.persistent_group`) need an All-att model whose
+  every head holds N slots in groups of that size, hard gates and the XLA core."""
+  gates, m = config.gates, config.model
+  group, flag = gates.persistent_group, "--config.gates.persistent_group"
+  if not gates.heads and not group:
+    raise ConfigError(
+        "config.gates.heads=False leaves the heads without gates, and "
+        "config.gates.persistent_group=0 gates nothing else. Set "
+        f"{flag}=64 (slots per group) to prune persistent groups only, or "
+        "--config.gates.heads=True.")
+  if not (group and gates.enabled):
+    return
+  if m.kind != "allatt" or not m.num_persistent:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} gates groups of persistent slots, which "
+        f"this model has none of (config.model.kind={m.kind!r}, num_persistent="
+        f"{m.num_persistent}). Set {flag}=0.")
+  if m.num_persistent % group:
+    divisors = [g for g in range(1, m.num_persistent + 1) if m.num_persistent % g == 0]
+    raise ConfigError(
+        f"config.gates.persistent_group={group} does not divide config.model."
+        f"num_persistent={m.num_persistent}: every group holds the same number of slots. "
+        f"Choose one of {divisors}.")
+  if m.persistent_slots is not None:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} needs every head's "
+        f"{m.num_persistent} persistent slots, but this model (an export) keeps "
+        f"{[sum(s) for s in m.persistent_slots]} per layer. Prune it with {flag}=0, or "
+        "start from the unpruned model.")
+  if not gates.hard:
+    raise ConfigError(
+        f"config.gates.persistent_group={group} needs hard gates (config.gates.hard="
+        "False): a soft gate's fractional value weights its slots' exponentials, a "
+        "per-slot offset of their logits that the export cannot fold into P_K and P_V. "
+        "Set --config.gates.hard=True.")
+  if m.attention_impl == "pallas":
+    raise ConfigError(
+        f"config.model.attention_impl='pallas': the fused kernels cannot weight "
+        f"persistent slots by their gates ({flag}={group}). Use --config.model."
+        "attention_impl=auto (which runs the XLA core for such a model) or xla.")
+  if gates.target_sparsity is not None:
+    raise ConfigError(
+        f"config.gates.target_sparsity={gates.target_sparsity} is a fraction of heads, "
+        f"and with {flag}={group} persistent groups are pruned too. Ask for a size both "
+        "count: --config.gates.target_params or --config.gates.target_macs (or set "
+        f"{flag}=0).")
+
+
+def _check_budget(config: run_config.RunConfig) -> None:
+  """A budget (`gates.target_*`) must be one some number of heads meets, and one that
+  leaves a head, unless `gates.allow_empty` asks for a model without attention; the
+  error names the nearest budget that is met."""
+  gates = config.gates
+  key = gates.budget_target
+  if key is None:
+    return
+  value, flag = getattr(gates, key), f"--config.gates.{key}"
+  if not gates.enabled:
+    raise ConfigError(
+        f"config.gates.{key}={value} asks a pruning run for a size, but "
+        "config.gates.enabled is False. Set --config.gates.enabled=True (and "
+        "--config.init_from=BASELINE), or leave the budget unset.")
+  cfg = model_lib.ModelConfig.from_config(config)
+  if cfg.persistent_slots is not None:
+    raise ConfigError(
+        f"config.gates.{key}={value}: a budget counts heads of equal cost, but this "
+        "model's heads keep different numbers of persistent vectors (an export of "
+        "pruned persistent groups). Prune it with a fixed --config.gates.lam, or start "
+        "from the unpruned model.")
+  if gates.persistent_group:
+    _check_group_budget(config, cfg, key, value, flag)
+    return
+  scale = cost_model.BudgetScale.of(config, cfg)
+  total, allow_empty = scale.total, gates.allow_empty
+  fewest = 0 if allow_empty else 1
+  keeps = lambda heads: f"{flag}={scale.value_for(heads)} ({heads} of {total} heads)"
+  empty_advice = ("" if allow_empty else
+                  f"; to remove every head, {flag}={scale.value_for(0)} with "
+                  "--config.gates.allow_empty=True")
+  if key == "target_sparsity":
+    if not 0.0 <= value <= 1.0:
+      nearest = keeps(fewest) + empty_advice if value > 1 else keeps(total)
+      raise ConfigError(
+          f"config.gates.target_sparsity={value} is out of range: it is the fraction of "
+          f"the model's {total} heads to remove, in [0, 1]. The nearest budget that is "
+          f"met: {nearest}.")
+  elif value < scale.empty or value <= 0:
+    unit = ("non-embedding parameters" if key == "target_params"
+            else "non-embedding MACs per token")
+    raise ConfigError(
+        f"config.gates.{key}={value} is below the {scale.empty:,.0f} {unit} that no "
+        "head holds (what is left with every head removed), so no number of heads "
+        f"meets it. The smallest budget that is met: {keeps(fewest)}{empty_advice}.")
+  if scale.heads(value) == 0 and not allow_empty:
+    raise ConfigError(
+        f"config.gates.{key}={value} leaves none of the model's {total} heads: a "
+        "model without attention, which is rarely what anyone wants. The nearest "
+        f"budget that keeps a head: {keeps(1)}; to remove every head anyway, add "
+        "--config.gates.allow_empty=True.")
+
+
+def _check_group_budget(config, cfg, key: str, value: float, flag: str) -> None:
+  """A budget over heads and persistent groups: at least what must stay (nothing, or
+  every head without slots when heads are not gated), and a head unless allowed."""
+  gates = config.gates
+  units = cost_model.budget_units(config, cfg)
+  unit = ("non-embedding parameters" if key == "target_params"
+          else "non-embedding MACs per token")
+  met = lambda cost: f"{flag}={math.ceil(cost - 1e-9)}"
+  if not gates.heads:
+    floor = units.cost(cfg.layer_heads, [0] * cfg.num_layers)
+    if value < floor:
+      raise ConfigError(
+          f"config.gates.{key}={value} is below the {floor:,.0f} {unit} that pruning "
+          "persistent groups alone leaves (every head's projections and context "
+          f"attention stay, config.gates.heads=False). The smallest budget that is met: "
+          f"{met(floor)} (no persistent vector kept); to go lower, gate the heads too: "
+          "--config.gates.heads=True.")
+    return
+  one_head = units.empty + units.layer + units.head
+  empty_advice = ("" if gates.allow_empty else
+                  f"; to remove every head, {met(units.empty)} with "
+                  "--config.gates.allow_empty=True")
+  if value < units.empty or value <= 0:
+    nearest = met(units.empty) if gates.allow_empty else met(one_head)
+    raise ConfigError(
+        f"config.gates.{key}={value} is below the {units.empty:,.0f} {unit} that no "
+        "head holds (what is left with every head removed), so no number of heads "
+        f"meets it. The smallest budget that is met: {nearest}{empty_advice}.")
+  if value < one_head and not gates.allow_empty:
+    raise ConfigError(
+        f"config.gates.{key}={value} leaves none of the model's {sum(cfg.layer_heads)} "
+        "heads: a model without attention, which is rarely what anyone wants. The "
+        f"nearest budget that keeps a head: {met(one_head)} (one head without persistent "
+        "vectors); to remove every head anyway, add --config.gates.allow_empty=True.")
+
+
+def _check_names(config):
+  for key, choices in (("data.name", data_lib.DATASETS), ("model.kind", model_lib.KINDS),
+                       ("model.rel_pos", REL_POS),
+                       ("model.same_length_keys", relative.SAME_LENGTH_KEYS),
+                       ("model.score_dtype", SCORE_DTYPES),
+                       ("model.attention_impl", core_choice.IMPLS),
+                       ("train.optimizer", optim.OPTIMIZERS),
+                       ("distill.kl_clusters", KL_CLUSTERS)):
+    if _value(config, key) not in choices:
+      raise ConfigError(f"config.{key}={_value(config, key)!r} is unknown; choose one of "
+                        f"{', '.join(map(repr, choices))}.")
+  data_lib.check_data_config(config.data)
+  try:
+    floating = jnp.issubdtype(jnp.dtype(config.model.dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ConfigError(f"config.model.dtype={config.model.dtype!r} is not a float dtype; "
+                      "use 'float32', or 'bfloat16' on accelerators.")
+
+
+def _check_model(config):
+  m = config.model
+  if m.d_model % m.num_heads:
+    divisors = [h for h in range(1, m.d_model + 1) if m.d_model % h == 0]
+    raise ConfigError(
+        f"config.model.d_model={m.d_model} is not divisible by config.model.num_heads="
+        f"{m.num_heads}: every head gets d_model / num_heads dimensions. Choose a "
+        f"multiple of {m.num_heads} for d_model, or num_heads among {divisors}.")
+  if m.heads_per_layer is not None and (
+      len(m.heads_per_layer) != m.num_layers
+      or not all(0 <= h <= m.num_heads for h in m.heads_per_layer)):
+    raise ConfigError(
+        f"config.model.heads_per_layer={tuple(m.heads_per_layer)} needs one count in "
+        f"[0, num_heads={m.num_heads}] per layer (num_layers={m.num_layers}).")
+  if m.cluster_fractions and (
+      (m.cutoffs and len(m.cluster_fractions) != len(m.cutoffs) + 1)
+      or not all(0 <= f <= 1 for f in m.cluster_fractions)):
+    raise ConfigError(
+        f"config.model.cluster_fractions={tuple(m.cluster_fractions)} needs one share in "
+        f"[0, 1] per cluster of the adaptive softmax (cutoffs {tuple(m.cutoffs)}: "
+        f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
+  # Where the kernels cannot run, asking for them is refused now, not at the first trace.
+  core_choice.check_runs_here(m.attention_impl)
+  if m.kind == "txl" and m.d_ff < 1:
+    raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
+                      "sub-layer; set it (the paper's TXL uses 4 * d_model).")
+
+
+def _check_lengths(config):
+  if config.model.rel_pos != "learned":
+    return
+  table = config.relative_table_len
+  for section in ("train", "eval"):
+    s = getattr(config, section)
+    if s.seq_len + s.mem_len > table:
+      raise ConfigError(
+          f"config.model.max_relative_len={table} is shorter than config.{section}."
+          f"seq_len + config.{section}.mem_len = {s.seq_len + s.mem_len}: the learned "
+          "relative position table needs an entry for every distance. Set "
+          f"model.max_relative_len >= {s.seq_len + s.mem_len} (0 sizes it from train "
+          "and eval), or use model.rel_pos='sinusoidal'.")
+
+
+def _checked_mesh(config, num_devices: int) -> tuple[int, int]:
+  """The mesh's (data, model) sizes, once the model's widths divide over its 'model'
+  axis and each batch a step splits over its 'data' axis: the train batch, each
+  micro-batch of gradient accumulation and the eval batch. With several processes
+  each reads a contiguous share of every batch, whole whenever the batch divides by
+  `data`."""
+  data, model = sharding.mesh_shape(config.mesh, num_devices)
+  t, e, m = config.train, config.eval, config.model
+  accum = t.grad_accum_steps
+  sharding.check_accumulation(t.batch_size, accum)
+  heads = sorted({m.num_heads, *(h for h in (m.heads_per_layer or ()) if h)})
+  widths = [("config.model.num_heads / heads_per_layer", h) for h in heads]
+  if m.kind == "txl":
+    widths.append(("config.model.d_ff", m.d_ff))
+  for key, width in widths:
+    if width % model:
+      raise ConfigError(
+          f"{key}: {width} is not divisible by the model-parallel size "
+          f"(config.mesh.model={model}), which splits heads and the feed-forward width "
+          f"across devices. Use a multiple of {model}, or a smaller config.mesh.model.")
+  micro = t.batch_size // accum
+  batches = [(f"config.train.batch_size={t.batch_size}", t.batch_size),
+             (f"the micro-batch config.train.batch_size / grad_accum_steps = "
+              f"{t.batch_size} / {accum} = {micro}", micro),
+             (f"config.eval.batch_size={e.batch_size}", e.batch_size)]
+  bad = [name for name, rows in batches if rows % data]
+  if not bad:
+    return data, model
+  processes = (f", {jax.process_count()} processes each reading its share"
+               if jax.process_count() > 1 else "")
+  up = lambda n, k: -(-n // k) * k
+  raise ConfigError(
+      f"{bad[0]} is not divisible by the data-parallel size ({data}: config.mesh.data="
+      f"{config.mesh.data} on {num_devices} devices{processes}), which splits "
+      f"every batch into equal rows per data shard. Found: "
+      + "; ".join(f"{name} ({'ok' if rows % data == 0 else 'not divisible'})"
+                  for name, rows in batches)
+      + f". Fix: config.train.batch_size a multiple of {data} x grad_accum_steps = "
+      f"{data * accum} (e.g. {up(t.batch_size, data * accum)}), config.eval.batch_size "
+      f"a multiple of {data} (e.g. {up(e.batch_size, data)}), or a config.mesh with a "
+      "smaller data axis.")
