@@ -70,12 +70,16 @@ def compilation_cache(tmp_path_factory):
 # end, rather than a long file that starts last running on alone. Unlisted files run
 # after these; the order changes nothing but the wall time.
 _LONGEST_FIRST = (
-    "test_experiments", "test_reliability", "test_train", "test_preemption", "test_api",
-    "test_budget", "test_distill", "test_multidevice", "test_cli", "test_benchmark",
-    "test_attention_pallas", "test_multihost", "test_adaptive", "test_compile_check",
-    "test_model", "test_repro", "test_accumulation", "test_score_sample",
-    "test_text_files", "test_colab", "test_checkpoint_fallback", "test_attention",
-    "test_persistent_groups", "test_costs", "test_hlo_cost", "test_reference")
+    "test_experiments", "test_training_reliability", "test_training_loop",
+    "test_training_preemption", "test_api", "test_pruning_budget",
+    "test_training_distill", "test_parallel_multidevice", "test_commands",
+    "test_perf_benchmark", "test_model_attention_pallas", "test_parallel_multihost",
+    "test_model_adaptive", "test_perf_compile_check", "test_model_transformer",
+    "test_experiments_repro", "test_training_accumulation",
+    "test_evaluation_score_sample", "test_data_text_files", "test_launch_colab",
+    "test_runs_checkpoint_fallback", "test_model_attention",
+    "test_pruning_persistent_groups", "test_pruning_cost_model", "test_perf_hlo_counts",
+    "test_model_reference")
 
 
 def pytest_collection_modifyitems(items):

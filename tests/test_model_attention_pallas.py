@@ -273,7 +273,7 @@ import functools, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, sys.argv[1])
-import test_attention_pallas as t
+import test_model_attention_pallas as t
 from allatt_jax.model.attention import pallas_core
 from allatt_jax.parallel import sharding
 mesh = sharding.make_mesh((2, 2))
