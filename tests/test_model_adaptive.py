@@ -423,3 +423,52 @@ def test_zipf_tokens_have_the_clusters_zipf_shares():
   assert tokens.dtype == np.int32 and tokens.shape == (50, 200)
   np.testing.assert_allclose(vocab_logsumexp.cluster_fractions(tokens, bounds),
                              vocab_logsumexp.zipf_fractions(bounds), atol=0.01)
+
+
+D = 16
+
+
+# --- 1. The adaptive softmax: one shard of three overflows a tail's capacity.
+
+def _weighted_nll_and_grads(module, params, h_BxTxD, targets_BxT):
+  def f(params, h_BxTxD):
+    nll_BxT = module.apply(params, h_BxTxD, targets_BxT, method=module.nll)
+    # Distinct weights per position so that per-position errors cannot cancel.
+    return jnp.sum(nll_BxT * jnp.arange(1., 1. + nll_BxT.size).reshape(nll_BxT.shape))
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, h_BxTxD)
+
+
+def test_one_shard_overflowing_a_tail_takes_the_exact_dense_path(monkeypatch):
+  # Three batch shards (one per row, as on three devices): only the middle one holds
+  # more of the last tail than its capacity, so "any shard" and "all shards" differ.
+  groups = 3
+  monkeypatch.setattr(vocab_logsumexp, "batch_shards", lambda batch_size: groups)
+  make = functools.partial(adaptive.AdaptiveEmbedding, 50, D, (10, 20, 35), 2,
+                           (False, True, True, True))
+  fast, dense = make(), make(tail_capacity=0.0)   # dense: every position, every tail
+  rng = np.random.default_rng(3)
+  shapes = jax.eval_shape(functools.partial(fast.init, method=fast.embed),
+                          jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  # Every leaf random, so that zero-initialised biases test something.
+  params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32),
+                        nn.unbox(shapes))
+  h_BxTxD = jnp.asarray(rng.normal(size=(groups, 64, D)), jnp.float32)
+  targets_BxT = vocab_logsumexp.zipf_tokens(rng, 50, (groups, 64))
+  targets_BxT[1, :40] = 36   # in the last tail, [35, 50)
+  bounds = adaptive.cluster_bounds(50, fast.cutoffs)
+  fractions = vocab_logsumexp.zipf_fractions(bounds)
+  overflowing = []
+  for (lo, hi), fraction in list(zip(bounds, fractions))[1:]:
+    capacity = vocab_logsumexp.tail_capacity(64, fraction, fast.tail_capacity)
+    assert capacity < 64   # every tail gathers
+    overflowing.append(list(((targets_BxT >= lo) & (targets_BxT < hi)).sum(1) > capacity))
+  assert overflowing == [[False] * 3, [False] * 3, [False, True, False]], overflowing
+  value, grads = _weighted_nll_and_grads(fast, params, h_BxTxD, jnp.asarray(targets_BxT))
+  expected_value, expected_grads = _weighted_nll_and_grads(dense, params, h_BxTxD,
+                                                           jnp.asarray(targets_BxT))
+  for got, expected in zip(jax.tree.leaves((value, grads)),
+                           jax.tree.leaves((expected_value, expected_grads))):
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+
+
+# --- 2. and 3. The attention core's softmax.

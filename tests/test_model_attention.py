@@ -1,4 +1,6 @@
 """Attention core: the hand-written backward pass, the loop over heads, the dropout hash."""
+import functools
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,9 @@ import pytest
 
 from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import core_choice
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
 
 
 def test_threefry_matches_jax_at_20_rounds():
@@ -137,3 +142,141 @@ def test_scores_and_kept_weights_in_the_score_dtype(score_dtype):
 
 def test_head_block_divides_any_head_count():
   assert [xla_core.divisor_at_most(h, 4) for h in (1, 2, 3, 5, 6, 8)] == [1, 2, 3, 1, 3, 4]
+
+
+def _core_inputs(rng, h, b, t, s, n, dh):
+  normal = lambda *shape: rng.standard_normal(shape)
+  k = s + t
+  return [normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, k, dh),
+          normal(h, b, k, dh), np.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
+          normal(h, n, dh), normal(h, n, dh)]
+
+
+def _reference_attend(qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK):
+  """The core by its definition, in float64 without a shift (which holds the
+  exponentials, and the squared normaliser of autodiff's backward pass, for scores
+  below ~354). Query i (key position S+i) scores key j against distance S+i-j: row
+  T+j-i of r_pad, written out rather than through `rel_shift`."""
+  t, kk = mask_TxK.shape
+  rows_TxK = np.clip(t + np.arange(kk)[None, :] - np.arange(t)[:, None], 0, kk)
+  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k)
+  position = jnp.einsum("hbtd,htkd->hbtk", qv, r_pad[:, rows_TxK])
+  e_ctx = jnp.where(mask_TxK, jnp.exp(content + position), 0.0)
+  e_pers = jnp.exp(jnp.einsum("hbtd,hnd->hbtn", qp, pk))
+  norm = e_ctx.sum(-1, keepdims=True) + e_pers.sum(-1, keepdims=True)
+  return (jnp.einsum("hbtk,hbkd->hbtd", e_ctx / norm, v)
+          + jnp.einsum("hbtn,hnd->hbtd", e_pers / norm, pv))
+
+
+def test_the_core_at_large_logits_matches_a_float64_reference():
+  h, b, t, s, n, dh = 3, 2, 6, 5, 7, 8
+  rng = np.random.default_rng(0)
+  args = _core_inputs(rng, h, b, t, s, n, dh)
+  qu, _, qp, k, _, _, pk, _ = args
+  # Feature 0 adds (query value) x 20 to every score: context then slots about 240 and
+  # 120 (head 0), 120 and 240 (head 1), 200 and 200 (head 2), 5 more from row to row.
+  # exp of either overflows float32 (~88.7) without a shift that counts both.
+  k[..., 0], pk[..., 0] = 20.0, 20.0
+  ctx_offset, slot_offset = np.array([12.0, 6.0, 10.0]), np.array([6.0, 12.0, 10.0])
+  qu[..., 0] = ctx_offset[:, None, None] + 0.25 * np.arange(t)
+  qp[..., 0] = slot_offset[:, None, None] + 0.25 * np.arange(t)
+  mask_TxK = np.asarray(relative.attention_mask(t, s, jnp.int32(3), True))
+  dout = rng.standard_normal((h, b, t, dh))
+
+  def loss(core, *args):
+    return jnp.sum(core(*args) * dout)
+
+  core = lambda *a: xla_core.attend(0.0, 1, False, jnp.float32, *a, mask_TxK, None)
+  args32 = [jnp.asarray(x, jnp.float32) for x in args]
+  out = jax.jit(core)(*args32)
+  grads = jax.jit(jax.grad(functools.partial(loss, core), argnums=range(8)))(*args32)
+  with jax.enable_x64(True):
+    args64 = [jnp.asarray(x, jnp.float64) for x in args]
+    reference = functools.partial(_reference_attend, mask_TxK=mask_TxK)
+    expected_out = np.asarray(reference(*args64))
+    expected_grads = jax.grad(functools.partial(loss, reference), argnums=range(8))(*args64)
+    expected_grads = [np.asarray(g) for g in expected_grads]
+  top_score = np.einsum("hbtd,hnd->hbtn", args[2], args[6]).max()
+  assert 200 < top_score < 354, top_score
+  assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+  np.testing.assert_allclose(out, expected_out, rtol=1e-4, atol=1e-4)
+  names = ("qu", "qv", "qp", "k", "v", "r_pad", "pk", "pv")
+  for name, got, expected in zip(names, grads, expected_grads):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
+                               err_msg=name)
+
+
+def _equations(jaxpr):
+  """Every equation, including those inside jit/custom_vjp/scan bodies."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _equations(sub)
+
+
+def test_bf16_scores_take_their_max_exp_and_sum_in_float32():
+  # Up to 254 context keys and 60 slots of near-equal weight: sums of ~300
+  # exponentials, which bf16 (8 significant bits) rounds by several times 1e-3.
+  h, b, t, s, n, dh = 2, 2, 4, 250, 60, 8
+  rng = np.random.default_rng(1)
+  qu, qv, qp, k, _, r_pad, pk, _ = [jnp.asarray(0.3 * x, jnp.bfloat16)
+                                    for x in _core_inputs(rng, h, b, t, s, n, dh)]
+  mask_TxK = relative.attention_mask(t, s, jnp.int32(s), False)
+  weights = functools.partial(xla_core.attention_weights, score_dtype=jnp.bfloat16)
+  p_ctx, p_pers = jax.jit(weights)(qu, qv, qp, k, r_pad, pk, mask_TxK)
+  assert p_ctx.dtype == p_pers.dtype == jnp.bfloat16
+  total = (np.asarray(p_ctx, np.float32).sum(-1) + np.asarray(p_pers, np.float32).sum(-1))
+  np.testing.assert_allclose(total, 1.0, atol=1e-3)
+  # And in the program itself: every max, exp and sum of the softmax is float32.
+  jaxpr = jax.make_jaxpr(weights)(qu, qv, qp, k, r_pad, pk, mask_TxK).jaxpr
+  softmax = [e for e in _equations(jaxpr) if e.primitive.name in ("reduce_max", "exp",
+                                                                   "reduce_sum", "max")]
+  assert len(softmax) >= 4
+  for eqn in softmax:
+    assert all(v.aval.dtype == jnp.float32 for v in eqn.outvars), eqn
+
+
+# --- 4. A group budget that keeps a head must pay for its layer too.
+
+
+def test_auto_keeps_slot_weighted_layers_off_the_fused_kernels(monkeypatch):
+  # The kernels count as runnable here (Pallas' interpreter on CPU), so 'auto' picks
+  # them for every layer they can serve.
+  monkeypatch.setattr(core_choice, "_why_not_here", lambda: None)
+  assert core_choice.use_kernel("auto")
+  gate = run_config.GatesSection(hard=True, persistent_group=2)
+  make_cfg = lambda impl: model_lib.ModelConfig(
+      kind="allatt", vocab_size=11, num_layers=2, d_model=16, num_heads=2, num_persistent=8,
+      max_relative_len=32, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0, gated=True,
+      gate=gate, attention_impl=impl)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 11, (2, 7)), jnp.int32)
+  inputs, targets = tokens[:, :6], tokens[:, 1:]
+  xla_cfg = make_cfg("xla")
+  memory = model_lib.init_memory(xla_cfg, 2, 4)
+  variables = nn.unbox(jax.jit(model_lib.TransformerLM(xla_cfg).init)(
+      jax.random.key(0), inputs, targets, memory))
+  # Half of each head's groups closed; large keys on them, so any mass they took shows.
+  open_HxG = np.array([[1, 0, 1, 0], [0, 0, 1, 1]], bool)
+  gates = {name: {"attention": {**layer["attention"],
+                                "persistent_logits": jnp.where(open_HxG, 2.0, -2.0)}}
+           for name, layer in variables["gates"].items()}
+  closed_HxN = np.repeat(~open_HxG, 2, axis=1)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: (x * np.where(closed_HxN, 5.0, 1.0)[..., None]
+                       if jax.tree_util.keystr(path).endswith("['persistent_key']") else x),
+      variables["params"])
+  variables = {**variables, "params": params, "gates": gates}
+
+  def nll(cfg, variables):
+    lm = model_lib.TransformerLM(cfg)
+    return np.asarray(jax.jit(lm.apply)(variables, inputs, targets, memory)[0])
+
+  expected = nll(xla_cfg, variables)
+  np.testing.assert_allclose(nll(make_cfg("auto"), variables), expected, rtol=1e-5,
+                             atol=1e-5)
+  # The closed slots matter: open, they change every position's NLL.
+  all_open = {**variables, "gates": jax.tree.map(jnp.abs, gates)}
+  assert np.all(np.abs(nll(xla_cfg, all_open) - expected) > 1e-3)

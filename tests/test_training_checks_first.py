@@ -4,6 +4,7 @@ name the flag as the user sets it for that config (`--config.pipeline.prune_gate
 `--config.experiments.lambdas`), and a budget that no head count meets, or one that
 keeps no head, is refused with the nearest budget that is met.
 """
+import math
 import dataclasses
 import os
 import pathlib
@@ -22,6 +23,7 @@ from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
+from allatt_jax.training import config_checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GATES, TRAIN, DISTILL = ("--config.pipeline.prune_gates", "--config.pipeline.prune_train",
@@ -232,3 +234,30 @@ def test_a_pipeline_checks_each_stage_once_and_reads_its_dataset_once(tmp_path, 
   assert stages.pruning.corpus is stages.baseline.corpus
   assert stages.pruning.run.init_from == str(tmp_path / "run" / "baseline")
   assert stages.pruning.run.model.vocab_size == stages.baseline.run.model.vocab_size == 27
+
+
+def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_keeps_one():
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")   # 2 x 4 heads, N = 16
+  config.model.vocab_size = 27
+  config.gates.update(dict(enabled=True, persistent_group=4, freeze_step=20,
+                           target_params=1))
+  run = run_config.RunConfig.of(config)
+  units = cost_model.budget_units(run, model_lib.ModelConfig.from_config(run))
+  assert units.layer > 0 and units.head > 0   # a layer's LayerNorm, a head's projections
+  one_head = math.ceil(units.empty + units.layer + units.head)
+  # Above a head's own cost, below it with its layer's: a model that keeps no head.
+  value = math.floor(units.empty + units.head + units.layer / 2)
+  assert units.empty + units.head < value < one_head
+  config.gates.target_params = value
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(run_config.RunConfig.of(config), 1)
+  message = str(error.value)
+  assert f"target_params={value} leaves none of the model's 8 heads" in message, message
+  assert (f"nearest budget that keeps a head: --config.gates.target_params={one_head} "
+          in message), message
+  # The budget it names passes.
+  config.gates.target_params = one_head
+  config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+# --- 5. attention_impl='auto' never hands closed slots to the fused kernels.
