@@ -52,7 +52,7 @@ def assert_one_error_line(result, *names):
 def prune_config():
   config = helpers.tiny_run()
   config.gates.update(dict(enabled=True, freeze_step=15))
-  config.model.vocab_size = 27   # what a run takes from its dataset (resolver.prepared_run)
+  config.model.vocab_size = 27   # what a run takes from its dataset (assembly.prepared_run)
   return config
 
 
@@ -293,7 +293,7 @@ def test_pruning_from_scratch_is_an_explicit_choice(tmp_path, prune_config):
 def test_resume_on_other_data_names_the_vocabulary_not_every_shape(tmp_path, caplog):
   config = helpers.tiny_run()
   config.data.data_dir = str(tmp_path / "tfds")
-  config.model.vocab_size = 27   # what a run takes from its dataset (resolver.prepared_run)
+  config.model.vocab_size = 27   # what a run takes from its dataset (assembly.prepared_run)
   workdir = tmp_path / "run"
   setup, checkpoints = start_run(config, workdir)
   checkpoints.save(1, setup.new_state(), {"position": 0}, force=True)

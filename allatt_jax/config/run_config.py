@@ -73,7 +73,7 @@ class ModelSection(_Section):
   # third more attention matmuls (the logits) and one more softmax per layer.
   remat: bool = False
   # The attention core (ours; numerically the same model either way): 'xla' (XLA ops,
-  # attention_kernel.py), 'pallas' (fused GPU kernels, attention_pallas.py; an error
+  # xla_core.py), 'pallas' (fused GPU kernels, pallas_core.py; an error
   # where they cannot run) or 'auto' (the kernels on a GPU where they compile and agree
   # with XLA on a trial problem, XLA elsewhere). 'xla' by default: on an H200 with jax
   # 0.11.2 the kernels' backward pass with dropout did not compile in 80 s (so the
@@ -162,7 +162,7 @@ class GatesSection(_Section):
   @property
   def budget_targets(self) -> tuple[str, ...]:
     """The budget keys (BUDGET_TARGETS) this section sets: at most one, as the
-    resolver checks."""
+    assembly checks."""
     return tuple(k for k in BUDGET_TARGETS if getattr(self, k) is not None)
 
   @property

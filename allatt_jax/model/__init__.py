@@ -1,1 +1,2 @@
-"""The language models: All-attention and Transformer-XL layers, attention cores, adaptive input and softmax, head gates."""
+"""The language models: All-attention and Transformer-XL layers, attention cores,
+adaptive input and softmax, head gates."""

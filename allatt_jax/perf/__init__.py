@@ -1,1 +1,2 @@
-"""Measuring tools apart from the library: step timing, compiled-HLO counts and profiles, compile and benchmark summaries."""
+"""Measuring tools apart from the library: step timing, compiled-HLO counts and
+profiles, compile and benchmark summaries."""

@@ -1,4 +1,4 @@
-"""The benchmark's report (throughput.measure) as a few human-readable lines."""
+"""The benchmark's report (timing.measure) as a few human-readable lines."""
 from allatt_jax.perf import step_profile
 
 

@@ -1,6 +1,6 @@
 """The JAX scopes of a train step's HLO instructions (their metadata's op_name), folded
 into the names and model parts that the profile (step_profile.py) and the cost walk
-(hlo_cost.py) report.
+(hlo_counts.py) report.
 
 An op_name reads e.g. `jit(train_step)/transpose(jvp(TransformerLM))/
 TransformerLM.hidden/layer_3/attention/while/body/closed_call/convert_element_type`;

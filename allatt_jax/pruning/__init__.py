@@ -1,1 +1,2 @@
-"""Head pruning: costs and budgets, the gates' decisions, head removal, and the smaller model's export."""
+"""Head pruning: costs and budgets, the gates' decisions, head removal, and the smaller
+model's export."""

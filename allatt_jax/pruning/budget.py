@@ -1,7 +1,7 @@
 """Direct budget targets for head pruning: a Lagrangian controller on the expected L0.
 
 A budget (`gates.target_sparsity`, `target_params` or `target_macs`; at most one)
-becomes a number of open heads n* once at setup (`head_costs.target_open_heads`: a
+becomes a number of open heads n* once at setup (`cost_model.target_open_heads`: a
 layer's heads all cost the same, so cost is linear in the head count). The L0 term is
 
   λ1 (E[L0] − t(step)) + λ2 (E[L0] − t(step))²
@@ -12,12 +12,12 @@ grows while more heads are expected open than t and pushes gates shut; λ2 only 
 damping the oscillation (Wang et al. 2020; Xia et al. 2022, CoFi). After the target
 warm-up the count sharpens, σ(k·π) with k rising linearly from 1 to
 `gates.budget_sharpness` at the freeze (ours), towards the count the export keeps.
-At the freeze the model keeps exactly n* heads (`budget_freeze.keep_open_heads`).
+At the freeze the model keeps exactly n* heads (`freeze.keep_open_heads`).
 
 With gated persistent groups (n per head, each worth s of a head's cost) the count
 is the expected size in heads, Σ_h P_h·(1 − n·s + s·Σ_g Q_hg) (P, Q: heads' and
 groups' open probabilities; P = 1 for ungated heads; after CoFi's expected size),
-and `budget_freeze.keep_within_budget` fits the budget exactly at the freeze.
+and `freeze.keep_within_budget` fits the budget exactly at the freeze.
 """
 import dataclasses
 import functools

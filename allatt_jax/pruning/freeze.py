@@ -83,7 +83,7 @@ def keep_open_heads(cfg: model_lib.ModelConfig, gates: gate_values.Gates,
 def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, units,
                        budget_value: float) -> tuple[dict, dict]:
   """The gates with exactly the heads and groups the rank rule keeps under
-  `budget_value` (the module's note), in units `units` (`head_costs.UnitCosts`).
+  `budget_value` (the module's note), in units `units` (`cost_model.UnitCosts`).
 
   Returns:
     (the new gates collection as numpy arrays, the decision: 'budget', 'cost' (what

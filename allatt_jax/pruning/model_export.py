@@ -69,7 +69,7 @@ def save(directory, config: run_config.RunConfig,
                        run_files.vocabulary_fingerprint(tokenizer.dataset, tokenizer.vocab),
                        tokenizer.to_dict())
   if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f"exported_model.save {directory}")
+    multihost_utils.sync_global_devices(f"model_export.save {directory}")
 
 
 def export_and_evaluate(
@@ -192,7 +192,7 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
 def _group_budget_warnings(config: run_config.RunConfig, decision: dict, total: int,
                            gate_flags: str) -> list[str]:
   """`pruning_warnings` of a budget over heads and persistent groups
-  (`budget_freeze.keep_within_budget`'s decision)."""
+  (`freeze.keep_within_budget`'s decision)."""
   gates = config.gates
   key = gates.budget_target
   asked = f"{gate_flags}.{key}={getattr(gates, key)}"

@@ -1,2 +1,2 @@
-"""What runs report beyond their metrics: the demo's report and table, figures,
-compile and benchmark summaries, and the README's generated blocks."""
+"""What runs report beyond their metrics: the demo's report and table, figures and
+the README's generated blocks."""

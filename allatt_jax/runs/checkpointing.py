@@ -254,7 +254,7 @@ def _restore_step(workdir: epath.Path, step: int | None = None) -> tuple[int, di
 
 def save_params(directory: epath.Path, params) -> None:
   """An exported model's parameters (no optimizer, no gates) in `directory`/params
-  (`directory` as run_files.run_path gives it); `exported_model.save` writes the rest
+  (`directory` as run_files.run_path gives it); `model_export.save` writes the rest
   of the folder."""
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory / "params", params, force=True)

@@ -1,1 +1,2 @@
-"""Training and pruning runs: a config resolved and checked, the train step, optimizer, distillation, the loop, its progress and preemption, and the demo pipeline."""
+"""Training and pruning runs: a config resolved and checked, the train step, optimizer,
+distillation, the loop, its progress and preemption, and the demo pipeline."""

@@ -1,10 +1,10 @@
 """The checks of a run config alone, made once when a command resolves it, before any
-data is loaded or code compiled (resolver.py).
+data is loaded or code compiled (assembly.py).
 
 A failed check raises one ConfigError (or DataError, for dataset options) that names
 the config key, with the flag that sets it, and how to fix it, instead of a
 trace-time traceback minutes later. The checks of a run against its files (workdir,
-checkpoints, `init_from`, vocabulary) are validation.py's.
+checkpoints, `init_from`, vocabulary) are workdir_checks.py's.
 """
 from collections.abc import Mapping
 import math

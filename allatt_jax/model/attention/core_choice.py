@@ -1,5 +1,5 @@
 """Which attention core a layer runs, as `model.attention_impl` asks: 'xla' (the
-default, `attention_kernel`), 'pallas' (the fused kernels, `attention_pallas`) or
+default, `xla_core`), 'pallas' (the fused kernels, `pallas_core`) or
 'auto' (the kernels where they compile and agree with XLA on a trial problem, checked
 once per process on a GPU; XLA elsewhere).
 """

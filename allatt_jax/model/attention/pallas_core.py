@@ -3,7 +3,7 @@
 `attend` computes what `xla_core.attend` computes (same arguments, same
 custom-VJP contract) keeping only outputs and log-normalisers, never the (B, H, T,
 K + N) logits. Off the GPU the kernels run in Pallas' interpreter; which core a layer
-runs is `attention_impl.use_kernel`'s choice.
+runs is `core_choice.use_kernel`'s choice.
 """
 import dataclasses
 import functools
@@ -78,7 +78,7 @@ def _pad_inputs(g: kernels.Geometry, qu, qv, qp, k, v, r_pad, pk, pv):
 
 
 def _seeds(keys_2x2, first_head, first_batch_row):
-  """The kernels' seeds array (attention_pallas_kernels.SEEDS)."""
+  """The kernels' seeds array (pallas_kernels.SEEDS)."""
   keys = jnp.zeros((4,), jnp.uint32) if keys_2x2 is None else keys_2x2.reshape(4)
   offsets = jnp.stack([jnp.asarray(first_head), jnp.asarray(first_batch_row)])
   return jnp.concatenate([keys.astype(jnp.uint32), offsets.astype(jnp.uint32),
