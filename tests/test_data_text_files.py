@@ -2,6 +2,7 @@
 import hashlib
 import json
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from allatt_jax.evaluation import likelihood
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
+from allatt_jax.pruning import cost_model
 from allatt_jax.runs import run_files
 from allatt_jax.runs import trained_model
 from allatt_jax.runs import workdir_checks
@@ -239,19 +241,26 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   # 33,278 types (WikiText-2's): the plain softmax, 4.3M MACs a token, is 7.5x the layers.
   run = word_level_demo(33_278)
   assert assembly.word_output(run) == dict(cutoffs=(2496, 4992, 24958), div_val=4)
-  completed = assembly.with_vocab_size(run)
+  # The train split's tokens, all in the head cluster, size the tail capacities.
+  corpus = lambda run: types.SimpleNamespace(vocab_size=run.model.vocab_size,
+                                             splits={'train': np.arange(2000) % 1000})
+  completed, cfg, note = assembly.complete(run, corpus(run))
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
-  note = assembly.output_note(completed)
+  assert completed.model.cluster_fractions == (1.0, 0.0, 0.0, 0.0)
+  adaptive_macs = cost_model.output_macs_per_token(
+      cfg, completed.train.batch_size * completed.train.seq_len)
   assert note.startswith('Word level, 33,278 types: an adaptive softmax (cutoffs 2496, '
-                         '4992, 24958; div_val 4) costs 0.40M MACs per token, where a '
-                         'plain one would cost 4.26M, 7.5x the 0.57M of all the layers')
+                         f'4992, 24958; div_val 4) costs {adaptive_macs / 1e6:.2f}M MACs '
+                         'per token, where a plain one would cost 4.26M, 7.5x the 0.57M '
+                         'of all the layers')
   assert '--config.model.auto_cutoffs=False' in note
+  assert assembly.with_vocab_size(run).model.cutoffs == (2496, 4992, 24958)
   # Where the plain softmax is the smaller part, or not asked for, nothing changes.
   for other in (word_level_demo(2_000), word_level_demo(33_278, auto_cutoffs=False),
                 word_level_demo(33_278, cutoffs=(1000,)),
                 word_level_demo(33_278, div_val=2)):
     assert assembly.word_output(other) == {}
-    assert assembly.output_note(assembly.with_vocab_size(other)) == ''
+    assert assembly.complete(other, corpus(other))[2] == ''
   words = word_level_demo(33_278)
   characters = RunConfig.from_dict({**words.to_dict(),
                                     'data': {**words.data.to_dict(), 'level': 'char'}})

@@ -98,7 +98,7 @@ class RunSetup:
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
   """A run about to train: its objects, its dataset, and what it says first about
-  how the config was completed (`output_note`)."""
+  how the config was completed (`complete`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
   note: str = ""
@@ -181,8 +181,7 @@ def prepared_run(run: RunConfig, corpus: data_lib.Corpus | None = None) -> Prepa
     DataError: the dataset cannot be loaded.
   """
   config_checks.check_starting_point(run)
-  corpus = corpus or _read_corpus(run)
-  return _prepared(_completed(run, corpus), corpus)
+  return _prepared(run, corpus or _read_corpus(run))
 
 
 def prepared_pipeline(config: run_config.PipelineConfig, baseline_dir) -> PreparedPipeline:
@@ -190,10 +189,9 @@ def prepared_pipeline(config: run_config.PipelineConfig, baseline_dir) -> Prepar
   dataset, the pruning stage starting from `baseline_dir`, the baseline's folder,
   which is also its teacher when it distills."""
   corpus = _read_corpus(config.baseline)
-  pruning = run_config.derived_run(config.pruning, init_from=str(baseline_dir))
   return PreparedPipeline(
-      baseline=_prepared(_completed(config.baseline, corpus), corpus),
-      pruning=_prepared(_completed(pruning, corpus), corpus),
+      baseline=_prepared(config.baseline, corpus),
+      pruning=_prepared(config.pruning, corpus, init_from=str(baseline_dir)),
       speed_batches=config.speed_batches)
 
 
@@ -207,7 +205,7 @@ def completed_config(run: RunConfig) -> tuple[RunConfig, data_lib.Corpus]:
   """
   run = RunConfig.of(run)
   corpus = _read_corpus(run)
-  return _completed(run, corpus), corpus
+  return complete(run, corpus)[0], corpus
 
 
 def run_setup(run: RunConfig) -> RunSetup:
@@ -219,7 +217,7 @@ def run_setup(run: RunConfig) -> RunSetup:
   """
   run = RunConfig.of(run)
   config_checks.check_vocab_size_set(run)
-  return _build(run)
+  return _build(run, model_lib.ModelConfig.from_config(run))
 
 
 def with_vocab_size(run: RunConfig) -> RunConfig:
@@ -233,8 +231,10 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
   return run_config.derived_run(run, model=word_output(run))
 
 
-def _prepared(run: RunConfig, corpus: data_lib.Corpus) -> PreparedRun:
-  return PreparedRun(_build(run), corpus, output_note(run))
+def _prepared(run: RunConfig, corpus: data_lib.Corpus,
+              init_from: str | None = None) -> PreparedRun:
+  run, cfg, note = complete(run, corpus, init_from)
+  return PreparedRun(_build(run, cfg), corpus, note)
 
 
 def _read_corpus(run: RunConfig) -> data_lib.Corpus:
@@ -250,9 +250,8 @@ def _read_corpus(run: RunConfig) -> data_lib.Corpus:
   return corpus
 
 
-def _build(run: RunConfig) -> RunSetup:
-  """The objects of a checked, completed config."""
-  cfg = model_lib.ModelConfig.from_config(run)
+def _build(run: RunConfig, cfg: model_lib.ModelConfig) -> RunSetup:
+  """The objects of a checked, completed config, whose model is `cfg`."""
   lm = model_lib.TransformerLM(cfg)
   mesh = sharding.run_mesh(run.mesh)
   # A budget becomes its number of open heads n* here, once; a bad one fails at setup.
@@ -272,18 +271,32 @@ def _build(run: RunConfig) -> RunSetup:
                   state_sharding=shardings, rows=sharding.process_rows(mesh))
 
 
-def _completed(run: RunConfig, corpus: data_lib.Corpus) -> RunConfig:
-  """`RunConfig.completed` from the dataset, own word-level text's output layer
+def complete(run: RunConfig, corpus: data_lib.Corpus, init_from: str | None = None
+               ) -> tuple[RunConfig, model_lib.ModelConfig, str]:
+  """(`RunConfig.completed` from the dataset, own word-level text's output layer
   (`word_output`), and with an adaptive softmax each cluster's share of the training
-  tokens (unless set), which sizes its tail capacities."""
+  tokens (unless set), which sizes its tail capacities; what the run says first about
+  an output layer it chose, or '')."""
   run = run.completed(corpus.vocab_size)
-  run = run_config.derived_run(run, model=word_output(run))
+  chosen, plain_macs, layer_macs = _word_output(run)
+  run = run_config.derived_run(run, init_from=init_from, model=chosen)
   cfg = model_lib.ModelConfig.from_config(run)
-  if not cfg.cutoffs or run.model.cluster_fractions:
-    return run
-  bounds = adaptive.cluster_bounds(cfg.vocab_size, cfg.cutoffs)
-  fractions = vocab_logsumexp.cluster_fractions(corpus.splits["train"], bounds)
-  return run_config.derived_run(run, model=dict(cluster_fractions=fractions))
+  if cfg.cutoffs and not run.model.cluster_fractions:
+    bounds = adaptive.cluster_bounds(cfg.vocab_size, cfg.cutoffs)
+    fractions = vocab_logsumexp.cluster_fractions(corpus.splits["train"], bounds)
+    run = run_config.derived_run(run, model=dict(cluster_fractions=fractions))
+  cfg = model_lib.ModelConfig.from_config(run)
+  if not chosen:
+    return run, cfg, ""
+  m, t = run.model, run.train
+  adaptive_macs = cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len)
+  return run, cfg, (
+      f"Word level, {m.vocab_size:,} types: an adaptive softmax (cutoffs "
+      f"{', '.join(map(str, m.cutoffs))}; div_val {m.div_val}) costs "
+      f"{adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
+      f"{plain_macs / 1e6:.2f}M, {plain_macs / layer_macs:.1f}x the "
+      f"{layer_macs / 1e6:.2f}M of all the layers (--config.model.auto_cutoffs=False "
+      "keeps the plain softmax).")
 
 
 def word_output(run: RunConfig) -> dict:
@@ -298,39 +311,25 @@ def word_output(run: RunConfig) -> dict:
   d_model is too small for the last cluster. The softmax stays exact over the whole
   vocabulary: the tail clusters are narrower, not left out.
   """
-  m, data = run.model, run.data
+  return _word_output(run)[0]
+
+
+def _word_output(run: RunConfig) -> tuple[dict, float, float]:
+  """(`word_output`, the MACs per token of the plain softmax and of all the layers at
+  the train lengths, where it was chosen)."""
+  m, data, t = run.model, run.data, run.train
   if not (m.auto_cutoffs and data.name == "text_files" and data.level in ("", "word")
           and not m.cutoffs and m.div_val == 1 and m.vocab_size):
-    return {}
+    return {}, 0.0, 0.0
   cutoffs = adaptive.default_cutoffs(data.name, m.vocab_size)
-  plain, layers = _output_and_layer_macs(run)
-  if not cutoffs or plain <= layers:
-    return {}
-  return dict(cutoffs=cutoffs,
-              div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1))
-
-
-def _output_and_layer_macs(run: RunConfig) -> tuple[float, float]:
-  """MACs per token of the model's output layer (as it runs, its tail clusters at their
-  capacity) and of all its layers, at the train lengths."""
+  if not cutoffs:
+    return {}, 0.0, 0.0
   cfg = model_lib.ModelConfig.from_config(run)
-  t = run.train
-  return (cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len),
-          cost_model.macs_per_token(cfg, t.seq_len, t.mem_len,
-                                    t.batch_size)["macs_per_token_non_embedding"])
-
-
-def output_note(run: RunConfig) -> str:
-  """What a run says in its first lines when `word_output` chose its output layer:
-  the cutoffs, and the cost of the plain softmax it replaces; else ''."""
-  plain_run = run_config.derived_run(run, model=dict(cutoffs=(), div_val=1))
-  chosen = word_output(plain_run)
-  if not chosen or any(getattr(run.model, k) != v for k, v in chosen.items()):
-    return ""
-  plain, layers = _output_and_layer_macs(plain_run)
-  adaptive_macs, _ = _output_and_layer_macs(run)
-  return (f"Word level, {run.model.vocab_size:,} types: an adaptive softmax (cutoffs "
-          f"{', '.join(map(str, run.model.cutoffs))}; div_val {run.model.div_val}) "
-          f"costs {adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
-          f"{plain / 1e6:.2f}M, {plain / layers:.1f}x the {layers / 1e6:.2f}M of all the "
-          "layers (--config.model.auto_cutoffs=False keeps the plain softmax).")
+  plain = cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len)
+  layers = cost_model.macs_per_token(cfg, t.seq_len, t.mem_len,
+                                     t.batch_size)["macs_per_token_non_embedding"]
+  if plain <= layers:
+    return {}, 0.0, 0.0
+  return (dict(cutoffs=cutoffs,
+               div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1)),
+          plain, layers)
