@@ -31,20 +31,18 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                       ) -> tuple[epath.Path, str]:
   """Where the pruning stage runs: the stage folder trained with these settings, or
   the first free one; and why, when it is not `pruned/` (else '')."""
-  numbered = sorted((d for d in workdir.glob("pruned-*") if d.name[7:].isdigit()),
-                    key=lambda d: int(d.name[7:]))
   taken = {}
-  for folder in [workdir / "pruned", *numbered]:
-    if (folder / run_files.CONFIG_FILE).is_file():
-      differences = validation.setting_differences(run_files.load_config(folder),
-                                                   prune_config)
-      if not differences:
-        return folder, ""
-      taken[folder.name] = differences
+  for folder in run_files.pruning_stages(workdir):
+    differences = validation.setting_differences(run_files.load_config(folder),
+                                                 prune_config)
+    if not differences:
+      return folder, ""
+    taken[folder.name] = differences
+  stage = run_files.PRUNING_STAGE
   if not taken:
-    return workdir / "pruned", ""
-  free = next(workdir / name for name in ("pruned", *(f"pruned-{i}" for i in
-                                                      range(2, len(taken) + 3)))
+    return workdir / stage, ""
+  free = next(workdir / name for name in (stage, *(f"{stage}-{i}" for i in
+                                                   range(2, len(taken) + 3)))
               if name not in taken)
   first, differences = next(iter(taken.items()))
   return free, (f"{workdir / first} holds a pruning stage with other settings "
