@@ -3,7 +3,9 @@
 Each stage is an ordinary run in its own folder of the workdir (`baseline/`, then
 `pruned/`, or the first free `pruned-N/` when those hold other pruning settings), so a
 rerun resumes what was not finished and reuses what was; nothing trained is
-overwritten. Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary.
+overwritten. Writes the report of each result beside the others (`report_files`:
+WORKDIR/report.json and WORKDIR/gates.png for `pruned/`, report-N.json and
+gates-N.png for `pruned-N/`), and prints a summary.
 """
 from etils import epath
 import jax
@@ -33,11 +35,11 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
   the first free one; and why, when it is not `pruned/` (else '')."""
   taken = {}
   for folder in run_files.pruning_stages(workdir):
-    differences = validation.setting_differences(run_files.load_config(folder),
-                                                 prune_config)
-    if not differences:
+    saved = run_files.load_config(folder)
+    if not validation.setting_differences(saved, prune_config):
       return folder, ""
-    taken[folder.name] = differences
+    # The user is told every key that differs, also those a resumed stage may change.
+    taken[folder.name] = validation.key_differences(saved, prune_config)
   stage = run_files.PRUNING_STAGE
   if not taken:
     return workdir / stage, ""
@@ -47,6 +49,15 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
   first, differences = next(iter(taken.items()))
   return free, (f"{workdir / first} holds a pruning stage with other settings "
                 f"({'; '.join(differences)}), kept as it is")
+
+
+def report_files(workdir: epath.Path, pruned_dir: epath.Path
+                 ) -> tuple[epath.Path, epath.Path]:
+  """(report.json, gates.png) of the result of pruning stage `pruned_dir`, numbered as
+  its folder is (report-2.json and gates-2.png for pruned-2/), so that a result of
+  other pruning settings leaves the report of the one before it as it was."""
+  number = pruned_dir.name[len(run_files.PRUNING_STAGE):]
+  return workdir / f"report{number}.json", workdir / f"gates{number}.png"
 
 
 def prepare(config: run_config.PipelineConfig, workdir) -> resolver.PreparedPipeline:
@@ -75,6 +86,7 @@ def run(stages: resolver.PreparedPipeline, workdir) -> dict:
   corpus = stages.baseline.corpus
   # Its folder is chosen by the settings it will really train with, as completed.
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
+  report_file, figure_file = report_files(workdir, pruned_dir)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: a signal between stages stops it there too.
   with preemption.PreemptionWatch() as watch:
@@ -87,7 +99,8 @@ def run(stages: resolver.PreparedPipeline, workdir) -> dict:
                         "go on with the pruning stage")
     if is_main:
       if why:
-        print(f"{why}; this one goes to {pruned_dir}.", flush=True)
+        print(f"{why}; this one goes to {pruned_dir}, its report to {report_file} and "
+              f"{figure_file}.", flush=True)
       console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline "
                      f"with L0 gates ({_pruning_goal(prune_config)}, frozen at "
                      f"step {prune_config.gates.freeze_step}) in {pruned_dir}")
@@ -112,9 +125,9 @@ def run(stages: resolver.PreparedPipeline, workdir) -> dict:
     report = demo_report.build(baseline_config, prune_config, pruned_dir, baseline,
                                pruned, compared)
     if is_main:
-      console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
-      run_files.write_json(workdir / "report.json", report)
-      figures.gate_figure(pruned_dir, workdir / "gates.png")
+      console.banner(f"Report: {report_file}, {figure_file}")
+      run_files.write_json(report_file, report)
+      figures.gate_figure(pruned_dir, figure_file)
       print(demo_report.summary_table(report))
       for warning in report["warnings"]:
         print(f"warning: {warning}", flush=True)

@@ -273,6 +273,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   baseline_files = {p: p.stat().st_mtime_ns for p in (workdir / "baseline").rglob("*")
                     if "checkpoints" in p.parts}
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
+  first_report = {name: (workdir / name).read_bytes() for name in ("report.json", "gates.png")}
   capsys.readouterr()
   report = run_pipeline(demo_config(data_dir, target_sparsity=0.75), workdir)
   out = capsys.readouterr().out
@@ -280,6 +281,11 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
   assert "gates.target_sparsity: 0.5 -> 0.75" in out
   assert report["pruned"]["directory"] == "pruned-2"
+  # Its report goes beside the first result's, which stays as it was; the console
+  # says where.
+  assert f"its report to {workdir / 'report-2.json'} and {workdir / 'gates-2.png'}" in out
+  assert json.loads((workdir / "report-2.json").read_text()) == report
+  assert {name: (workdir / name).read_bytes() for name in first_report} == first_report
   assert sum(report["pruned"]["heads_per_layer"]) == 2
   assert (workdir / "pruned" / "config.json").read_bytes() == saved_config
   # The same settings again find their folder; an evaluation setting does not count.
