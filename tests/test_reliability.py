@@ -439,6 +439,24 @@ def test_a_signal_stops_the_speed_comparison_at_its_next_timed_run(monkeypatch):
   assert timed == [5, 5]     # of 6: the run after the signal did not start
 
 
+def test_the_rate_and_eta_leave_out_the_step_that_compiles(tmp_path, monkeypatch, capsys):
+  clock = [0.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  run = progress.TrainProgress(tmp_path, None, num_steps=100, first_step=40,
+                               tokens_per_step=64, metric="bpc", skip_nonfinite=False,
+                               gated=False)
+  metrics = {"loss": 1.0, "nll": 1.0, "grad_norm": 1.0}
+  # A resumed run: its first step compiles for 30 s, the next ones take 0.5 s each.
+  for done, seconds in ((41, 30.0), *((done, 0.5) for done in range(42, 51))):
+    clock[0] += seconds
+    run.add(done, metrics)
+  run.fetch(50)
+  run.log(50, [], None)
+  run.close()
+  line = capsys.readouterr().out.splitlines()[-1]
+  assert line.endswith("2.0 steps/s  ETA 25s"), line      # 50 steps left at 2 a second
+
+
 def test_ctrl_c_where_no_run_listens_is_one_line_and_status_130(capsys):
   with pytest.raises(SystemExit) as exited:
     with errors.reported_to_user():
