@@ -189,20 +189,30 @@ def _without_steps(fetched, last_step: int, nonfinite) -> list:
           if step not in skip]
 
 
+# The terms of the loss a progress line shows, as it names them: the cross-entropy in
+# nats (what bpc and ppl restate); while distilling, the KL to the teacher and the
+# squared error of the layer outputs; while pruning, the value of the L0 term. The
+# loss itself, what they add up to with their weights, is in the metrics.
+LOSS_TERMS = (("ce", "nll"), ("kl", "distill_kl"), ("mse", "distill_hidden"),
+              ("penalty", "penalty"))
+
+
 def progress_line(step: int, num_steps: int, steps_per_s: float | None, summary: dict,
                   metric: str, num_heads: int, decided: int | None = None,
                   frozen: bool = False, num_groups: int = 0,
                   groups_decided: int | None = None) -> str:
-  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s': the rate is
-  that of the steps since the last line that compiled nothing, and the ETA the time
-  left at that rate (neither when no such step ran); plus, for a pruning run
-  (`num_heads` > 0), its heads and λ: while the gates are sampled, the mean count open
-  in the steps since the last line (an expectation) and the heads the gates keep now
-  (`decided`: the deterministic rule, what a freeze or an export would keep); once
-  `frozen`, the heads kept. With gated persistent groups (`num_groups` > 0), the same
-  of the groups (of the heads kept)."""
-  line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
-          f"loss {summary['loss']:.4f}")
+  """'step  100/2500  bpc 2.9045  ce 2.0133  12.3 steps/s  ETA 3m15s': the terms of
+  the loss the run has (LOSS_TERMS); the rate of the steps since the last line that
+  compiled nothing, and the ETA the time left at that rate (neither when no such step
+  ran); plus, for a pruning run (`num_heads` > 0), its heads and λ: while the gates
+  are sampled, the mean count open in the steps since the last line (an expectation)
+  and the heads the gates keep now (`decided`: the deterministic rule, what a freeze
+  or an export would keep); once `frozen`, the heads kept. With gated persistent
+  groups (`num_groups` > 0), the same of the groups (of the heads kept)."""
+  line = f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}"
+  for name, key in LOSS_TERMS:
+    if key in summary:
+      line += f"  {name} {summary[key]:.4f}"
   if steps_per_s is not None:
     line += (f"  {steps_per_s:.1f} steps/s  "
              f"ETA {console.duration((num_steps - step) / steps_per_s)}")

@@ -434,7 +434,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
 
 
 def test_the_progress_line_tells_the_expected_open_heads_from_the_decision():
-  summary = {"bpc": 2.5, "loss": 1.7, "open_actual/total": 19.4, "lambda": 0.05}
+  summary = {"bpc": 2.5, "nll": 1.7, "open_actual/total": 19.4, "lambda": 0.05}
   sampled = progress.progress_line(1000, 1500, 10.0, summary, "bpc", 32, 15)
   assert sampled.endswith("heads open 19.4/32 expected, 15 decided  λ 0.05"), sampled
   frozen = progress.progress_line(1100, 1500, 10.0, summary, "bpc", 32, 15, frozen=True)
