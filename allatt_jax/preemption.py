@@ -25,8 +25,8 @@ _STOPS = {
 # Printed the moment the signal arrives: the stop itself waits for the step or phase
 # in progress, and a step still compiling (a run's first) ends only after its compile.
 NOTICES = {
-    signal.SIGTERM: "SIGTERM: stopping at the next safe point (after the current step, "
-                    "once compiled, or phase), resumable.",
+    signal.SIGTERM: "SIGTERM: stopping at the next safe point (the end of the current "
+                    "step, once compiled, or phase), resumable.",
     signal.SIGINT: "Ctrl-C: stopping once the current step ends (a step being compiled, "
                    "such as a run's first, ends after its compile), saving it, or once "
                    "the current phase ends; resumable. Press Ctrl-C again to stop at "
