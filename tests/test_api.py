@@ -20,14 +20,12 @@ from allatt_jax import api
 from allatt_jax.config import config_base
 from allatt_jax.pruning import model_export
 from allatt_jax.reports import figures
-from allatt_jax.model import gates as gates_lib
 from allatt_jax.evaluation import likelihood
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
-from allatt_jax.training import loop
 from allatt_jax.runs import trained_model
 from allatt_jax.data import tokenization
 from allatt_jax.config.errors import CheckpointError

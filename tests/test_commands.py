@@ -5,7 +5,7 @@ console.
 Each command runs as a subprocess (every one imports JAX: a few seconds each), with
 inputs that fail before anything is compiled.
 """
-import ast
+import json
 import logging
 import os
 import pathlib
@@ -21,7 +21,9 @@ from allatt_jax.config import cli
 from allatt_jax.config import config_base
 from allatt_jax.config import console
 from allatt_jax import data as data_lib
+from allatt_jax.training import assembly
 from allatt_jax.runs import run_files
+from allatt_jax.reports import figures
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 from helpers import start_run
@@ -260,7 +262,7 @@ def test_closing_a_run_waits_for_its_cleanup_thread(tmp_path):
 @pytest.mark.slow
 def test_a_bug_prints_its_traceback_and_asks_for_a_report():
   result = subprocess.run(
-      [sys.executable, "-c", "from allatt_jax import cli\n"
+      [sys.executable, "-c", "from allatt_jax.config import cli\n"
        "def main(argv):\n  return {}['missing']\ncli.run(main)"],
       capture_output=True, text=True, timeout=60)
   assert result.returncode == 1
@@ -453,3 +455,49 @@ def test_native_stderr_hidden_unless_the_block_fails(capfd):
       os.write(2, b"why it failed\n")
       raise RuntimeError
   assert "why it failed" in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def pipeline_workdir(tmp_path_factory, prune_config):
+  """A pipeline's workdir as the demo leaves it, made without training: baseline/,
+  pruned/ with its export/, and pruned-2/ (other pruning settings), each pruning stage
+  with a step-1 checkpoint and a line of gate history."""
+  workdir = tmp_path_factory.mktemp("pipeline")
+  run_files.save_config(workdir / "baseline", helpers.tiny_run())
+  state = assembly.run_setup(prune_config).new_state()
+  heads = [prune_config.model.num_heads] * prune_config.model.num_layers
+  history = {"step": 10, "open_prob": [[0.9] * h for h in heads],
+             "decided": [[1] * h for h in heads]}
+  for stage in ("pruned", "pruned-2"):
+    with checkpointing.RunCheckpoints(workdir / stage, async_save=False) as checkpoints:
+      checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499},
+                       force=True)
+    run_files.save_config(workdir / stage, prune_config)
+    (workdir / stage / run_files.GATE_HISTORY_FILE).write_text(json.dumps(history) + "\n")
+  export = workdir / "pruned" / "export"
+  run_files.save_config(export, helpers.tiny_run())
+  (export / "params").mkdir()
+  return workdir
+
+
+def test_plots_of_a_pipelines_workdir_draws_its_newest_pruning_stage(pipeline_workdir):
+  result = command("allatt_jax.plots", f"--workdir={pipeline_workdir}")
+  assert result.returncode == 0, result.stderr
+  drawn = pipeline_workdir / "pruned-2"
+  assert result.stdout.strip() == (f"Wrote {drawn / 'gates.png'} (the gates of {drawn}, "
+                                   "the pipeline's newest pruning stage)")
+  assert (drawn / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_refusals_name_a_run_to_draw(pipeline_workdir, tmp_path):
+  export = pipeline_workdir / "pruned" / "export"
+  with pytest.raises(CheckpointError, match=r"is an exported model.* Draw the pruning "
+                     rf"run it was exported from: --workdir={pipeline_workdir / 'pruned'}\."):
+    figures.gated_run(export)
+  with pytest.raises(CheckpointError, match=r"not a pruning run.* Draw its pipeline's "
+                     rf"pruning stage: --workdir={pipeline_workdir / 'pruned-2'} "):
+    figures.gated_run(pipeline_workdir / "baseline")
+  run_files.save_config(tmp_path / "baseline", helpers.tiny_run())
+  with pytest.raises(CheckpointError, match=r"pruning stage has not started"):
+    figures.gated_run(tmp_path)
+  assert figures.gated_run(pipeline_workdir / "pruned") == pipeline_workdir / "pruned"

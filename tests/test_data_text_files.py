@@ -13,7 +13,6 @@ from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
 from allatt_jax.evaluation import likelihood
 from allatt_jax.model import transformer as model_lib
-from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
 from allatt_jax.pruning import cost_model
 from allatt_jax.runs import run_files

@@ -18,7 +18,6 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.evaluation import generation as sampler_lib
 from allatt_jax.parallel import sharding
 from allatt_jax.evaluation import stream_eval
-from allatt_jax.training import loop
 from allatt_jax.runs import trained_model
 from allatt_jax.config.errors import ConfigError
 

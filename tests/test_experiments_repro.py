@@ -16,7 +16,6 @@ from allatt_jax.runs import checkpointing
 from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
 from allatt_jax.training import assembly
-from allatt_jax.training import loop
 from allatt_jax.config.errors import Preempted
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib

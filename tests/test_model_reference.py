@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax.model import gates as gates_lib
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.config import run_config
 

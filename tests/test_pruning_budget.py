@@ -25,13 +25,10 @@ from allatt_jax.pruning import gate_values
 from allatt_jax.model import gates as gates_lib
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import optim
-from allatt_jax.training import pipeline
 from allatt_jax.training import progress
-from allatt_jax.pruning import head_removal
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
-from allatt_jax.training import loop
 from allatt_jax.runs import workdir_checks
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import plan as plan_lib
@@ -273,6 +270,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   baseline_files = {p: p.stat().st_mtime_ns for p in (workdir / "baseline").rglob("*")
                     if "checkpoints" in p.parts}
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
+  first_report = {name: (workdir / name).read_bytes() for name in ("report.json", "gates.png")}
   capsys.readouterr()
   report = run_pipeline(demo_config(data_dir, target_sparsity=0.75), workdir)
   out = capsys.readouterr().out
@@ -280,6 +278,11 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
   assert "gates.target_sparsity: 0.5 -> 0.75" in out
   assert report["pruned"]["directory"] == "pruned-2"
+  # Its report goes beside the first result's, which stays as it was; the console
+  # says where.
+  assert f"its report to {workdir / 'report-2.json'} and {workdir / 'gates-2.png'}" in out
+  assert json.loads((workdir / "report-2.json").read_text()) == report
+  assert {name: (workdir / name).read_bytes() for name in first_report} == first_report
   assert sum(report["pruned"]["heads_per_layer"]) == 2
   assert (workdir / "pruned" / "config.json").read_bytes() == saved_config
   # The same settings again find their folder; an evaluation setting does not count.
@@ -428,7 +431,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
 
 
 def test_the_progress_line_tells_the_expected_open_heads_from_the_decision():
-  summary = {"bpc": 2.5, "loss": 1.7, "open_actual/total": 19.4, "lambda": 0.05}
+  summary = {"bpc": 2.5, "nll": 1.7, "open_actual/total": 19.4, "lambda": 0.05}
   sampled = progress.progress_line(1000, 1500, 10.0, summary, "bpc", 32, 15)
   assert sampled.endswith("heads open 19.4/32 expected, 15 decided  λ 0.05"), sampled
   frozen = progress.progress_line(1100, 1500, 10.0, summary, "bpc", 32, 15, frozen=True)

@@ -10,7 +10,6 @@ import pytest
 
 from allatt_jax.config import errors
 from allatt_jax.pruning import gate_values
-from allatt_jax.model import gates as gates_lib
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal

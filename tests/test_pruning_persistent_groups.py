@@ -16,7 +16,6 @@ from allatt_jax.pruning import freeze
 from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
 from allatt_jax.pruning import gate_values
-from allatt_jax.model import gates as gates_lib
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal

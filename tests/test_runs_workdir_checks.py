@@ -20,7 +20,6 @@ from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
-from allatt_jax.training import loop
 from allatt_jax.runs import workdir_checks
 from allatt_jax.data import tokenization
 from allatt_jax.config.errors import CheckpointError
@@ -252,11 +251,20 @@ def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
   (tmp_path / "pruned").mkdir()
   run_files.save_config(tmp_path / "pruned", stage)
   assert pipeline.pruning_stage_dir(tmp_path, stage) == (tmp_path / "pruned", "")
+  # More steps alone resume the stage; with other settings, every key that differs
+  # is named, the number of steps too.
+  longer = run_config.derived_run(stage, train=dict(num_steps=90))
+  assert pipeline.pruning_stage_dir(tmp_path, longer) == (tmp_path / "pruned", "")
   folder, why = pipeline.pruning_stage_dir(
-      tmp_path, run_config.derived_run(stage, gates=dict(lam=0.2)))
+      tmp_path, run_config.derived_run(longer, gates=dict(lam=0.2)))
   assert folder == tmp_path / "pruned-2"
   assert why == (f"{tmp_path / 'pruned'} holds a pruning stage with other settings "
-                 "(gates.lam: 0.1 -> 0.2), kept as it is")
+                 "(gates.lam: 0.1 -> 0.2; train.num_steps: 30 -> 90), kept as it is")
+  # Its report goes beside the first one's, numbered as its folder.
+  assert pipeline.report_files(tmp_path, tmp_path / "pruned") == (
+      tmp_path / "report.json", tmp_path / "gates.png")
+  assert pipeline.report_files(tmp_path, folder) == (
+      tmp_path / "report-2.json", tmp_path / "gates-2.png")
 
 
 def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):

@@ -22,7 +22,6 @@ from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
-from allatt_jax.experiments import suites
 from allatt_jax.training import config_checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

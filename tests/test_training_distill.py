@@ -15,10 +15,10 @@ from allatt_jax.model import adaptive
 from allatt_jax.runs import checkpointing
 from allatt_jax.config import config_base
 from allatt_jax.training import distill
+from allatt_jax.training import progress
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.parallel import sharding
-from allatt_jax.training import loop
 from allatt_jax.training import train_step
 from allatt_jax.config.errors import ConfigError
 from tests import helpers
@@ -211,6 +211,26 @@ def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
   assert int(after["memory"]["length"]) == int(memory["length"]) > 0
   student_memory = jax.device_get(state.memory)["hidden"]
   assert not np.allclose(student_memory, memory["hidden"], atol=1e-3)
+
+
+def test_the_progress_line_names_the_terms_the_loss_adds_up():
+  """ce (what bpc restates), kl, mse and the L0 penalty: (1 − α)·ce + α·τ²·kl + β·mse
+  + penalty is the loss the step trained."""
+  alpha, beta = 0.5, 0.1
+  setup = assembly.run_setup(_tiny_pruning_config(weight=alpha, hidden_weight=beta))
+  tokens = np.random.default_rng(1).integers(0, 27, (4, 17), dtype=np.int32)
+  with sharding.activate(setup.mesh):
+    _, metrics = setup.train_step(sample_gates=True)(setup.new_state(), tokens[:, :-1],
+                                                      tokens[:, 1:])
+  m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+  np.testing.assert_allclose(
+      m["loss"], (1 - alpha) * m["nll"] + alpha * m["distill_kl"]
+      + beta * m["distill_hidden"] + m["penalty"], rtol=1e-5)
+  assert m["penalty"] > 0
+  line = progress.progress_line(1, 4, None, {**m, "bpc": m["nll"] / np.log(2)}, "bpc", 0)
+  assert line == (f"step 1/4  bpc {m['nll'] / np.log(2):.4f}  ce {m['nll']:.4f}  "
+                  f"kl {m['distill_kl']:.4f}  mse {m['distill_hidden']:.4f}  "
+                  f"penalty {m['penalty']:.4f}")
 
 
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):

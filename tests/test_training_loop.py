@@ -15,11 +15,9 @@ from allatt_jax.runs import checkpointing
 from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
 from allatt_jax.model import transformer as model_lib
-from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
 from allatt_jax.runs import run_files
 from allatt_jax.parallel import sharding
-from allatt_jax.training import loop
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 

@@ -26,8 +26,6 @@ from allatt_jax.config import config_base
 from allatt_jax.reports import demo_report
 from allatt_jax.config import errors
 from allatt_jax.pruning import model_export
-from allatt_jax.training import pipeline
-from allatt_jax.training import assembly
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.training import loop
 from allatt_jax.config.errors import Preempted
@@ -157,8 +155,9 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
 
   # 5. During the speed comparison of the report: nothing before it is redone.
   calls = rerun(lambda m: sigterm_before(m, demo_report, "measure_speed"),
-                r"^Preempted after the speed comparison \(not kept\)\. Rerun the same "
-                r"command to measure it again and write the report\.$")
+                rf"^Preempted after the pruning stage \(in {pruned}\); the speed "
+                r"comparison in progress is not kept\. Rerun the same command to "
+                r"measure both models' speeds and write the report\.$")
   assert (calls.saves, calls.evaluations) == (0, 0)
   assert (pruned / "results.json").is_file() and not (workdir / "report.json").exists()
 

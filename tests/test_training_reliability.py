@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 from clu import metric_writers
 import jax
@@ -28,8 +29,9 @@ from allatt_jax.config import config_base
 from allatt_jax.config import errors
 from allatt_jax.training import preemption
 from allatt_jax.training import progress
-from allatt_jax.training import loop
+from allatt_jax.evaluation import stream_eval
 from allatt_jax.training import train_step
+from allatt_jax.reports import demo_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25
@@ -378,23 +380,80 @@ def test_one_process_catches_ctrl_c_at_safe_points_and_exits_130():
   assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
-  exits = []
+# The main thread inside C code, as in a compile, where no Python handler runs; Ctrl-C
+# lands on another thread, as the kernel may deliver it.
+_CTRL_C_TWICE_DURING_A_COMPILE = """
+import ctypes, signal, sys, threading, time
+from allatt_jax.training import preemption
 
-  class Exited(Exception):
-    pass
+def press_ctrl_c_twice():
+  for _ in range(2):
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
-  def exit_now(status):
-    exits.append(status)
-    raise Exited
+with preemption.PreemptionWatch():
+  threading.Thread(target=press_ctrl_c_twice).start()
+  ctypes.CDLL(None).sleep(60)
+print("the main thread went on", file=sys.stderr)
+"""
 
-  monkeypatch.setattr(preemption.os, "_exit", exit_now)
-  with preemption.PreemptionWatch():
-    os.kill(os.getpid(), signal.SIGTERM)     # a preemption, then Ctrl-C on top of it
-    with pytest.raises(Exited):
-      os.kill(os.getpid(), signal.SIGINT)
-  assert exits == [errors.INTERRUPTED_EXIT_STATUS]
-  assert preemption.SECOND_INTERRUPT in capsys.readouterr().err
+
+def test_ctrl_c_is_told_at_once_and_a_second_exits_at_once_during_a_compile():
+  start = time.monotonic()
+  done = subprocess.run([sys.executable, "-c", _CTRL_C_TWICE_DURING_A_COMPILE],
+                        capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == errors.INTERRUPTED_EXIT_STATUS, done.stderr
+  assert time.monotonic() - start < 30, "the second Ctrl-C waited for the main thread"
+  assert done.stderr.splitlines()[-2:] == [preemption.NOTICES[signal.SIGINT],
+                                           preemption.SECOND_INTERRUPT], done.stderr
+
+
+def test_a_signal_stops_the_speed_comparison_at_its_next_timed_run(monkeypatch):
+  timed = []
+
+  class Evaluator:
+    """Times nothing; the second timed run is where SIGTERM arrives."""
+
+    @classmethod
+    def from_config(cls, lm, mesh, config):
+      del lm, mesh, config
+      return cls()
+
+    def score(self, variables, tokens, max_batches):
+      del variables, tokens
+      if max_batches > 1:
+        timed.append(max_batches)
+        if len(timed) == 2:
+          os.kill(os.getpid(), signal.SIGTERM)
+      return {"tokens_per_s": 1.0}
+
+  monkeypatch.setattr(stream_eval, "Evaluator", Evaluator)
+  model = types.SimpleNamespace(lm=None, variables=None)
+  with preemption.PreemptionWatch() as watch:
+    with pytest.raises(errors.Preempted, match="the speed comparison in progress"):
+      demo_report.measure_speed(None, None, None, 5, model, model, safe_point=lambda:
+                                watch.stop_if_asked("the speed comparison in progress",
+                                                    "measure it"))
+  assert timed == [5, 5]     # of 6: the run after the signal did not start
+
+
+def test_the_rate_and_eta_leave_out_the_step_that_compiles(tmp_path, monkeypatch, capsys):
+  clock = [0.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  run = progress.TrainProgress(tmp_path, None, num_steps=100, first_step=40,
+                               tokens_per_step=64, metric="bpc", skip_nonfinite=False,
+                               gated=False)
+  metrics = {"loss": 1.0, "nll": 1.0, "grad_norm": 1.0}
+  # A resumed run: its first step compiles for 30 s, the next ones take 0.5 s each.
+  for done, seconds in ((41, 30.0), *((done, 0.5) for done in range(42, 51))):
+    clock[0] += seconds
+    run.add(done, metrics)
+  run.fetch(50)
+  run.log(50, [], None)
+  run.close()
+  line = capsys.readouterr().out.splitlines()[-1]
+  assert line.endswith("2.0 steps/s  ETA 25s"), line      # 50 steps left at 2 a second
 
 
 def test_ctrl_c_where_no_run_listens_is_one_line_and_status_130(capsys):

@@ -72,7 +72,7 @@ def _setting(exp: runs_lib.Experiment) -> str:
 
 
 def _tokens_per_s(exp: runs_lib.Experiment, name: str) -> str:
-  """Median logged training throughput of a run (its first interval, which compiles,
-  left out when there are others)."""
+  """Median logged training throughput of a run (which leaves out the steps that
+  compile: `progress.TrainProgress`)."""
   logged = suites.scalars(exp.run_dir(name), ("tokens_per_s",)).get("tokens_per_s", [])
-  return f"{np.median(logged[1:] or logged):,.0f}" if logged else "-"
+  return f"{np.median(logged):,.0f}" if logged else "-"

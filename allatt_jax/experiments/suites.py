@@ -313,10 +313,9 @@ def distill(exp: runs_lib.Experiment) -> Report:
 
 
 def _train_tokens_per_s(workdir) -> float:
-  """The median of a run's logged training rates (its first interval, which
-  compiles, left out)."""
-  values = scalars(workdir, ("tokens_per_s",))
-  return float(np.median(values["tokens_per_s"][1:] or values["tokens_per_s"]))
+  """The median of a run's logged training rates (which leave out the steps that
+  compile: `progress.TrainProgress`)."""
+  return float(np.median(scalars(workdir, ("tokens_per_s",))["tokens_per_s"]))
 
 
 def budget_label(extra: dict) -> str:

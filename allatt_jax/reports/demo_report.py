@@ -5,6 +5,8 @@ table the demo prints (and the README quotes).
 speeds, which `measure_speed` times on the same tokens; `build` gathers that and what
 the stages returned into report.json's content; `summary_table` renders it.
 """
+from collections.abc import Callable
+
 import jax
 
 from allatt_jax.pruning import cost_model
@@ -15,21 +17,26 @@ from allatt_jax.runs.trained_model import LoadedModel
 
 def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
                   baseline_model: LoadedModel, pruned_model: LoadedModel,
-                  repeats: int = 3) -> dict:
+                  repeats: int = 3, safe_point: Callable[[], None] = lambda: None
+                  ) -> dict:
   """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
   lengths, on `mesh`, the baseline run's) of both models on `tokens`, the valid split.
 
   The models are timed in turns, `repeats` times each, and each keeps its best: on a
   shared machine the best of alternating runs is the least disturbed comparison.
+  `safe_point` is called before each compile and each timed run, the last included:
+  it may stop the command there (by raising), as a signal asks.
   """
   evaluators = {}
   for name, model in (("baseline", baseline_model), ("pruned", pruned_model)):
+    safe_point()
     evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
                         model.variables)
     evaluators[name][0].score(model.variables, tokens, max_batches=1)   # compile, untimed
   speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
   for _ in range(repeats):
     for name, (evaluator, variables) in evaluators.items():
+      safe_point()
       scored = evaluator.score(variables, tokens, max_batches=num_batches)
       speeds[f"{name}_tokens_per_s"] = max(speeds[f"{name}_tokens_per_s"],
                                            scored["tokens_per_s"])
@@ -37,11 +44,14 @@ def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batche
 
 
 def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
-                   baseline_model: LoadedModel, pruned_model: LoadedModel) -> dict:
+                   baseline_model: LoadedModel, pruned_model: LoadedModel,
+                   safe_point: Callable[[], None] = lambda: None) -> dict:
   """What the report says of both models themselves, under 'baseline' and 'pruned':
   heads and persistent vectors per layer and costs at the baseline's eval lengths
-  (cost_model); and under 'speed' their inference speeds (`measure_speed`)."""
-  speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model)
+  (cost_model); and under 'speed' their inference speeds (`measure_speed`, which
+  calls `safe_point` between its compiles and timed runs)."""
+  speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model,
+                        safe_point=safe_point)
   t = config.eval
   compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
                      "persistent_per_layer": lm.cfg.layer_slots,
@@ -54,7 +64,7 @@ def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batch
 
 def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, baseline: dict,
           pruned: dict, compared: dict) -> dict:
-  """report.json's content: the stages' results (`train.train_and_evaluate`'s),
+  """report.json's content: the stages' results (`loop.train_and_evaluate`'s),
   both models as `compare_models` describes them, the pruning goal and the budget's
   decision."""
   b, p, speed = compared["baseline"], compared["pruned"], compared["speed"]

@@ -149,25 +149,66 @@ def _save(fig, out_file) -> None:
   plt.close(fig)
 
 
+def gated_run(path) -> epath.Path:
+  """The pruning run whose gates `path` draws: `path` itself, or, for a pipeline's
+  workdir, its newest pruning stage (pruned-N with the highest N, else pruned).
+
+  Raises:
+    CheckpointError: `path` is neither, naming the run to draw where it knows one (an
+      export's pruning run, a pipeline's pruning stage).
+  """
+  path = run_files.run_path(path)
+  if not (path / run_files.CONFIG_FILE).is_file():
+    stages = run_files.pruning_stages(path)
+    if stages:
+      return gated_run(stages[-1])
+    if (path / "baseline" / run_files.CONFIG_FILE).is_file():
+      raise errors.CheckpointError(
+          f"{path} is a pipeline's workdir whose pruning stage has not started: it has "
+          "no gates yet. Rerun the pipeline's command to train it, then draw its gates.")
+  config = run_files.load_config(path)   # its advice for a folder without one
+  if config.gates.enabled and (path / run_files.GATE_HISTORY_FILE).is_file():
+    return path
+  if config.gates.enabled:
+    raise errors.CheckpointError(
+        f"{path} is a pruning run that has logged no step yet: its "
+        f"{run_files.GATE_HISTORY_FILE} starts at its first logging step "
+        "(train.log_every_steps). Draw it once it has trained that far.")
+  if (path / "params").is_dir():
+    source = path.parent
+    known = ((source / run_files.GATE_HISTORY_FILE).is_file()
+             and run_files.load_config(source).gates.enabled)
+    where = (f"Draw the pruning run it was exported from: --workdir={source}" if known
+             else "Draw the pruning run it was exported from (give its --workdir)")
+    raise errors.CheckpointError(
+        f"{path} is an exported model: its closed heads are cut and its gates folded "
+        f"away, so it has no gates to draw. {where}.")
+  pipeline_stages = run_files.pruning_stages(path.parent)
+  where = (f"Draw its pipeline's pruning stage: --workdir={pipeline_stages[-1]} (or "
+           f"--workdir={path.parent})" if pipeline_stages
+           else "Draw a pruning run's --workdir (gates.enabled=True)")
+  raise errors.CheckpointError(
+      f"{path} is not a pruning run with a {run_files.GATE_HISTORY_FILE}: only pruning "
+      f"runs (gates.enabled=True) have gates to draw. {where}.")
+
+
 def gate_figure(workdir, out_file=None) -> epath.Path:
   """The gates of a pruning run: each head's open probability at every logged step
   while the gates are sampled (an expectation), and from the freeze on, when they
   are deterministic, the decision (1 kept, 0 removed); one row per head, one panel
   per layer. The heads its export keeps are marked ✓ and the removed ones ✗ at the
   end, by the rule export uses (`gate_values.Gates.surviving_heads` on the final
-  checkpoint's gate logits). Writes WORKDIR/gates.png unless `out_file` is given.
+  checkpoint's gate logits). `workdir`: a pruning run, or a pipeline's workdir (its
+  newest pruning stage: `gated_run`). Writes gates.png in the run drawn unless
+  `out_file` is given.
 
   Raises:
     CheckpointError: `workdir` is not a pruning run with a gate history and a
-      finished checkpoint.
+      finished checkpoint (`gated_run`'s advice).
   """
-  workdir = run_files.run_path(workdir)
+  workdir = gated_run(workdir)
   config = run_files.load_config(workdir)
   history_file = workdir / run_files.GATE_HISTORY_FILE
-  if not config.gates.enabled or not history_file.is_file():
-    raise errors.CheckpointError(
-        f"{workdir} is not a pruning run with a {run_files.GATE_HISTORY_FILE}: only "
-        "pruning runs (gates.enabled=True) have gates to plot.")
   records = [json.loads(line) for line in history_file.read_text().splitlines()]
   cfg = model_lib.ModelConfig.from_config(config)
   kept = gate_values.read(cfg, checkpointing.read_model(workdir)[1]["gates"]).surviving_heads

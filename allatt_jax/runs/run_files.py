@@ -19,6 +19,9 @@ CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "vocabulary.json"
 TOKENIZER_FILE = "tokenizer.json"
 GATE_HISTORY_FILE = "gate_history.jsonl"   # pruning runs: open probabilities per log
+# A pipeline's pruning stages: WORKDIR/pruned, then pruned-2, pruned-3, ... for the
+# pruning settings tried after it.
+PRUNING_STAGE = "pruned"
 
 
 def run_path(path) -> epath.Path:
@@ -27,6 +30,17 @@ def run_path(path) -> epath.Path:
   if "://" in str(path):
     return epath.Path(path)
   return epath.Path(path).absolute()
+
+
+def pruning_stages(workdir) -> list[epath.Path]:
+  """The pruning stages a pipeline's `workdir` holds (those that saved their config),
+  in the order they are made: pruned/, then pruned-2/, pruned-3/, ..."""
+  workdir = run_path(workdir)
+  numbered = [d for d in workdir.glob(f"{PRUNING_STAGE}-*")
+              if d.name[len(PRUNING_STAGE) + 1:].isdigit()]
+  folders = [workdir / PRUNING_STAGE,
+             *sorted(numbered, key=lambda d: int(d.name[len(PRUNING_STAGE) + 1:]))]
+  return [folder for folder in folders if (folder / CONFIG_FILE).is_file()]
 
 
 def _write_atomically(path: epath.Path, text: str) -> None:
@@ -83,10 +97,11 @@ def load_config(directory) -> run_config.RunConfig:
     raise CheckpointError(f"{directory} does not exist. Point at the --workdir of a run, "
                           "or at its export/ folder.")
   if not path.is_file():
-    stages = [name for name in ("baseline", "pruned")
-              if (run_path(directory) / name / CONFIG_FILE).is_file()]
-    hint = (" It is a pipeline's workdir: its runs are "
-            f"{' and '.join(name + '/' for name in stages)} in it." if stages else "")
+    baseline = run_path(directory) / "baseline"
+    runs = [f"{run.name}/" for run in ([baseline] if (baseline / CONFIG_FILE).is_file()
+                                       else []) + pruning_stages(directory)]
+    listed = f"{', '.join(runs[:-1])} and {runs[-1]}" if len(runs) > 1 else "".join(runs)
+    hint = f" It is a pipeline's workdir: its runs are {listed} in it." if runs else ""
     raise CheckpointError(
         f"{directory} has no {CONFIG_FILE}: it is neither a training workdir nor an "
         f"exported model. Point at the --workdir of a run, or at its export/ folder.{hint}")

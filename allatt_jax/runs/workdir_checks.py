@@ -238,14 +238,21 @@ def _shape_differences(expected: dict, found: dict, limit: int = 5) -> str:
   return "; ".join(lines[:limit]) + more
 
 
-def _config_differences(saved: run_config.RunConfig, config: run_config.RunConfig,
-                        sections=None, limit: int = 8) -> str:
-  """'key: old -> new' for every leaf that differs (in `sections`, or everywhere)."""
+def key_differences(saved: run_config.RunConfig, config: run_config.RunConfig,
+                    sections=None) -> list[str]:
+  """'key: old -> new' for every leaf that differs (in `sections`, or everywhere),
+  those a resumed run may change (RESUMABLE) too."""
   def flat(c):
     return {k: v for k, v in _leaves(c).items()
             if sections is None or k.split(".")[0] in sections}
   old, new = flat(saved), flat(config)
-  lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-           if old.get(k) != new.get(k)]
+  return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+          if old.get(k) != new.get(k)]
+
+
+def _config_differences(saved: run_config.RunConfig, config: run_config.RunConfig,
+                        sections=None, limit: int = 8) -> str:
+  """`key_differences`, the first `limit` of them, in one string."""
+  lines = key_differences(saved, config, sections)
   more = f"; {len(lines) - limit} more" if len(lines) > limit else ""
   return ("; ".join(lines[:limit]) + more) or "none"

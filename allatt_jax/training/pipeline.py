@@ -3,7 +3,9 @@
 Each stage is an ordinary run in its own folder of the workdir (`baseline/`, then
 `pruned/`, or the first free `pruned-N/` when those hold other pruning settings), so a
 rerun resumes what was not finished and reuses what was; nothing trained is
-overwritten. Writes WORKDIR/report.json and WORKDIR/gates.png, and prints a summary.
+overwritten. Writes the report of each result beside the others (`report_files`:
+WORKDIR/report.json and WORKDIR/gates.png for `pruned/`, report-N.json and
+gates-N.png for `pruned-N/`), and prints a summary.
 """
 from etils import epath
 import jax
@@ -31,24 +33,31 @@ def pruning_stage_dir(workdir: epath.Path, prune_config: RunConfig
                       ) -> tuple[epath.Path, str]:
   """Where the pruning stage runs: the stage folder trained with these settings, or
   the first free one; and why, when it is not `pruned/` (else '')."""
-  numbered = sorted((d for d in workdir.glob("pruned-*") if d.name[7:].isdigit()),
-                    key=lambda d: int(d.name[7:]))
   taken = {}
-  for folder in [workdir / "pruned", *numbered]:
-    if (folder / run_files.CONFIG_FILE).is_file():
-      differences = workdir_checks.setting_differences(run_files.load_config(folder),
-                                                   prune_config)
-      if not differences:
-        return folder, ""
-      taken[folder.name] = differences
+  for folder in run_files.pruning_stages(workdir):
+    saved = run_files.load_config(folder)
+    if not workdir_checks.setting_differences(saved, prune_config):
+      return folder, ""
+    # The user is told every key that differs, also those a resumed stage may change.
+    taken[folder.name] = workdir_checks.key_differences(saved, prune_config)
+  stage = run_files.PRUNING_STAGE
   if not taken:
-    return workdir / "pruned", ""
-  free = next(workdir / name for name in ("pruned", *(f"pruned-{i}" for i in
-                                                      range(2, len(taken) + 3)))
+    return workdir / stage, ""
+  free = next(workdir / name for name in (stage, *(f"{stage}-{i}" for i in
+                                                   range(2, len(taken) + 3)))
               if name not in taken)
   first, differences = next(iter(taken.items()))
   return free, (f"{workdir / first} holds a pruning stage with other settings "
                 f"({'; '.join(differences)}), kept as it is")
+
+
+def report_files(workdir: epath.Path, pruned_dir: epath.Path
+                 ) -> tuple[epath.Path, epath.Path]:
+  """(report.json, gates.png) of the result of pruning stage `pruned_dir`, numbered as
+  its folder is (report-2.json and gates-2.png for pruned-2/), so that a result of
+  other pruning settings leaves the report of the one before it as it was."""
+  number = pruned_dir.name[len(run_files.PRUNING_STAGE):]
+  return workdir / f"report{number}.json", workdir / f"gates{number}.png"
 
 
 def prepare(config: run_config.PipelineConfig, workdir) -> assembly.PreparedPipeline:
@@ -77,6 +86,7 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
   corpus = stages.baseline.corpus
   # Its folder is chosen by the settings it will really train with, as completed.
   pruned_dir, why = pruning_stage_dir(workdir, prune_config)
+  report_file, figure_file = report_files(workdir, pruned_dir)
   is_main = jax.process_index() == 0
   # One watch for the whole pipeline: a signal between stages stops it there too.
   with preemption.PreemptionWatch() as watch:
@@ -89,7 +99,8 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
                         "go on with the pruning stage")
     if is_main:
       if why:
-        print(f"{why}; this one goes to {pruned_dir}.", flush=True)
+        print(f"{why}; this one goes to {pruned_dir}, its report to {report_file} and "
+              f"{figure_file}.", flush=True)
       console.banner(f"Pruning: {prune_config.train.num_steps} steps from the baseline "
                      f"with L0 gates ({_pruning_goal(prune_config)}, frozen at "
                      f"step {prune_config.gates.freeze_step}) in {pruned_dir}")
@@ -103,20 +114,22 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
                      f"({stages.speed_batches} batches, best of 3)")
     baseline_model = trained_model.load(workdir / "baseline")
     pruned_model = trained_model.load(pruned["export"]["directory"])
-    compared = demo_report.compare_models(baseline_config, stages.baseline.setup.mesh,
-                                          corpus.splits["valid"],
-                                          stages.speed_batches, baseline_model,
-                                          pruned_model)
-    watch.stop_if_asked("the speed comparison (not kept)",
-                        "measure it again and write the report")
-    # The last safe point is behind: a SIGTERM now lets the report (a second's work)
-    # finish, and the command ends with everything done.
+    # Its timings are comparable only when measured together, so a part of it is not
+    # kept: a signal stops it between its timed runs rather than after them all.
+    compared = demo_report.compare_models(
+        baseline_config, stages.baseline.setup.mesh, corpus.splits["valid"],
+        stages.speed_batches, baseline_model, pruned_model,
+        safe_point=lambda: watch.stop_if_asked(
+            f"the pruning stage (in {pruned_dir}); the speed comparison in progress is "
+            "not kept", "measure both models' speeds and write the report"))
+    # The last safe point is behind: a signal now lets the last timed run and the
+    # report (a second's work) finish, and the command ends with everything done.
     report = demo_report.build(baseline_config, prune_config, pruned_dir, baseline,
                                pruned, compared)
     if is_main:
-      console.banner(f"Report: {workdir / 'report.json'}, {workdir / 'gates.png'}")
-      run_files.write_json(workdir / "report.json", report)
-      figures.gate_figure(pruned_dir, workdir / "gates.png")
+      console.banner(f"Report: {report_file}, {figure_file}")
+      run_files.write_json(report_file, report)
+      figures.gate_figure(pruned_dir, figure_file)
       print(demo_report.summary_table(report))
       for warning in report["warnings"]:
         print(f"warning: {warning}", flush=True)

@@ -11,7 +11,6 @@ import signal
 import sys
 import threading
 
-from absl import logging
 import jax
 from jax.experimental import multihost_utils
 
@@ -23,12 +22,15 @@ _STOPS = {
     signal.SIGTERM: ("Preempted", errors.PREEMPTED_EXIT_STATUS),
     signal.SIGINT: ("Interrupted", errors.INTERRUPTED_EXIT_STATUS),
 }
-_NOTICES = {
-    signal.SIGTERM: "SIGTERM: stopping at the next safe point (after the current step "
-                    "or phase), resumable.",
-    signal.SIGINT: "Ctrl-C: saving the current step (or finishing the current phase), "
-                   "then stopping, resumable. Press Ctrl-C again to stop at once, "
-                   "without it.",
+# Printed the moment the signal arrives: the stop itself waits for the step or phase
+# in progress, and a step still compiling (a run's first) ends only after its compile.
+NOTICES = {
+    signal.SIGTERM: "SIGTERM: stopping at the next safe point (the end of the current "
+                    "step, once compiled, or phase), resumable.",
+    signal.SIGINT: "Ctrl-C: stopping once the current step ends (a step being compiled, "
+                   "such as a run's first, ends after its compile), saving it, or once "
+                   "the current phase ends; resumable. Press Ctrl-C again to stop at "
+                   "once, without saving.",
 }
 SECOND_INTERRUPT = ("Interrupted again: stopped at once, without saving. The checkpoints "
                     "already complete are kept; rerun the same command to resume from "
@@ -43,7 +45,10 @@ class PreemptionWatch:
   send before killing a job) and SIGINT (Ctrl-C) only raise a flag, read at safe
   points. A second Ctrl-C exits at once (status 130): a save in flight never
   completes, and orbax commits a checkpoint by renaming its finished folder, so the
-  last complete one stays as it was. Several processes: `jax.distributed.initialize`
+  last complete one stays as it was. The notice of the first signal and that exit
+  come from a thread woken by the signal itself (`signal.set_wakeup_fd`): Python runs
+  its handlers only between bytecodes of the main thread, which may be inside a
+  compile for a minute. Several processes: `jax.distributed.initialize`
   starts JAX's preemption sync manager (unless jax_enable_preemption_service is off),
   which owns SIGTERM; whichever host receives it, the sync point is reached at the
   same safe point on every host, so all stop together. A Python handler would replace
@@ -57,31 +62,60 @@ class PreemptionWatch:
     # Python delivers signals to the main thread only.
     self._own_handler = (jax.process_count() == 1
                          and threading.current_thread() is threading.main_thread())
-    self._signalled = None        # the first signal received
+    self._signalled = None        # the first signal, as the main thread's handler saw it
     self._previous = {}
     self._safe_points = 0
+    self._wakeups = None          # the thread told of each signal, and its pipe
+    self._previous_wakeup_fd = -1
 
   def __enter__(self) -> "PreemptionWatch":
     if self._own_handler:
       self._previous = {signum: signal.signal(signum, self._on_signal)
                         for signum in _STOPS}
+      read_fd, write_fd = os.pipe()
+      os.set_blocking(write_fd, False)    # the C-level handler must never wait
+      self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+      thread = threading.Thread(target=self._on_wakeups, args=(read_fd,), daemon=True,
+                                name="PreemptionWatch")
+      thread.start()
+      self._wakeups = (thread, read_fd, write_fd)
     return self
 
   def __exit__(self, *exc_info) -> None:
     for signum, previous in self._previous.items():
       signal.signal(signum, signal.SIG_DFL if previous is None else previous)
     self._previous = {}
+    if self._wakeups is not None:
+      thread, read_fd, write_fd = self._wakeups
+      signal.set_wakeup_fd(self._previous_wakeup_fd)
+      os.close(write_fd)                  # the thread reads the end of the pipe
+      thread.join()
+      os.close(read_fd)
+      self._wakeups = None
 
   def _on_signal(self, signum, frame) -> None:
+    """The main thread's handler: the flag the safe points read, set before the main
+    thread goes on (a signal at the end of a step stops the run at that step)."""
     del frame
-    if self._signalled is not None and signum == signal.SIGINT:
-      print(SECOND_INTERRUPT, file=sys.stderr, flush=True)
-      # Now, from inside whatever the main thread waits on (a save, a step): no
-      # cleanup runs that could wait for it.
-      os._exit(errors.INTERRUPTED_EXIT_STATUS)   # pylint: disable=protected-access
     if self._signalled is None:
       self._signalled = signum
-      logging.warning(_NOTICES[signum])
+
+  def _on_wakeups(self, read_fd: int) -> None:
+    """Tells of the first signal at once, and exits at a second Ctrl-C, whatever the
+    main thread is doing."""
+    first = None
+    while received := os.read(read_fd, 64):
+      for signum in received:
+        if signum not in _STOPS:
+          continue
+        if first is None:
+          first = signum
+          print(NOTICES[signum], file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT:
+          print(SECOND_INTERRUPT, file=sys.stderr, flush=True)
+          # Now, from inside whatever the main thread waits on (a save, a step, a
+          # compile): no cleanup runs that could wait for it.
+          os._exit(errors.INTERRUPTED_EXIT_STATUS)   # pylint: disable=protected-access
 
   def reached(self) -> bool:
     """Whether to stop here; every process asks at every safe point."""

@@ -62,13 +62,22 @@ class TrainProgress:
     self.bar = tqdm.tqdm(total=num_steps, initial=first_step,
                          disable=not (self.is_main and sys.stdout.isatty()),
                          dynamic_ncols=True)
+    self.first_step = first_step
     self.pending, self.interval_start = [], time.perf_counter()
+    self.timed_steps = 0      # the steps since interval_start, none of them compiled
 
   def add(self, done: int, metrics) -> None:
     """The metrics of step `done` (counted from 1), still on the device."""
     self.pending.append(metrics)
     self._report_progress(done)
     self.bar.update(1)
+    # The steps that compile their program (this process's first; a pruning run's
+    # first with frozen gates) take a minute where the others take a fraction of a
+    # second: the rate, and so the ETA, counts from the end of such a step.
+    if done == self.first_step + 1 or (self.gated and done == self.freeze_step + 1):
+      self.interval_start, self.timed_steps = time.perf_counter(), 0
+    else:
+      self.timed_steps += 1
 
   def fetch(self, done: int) -> list[tuple[int, str, float]]:
     """The pending metrics on the host; (step, metric, value) of each non-finite step.
@@ -93,8 +102,10 @@ class TrainProgress:
       if nonfinite:
         logging.warning("Skipped the updates of steps %s: non-finite loss or gradient.",
                         [s for s, _, _ in nonfinite])
-    steps_per_s = len(self.pending) / (time.perf_counter() - self.interval_start)
-    summary["tokens_per_s"] = steps_per_s * self.tokens_per_step
+    steps_per_s = None      # only compiling steps since the last line: no rate yet
+    if self.timed_steps:
+      steps_per_s = self.timed_steps / (time.perf_counter() - self.interval_start)
+      summary["tokens_per_s"] = steps_per_s * self.tokens_per_step
     self.writer.write_scalars(done, summary)
     self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
     if self.is_main:
@@ -112,12 +123,12 @@ class TrainProgress:
       sys.stdout.flush()   # also when stdout is a file: the line is the run's pulse
       if self.gated:
         _append_gate_history(self.workdir, done, host_gates, self.cfg, kept, slots)
-    self.pending, self.interval_start = [], time.perf_counter()
+    self.pending, self.interval_start, self.timed_steps = [], time.perf_counter(), 0
 
   def write_eval(self, done: int, results: dict) -> None:
     """A periodic evaluation's results; its time does not count against steps/s."""
     self.writer.write_scalars(done, {f"eval/{k}": v for k, v in results.items()})
-    self.interval_start = time.perf_counter()
+    self.interval_start, self.timed_steps = time.perf_counter(), 0
 
   def write_final(self, step: int, results: dict) -> None:
     """The final evaluation's results, written at once (the run may stop next)."""
@@ -178,19 +189,33 @@ def _without_steps(fetched, last_step: int, nonfinite) -> list:
           if step not in skip]
 
 
-def progress_line(step: int, num_steps: int, steps_per_s: float, summary: dict,
+# The terms of the loss a progress line shows, as it names them: the cross-entropy in
+# nats (what bpc and ppl restate); while distilling, the KL to the teacher and the
+# squared error of the layer outputs; while pruning, the value of the L0 term. The
+# loss itself, what they add up to with their weights, is in the metrics.
+LOSS_TERMS = (("ce", "nll"), ("kl", "distill_kl"), ("mse", "distill_hidden"),
+              ("penalty", "penalty"))
+
+
+def progress_line(step: int, num_steps: int, steps_per_s: float | None, summary: dict,
                   metric: str, num_heads: int, decided: int | None = None,
                   frozen: bool = False, num_groups: int = 0,
                   groups_decided: int | None = None) -> str:
-  """'step  100/2500  bpc 2.9045  loss 2.0133  12.3 steps/s  ETA 3m15s', plus, for a
-  pruning run (`num_heads` > 0), its heads and λ: while the gates are sampled, the
-  mean count open in the steps since the last line (an expectation) and the heads
-  the gates keep now (`decided`: the deterministic rule, what a freeze or an export
-  would keep); once `frozen`, the heads kept. With gated persistent groups
-  (`num_groups` > 0), the same of the groups (of the heads kept)."""
-  line = (f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}  "
-          f"loss {summary['loss']:.4f}  {steps_per_s:.1f} steps/s  "
-          f"ETA {console.duration((num_steps - step) / steps_per_s)}")
+  """'step  100/2500  bpc 2.9045  ce 2.0133  12.3 steps/s  ETA 3m15s': the terms of
+  the loss the run has (LOSS_TERMS); the rate of the steps since the last line that
+  compiled nothing, and the ETA the time left at that rate (neither when no such step
+  ran); plus, for a pruning run (`num_heads` > 0), its heads and λ: while the gates
+  are sampled, the mean count open in the steps since the last line (an expectation)
+  and the heads the gates keep now (`decided`: the deterministic rule, what a freeze
+  or an export would keep); once `frozen`, the heads kept. With gated persistent
+  groups (`num_groups` > 0), the same of the groups (of the heads kept)."""
+  line = f"step {step:{len(str(num_steps))}d}/{num_steps}  {metric} {summary[metric]:.4f}"
+  for name, key in LOSS_TERMS:
+    if key in summary:
+      line += f"  {name} {summary[key]:.4f}"
+  if steps_per_s is not None:
+    line += (f"  {steps_per_s:.1f} steps/s  "
+             f"ETA {console.duration((num_steps - step) / steps_per_s)}")
   kinds = [("heads", num_heads, decided, "open_actual/total")] if num_heads else []
   if num_groups:
     kinds.append(("groups", num_groups, groups_decided, "groups_open_actual/total"))

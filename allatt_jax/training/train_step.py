@@ -219,7 +219,10 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "loss": loss, "nll": nll, "l0": l0, "lambda": penalty.lam(state.step),
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": step_config.learning_rate(state.step),
-      **({"gate_learning_rate": step_config.gate_learning_rate(state.step)}
+      **({"gate_learning_rate": step_config.gate_learning_rate(state.step),
+          # The L0 term's value in the loss, as loss_fn added it (the same variables,
+          # count and step), for the progress line to name the loss's terms.
+          "penalty": penalty(state.variables, l0, state.step)}
          if "gates" in state.variables else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
