@@ -180,6 +180,26 @@ def _budget_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> float:
   return macs_per_token(cfg, *eval_lengths)["macs_per_token_non_embedding"]
 
 
+def unpruned_cost(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> float:
+  """What the config's params or MACs budget measures of its unpruned model `cfg`: the
+  non-embedding parameters, or MACs per token at the eval lengths."""
+  e = config.eval
+  return _budget_cost(cfg, config.gates.budget_target, (e.seq_len, e.mem_len, e.batch_size))
+
+
+def budget_value(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> float:
+  """The figure the config's params or MACs budget prunes to (`cfg`: the unpruned
+  model): the value set, or, for a value in (0, 1), that fraction of `unpruned_cost`,
+  as target_sparsity is a fraction of the heads (no budget of under one parameter or
+  MAC means anything else). Parameters are whole: a budget of 0.5 of 1,001 keeps at
+  most 500."""
+  key = config.gates.budget_target
+  value = getattr(config.gates, key)
+  if 0 < value < 1:
+    value *= unpruned_cost(config, cfg)
+  return math.floor(value) if key == "target_params" else value
+
+
 def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:
   """(cost of the unpruned model, cost of one head) in params or MACs per token.
 

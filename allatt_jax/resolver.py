@@ -98,7 +98,7 @@ class RunSetup:
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
   """A run about to train: its objects, its dataset, and what it says first about
-  how the config was completed (`output_note`)."""
+  how the config was completed (`output_note`, `budget_note`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
   note: str = ""
@@ -118,15 +118,15 @@ class PreparedPipeline:
 
 
 def checked_config(config) -> RunConfig:
-  """The checked RunConfig of a command's ConfigDict (or of a RunConfig); an unset
-  `model.vocab_size` is left for the dataset to complete.
+  """The checked RunConfig of a command's ConfigDict (or of a RunConfig), a budget
+  given as a fraction set to the figure it stands for (`head_costs.budget_value`),
+  so that every reader of the config sees that figure; an unset `model.vocab_size`
+  is left for the dataset to complete.
 
   Raises:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
-  run = RunConfig.of(config)
-  config_checks.check_config(run, jax.device_count())
-  return run
+  return config_checks.check_config(RunConfig.of(config), jax.device_count())
 
 
 def checked_pipeline(config) -> run_config.PipelineConfig:
@@ -234,7 +234,8 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 
 
 def _prepared(run: RunConfig, corpus: data_lib.Corpus) -> PreparedRun:
-  return PreparedRun(_build(run), corpus, output_note(run))
+  notes = (output_note(run), budget_note(run))
+  return PreparedRun(_build(run), corpus, "\n".join(note for note in notes if note))
 
 
 def _read_corpus(run: RunConfig) -> data_lib.Corpus:
@@ -334,3 +335,18 @@ def output_note(run: RunConfig) -> str:
           f"costs {adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
           f"{plain / 1e6:.2f}M, {plain / layers:.1f}x the {layers / 1e6:.2f}M of all the "
           "layers (--config.model.auto_cutoffs=False keeps the plain softmax).")
+
+
+def budget_note(run: RunConfig) -> str:
+  """What a run with a params or MACs budget says in its first lines: the figure it
+  prunes to (the one a fraction stood for: `checked_config`) and its share of the
+  unpruned model's; else ''."""
+  key = run.gates.budget_target
+  if key not in ("target_params", "target_macs"):
+    return ""
+  unpruned = head_costs.unpruned_cost(run, model_lib.ModelConfig.from_config(run))
+  value = getattr(run.gates, key)
+  unit = ("non-embedding parameters" if key == "target_params"
+          else "non-embedding MACs per token")
+  return (f"Budget {key}: {value:,.0f} {unit}, {value / unpruned:.2f} of the unpruned "
+          f"model's {unpruned:,.0f}.")
