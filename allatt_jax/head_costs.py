@@ -129,19 +129,26 @@ def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
   return macs
 
 
+def _heads(cfg: model_lib.ModelConfig) -> dict:
+  """The heads of each layer and their persistent slots: per layer, and per head in
+  the model's order of heads, the indices `api.Model.prune_heads` takes (an export
+  numbers each layer's heads anew, most slots first: `prune.remove_heads`)."""
+  return {"heads_per_layer": list(cfg.layer_heads),
+          "persistent_per_layer": cfg.layer_slots,
+          "persistent_per_head": [list(cfg.head_slots(i)) for i in range(cfg.num_layers)]}
+
+
 def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: int,
            heads_kept: float | None = None) -> dict:
   """The cost report; with `heads_kept`, also relative to the unpruned model."""
   full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
-          "heads_per_layer": list(cfg.layer_heads),
-          "persistent_per_layer": cfg.layer_slots, "seq_len": seq_len,
-          "mem_len": mem_len, "batch_size": batch_size}
+          **_heads(cfg), "seq_len": seq_len, "mem_len": mem_len, "batch_size": batch_size}
   if heads_kept is None:
     return full
   pruned_cfg = prune_uniformly(cfg, heads_kept)
   pruned = {**param_counts(pruned_cfg),
             **macs_per_token(pruned_cfg, seq_len, mem_len, batch_size),
-            "heads_per_layer": list(pruned_cfg.layer_heads)}
+            **_heads(pruned_cfg)}
   pruned["relative_params"] = (pruned["params_non_embedding"]
                                / full["params_non_embedding"])
   pruned["relative_macs"] = (pruned["macs_per_token_non_embedding"]

@@ -181,6 +181,18 @@ def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
   smaller = model.prune_persistent_groups({0: {1: [0, 3]}, 1: {2: [0, 1, 2, 3]}},
                                           group_size=4)
   assert smaller.lm.cfg.persistent_slots == ((16, 16, 16, 8), (16, 16, 16, 0))
+  # The cut model numbers its heads by the slots they keep: the old head 1 of layer 0
+  # (8 slots left) is now head 3, as costs() and the export's note say.
+  assert smaller.costs()["persistent_per_head"] == [[16, 16, 16, 8], [16, 16, 16, 0]]
+  assert model.costs()["persistent_per_head"] == [[16] * 4, [16] * 4]
+  assert smaller.prune_heads({0: [3]}).lm.cfg.persistent_slots == ((16, 16, 16),
+                                                                    (16, 16, 16, 0))
+  note = exported_model.renumbering_note(model.lm.cfg, smaller.lm.cfg)
+  assert ("numbers each layer's heads anew, 0 .. H-1: the heads kept, ordered by their "
+          "persistent slots, most first (per head: 16 16 16 8 | 16 16 16 0)") in note
+  assert "in their order" in exported_model.renumbering_note(
+      model.lm.cfg, model.prune_heads({0: [1]}).lm.cfg)
+  assert exported_model.renumbering_note(model.lm.cfg, model.lm.cfg) == ""
   expected_cfg, expected = prune.remove_heads(
       model.lm.cfg, jax.device_get(model.variables),
       slots={0: {1: [0, 1, 2, 3, 12, 13, 14, 15]}, 1: {2: list(range(16))}})
