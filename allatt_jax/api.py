@@ -97,12 +97,14 @@ class Model:
     return logp_BxTxV.reshape(*ids.shape, -1), memory
 
   def generate(self, prompt: str, num_tokens: int = 100, temperature: float = 1.0,
-               top_k: int = 0, seed: int = 0) -> str:
-    """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it."""
+               top_k: int = 0, seed: int = 0, keep_unk: bool = False) -> str:
+    """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it: a
+    word vocabulary's <unk> is never sampled, unless `keep_unk`."""
     if num_tokens < 0:
       raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
     result = sampler.sample_text(self._loaded, prompt, num_tokens,
-                                 temperature=temperature, top_k=top_k, seed=seed)
+                                 temperature=temperature, top_k=top_k, seed=seed,
+                                 keep_unk=keep_unk)
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:

@@ -156,6 +156,34 @@ def untrained_model() -> api.Model:
   return api.Model(trained_model.LoadedModel(run, lm, nn.unbox(variables), tokenizer))
 
 
+def unk_loving_word_model() -> api.Model:
+  """`untrained_model` over a word vocabulary, its output bias making <unk> nearly
+  certain: what a small word-level model's samples looked like."""
+  model = untrained_model()
+  words = ("the", "river", "<eos>", "<unk>") + tuple(f"w{i}" for i in range(23))
+  params = model.variables["params"]
+  bias = params["embedding"]["bias_0"].at[words.index("<unk>")].set(30.0)
+  variables = {"params": {**params, "embedding": {**params["embedding"], "bias_0": bias}}}
+  return api.Model(trained_model.LoadedModel(
+      model.config, model.lm, variables, tokenization.Tokenizer("text_files", "word", words)))
+
+
+def test_samples_leave_unk_out_unless_asked(tmp_path):
+  model = unk_loving_word_model()
+  for options in (dict(), dict(temperature=0.0)):
+    words = model.generate("the river", num_tokens=12, seed=1, **options).split()
+    assert len(words) == 12 and "<unk>" not in words, (options, words)
+  assert model.generate("the river", num_tokens=12, seed=1, keep_unk=True).split() == (
+      ["<unk>"] * 12)
+  # The command's flag (the default is the API's, through the same sampler).
+  model.save(tmp_path / "model")
+  kept = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.sample", f"--checkpoint={tmp_path / 'model'}",
+       "--prompt=the river", "--num_tokens=6", "--keep_unk"], capture_output=True,
+      text=True, cwd=ROOT, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert kept.stdout.split() == ["the", "river"] + ["<unk>"] * 6, kept.stderr
+
+
 def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
   model = untrained_model()
   model.save(tmp_path / "model")
