@@ -128,7 +128,7 @@ def renumbering_note(cfg: model_lib.ModelConfig,
   layer's heads are numbered anew, and the indices the API takes count them so."""
   if pruned_cfg.layer_heads == cfg.layer_heads and pruned_cfg.persistent_slots is None:
     return ""
-  order = "in their order"
+  order = "in the order they had"
   if pruned_cfg.persistent_slots is not None:
     per_head = " | ".join(" ".join(map(str, layer)) for layer in pruned_cfg.persistent_slots)
     order = f"ordered by their persistent slots, most first (per head: {per_head})"
