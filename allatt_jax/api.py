@@ -97,17 +97,21 @@ class Model:
     return logp_BxTxV.reshape(*ids.shape, -1), memory
 
   def generate(self, prompt: str, num_tokens: int = 100, temperature: float = 1.0,
-               top_k: int = 0, seed: int = 0) -> str:
-    """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it."""
+               top_k: int = 0, seed: int = 0, keep_unk: bool = False) -> str:
+    """The text that follows `prompt`, as `python -m allatt_jax.sample` makes it: a
+    word vocabulary's <unk> is never sampled, unless `keep_unk`."""
     if num_tokens < 0:
       raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
     result = generation.sample_text(self._loaded, prompt, num_tokens,
-                                 temperature=temperature, top_k=top_k, seed=seed)
+                                 temperature=temperature, top_k=top_k, seed=seed,
+                                 keep_unk=keep_unk)
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:
-    """Parameters and MACs per token of this model at its eval lengths (costs.py); a
-    gated model's closed heads count as removed, as in its export."""
+    """Parameters and MACs per token of this model at its eval lengths (costs.py), and
+    its heads: per layer, and each head's persistent slots ('persistent_per_head', in
+    the order `prune_heads` numbers them); a gated model's closed heads count as
+    removed, as in its export."""
     return cost_model.model_report(
         self.config, head_removal.running_model_config(self.lm.cfg, self.variables))
 
@@ -115,6 +119,12 @@ class Model:
     """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's
     heads), cut out of the parameters as an export cuts closed heads; a gated
     model's closed gates go too.
+
+    The smaller model (as every export) numbers each layer's heads anew, 0 .. H_l − 1:
+    the heads left in their order, or, where they keep different numbers of
+    persistent slots, by those numbers, most first (equal ones in their order).
+    Indices given to it refer to that order, which `costs()['persistent_per_head']`
+    shows.
 
     Raises:
       ConfigError: a layer or head that does not exist.
@@ -133,8 +143,10 @@ class Model:
     """A smaller model without the persistent groups `groups` ({layer: {head:
     [group, ...]}}, indices of this model's heads; group g is slots g·G .. (g+1)·G − 1
     of the head's current slots), cut as an export cuts closed groups: the heads
-    keep their other slots (a head may keep none), each layer's heads ordered by the
-    slots they keep, most first. A gated model's closed heads and groups go too.
+    keep their other slots (a head may keep none), each layer's heads then numbered
+    anew by the slots they keep, most first (`costs()['persistent_per_head']`), as
+    the indices the smaller model takes count them. A gated model's closed heads and
+    groups go too.
 
     `group_size`: G, by default the gated model's `gates.persistent_group`.
 

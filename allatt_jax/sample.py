@@ -1,11 +1,12 @@
 r"""Generates text from a trained model with the Transformer-XL memory.
 
   python -m allatt_jax.sample --checkpoint=DIR [--step=N] --prompt="the history of" \
-      --num_tokens=200 [--temperature=1.0 --top_k=0 --seed=0]
+      --num_tokens=200 [--temperature=1.0 --top_k=0 --seed=0 --keep_unk]
 
 DIR is a run's workdir (gated models use their deterministic gates) or an export. The
 prompt fills the memory once; each new token is one step attending to the memory (the
-eval mem_len) and itself. The same seed gives the same text.
+eval mem_len) and itself. The same seed gives the same text. A word-level model never
+samples <unk> unless --keep_unk.
 """
 from absl import flags
 from absl import logging
@@ -24,6 +25,9 @@ _TEMPERATURE = flags.DEFINE_float(
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; "
                               "0 = all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed: the same seed, the same text.")
+_KEEP_UNK = flags.DEFINE_bool(
+    "keep_unk", False, "Word level: let the model sample <unk> (by default it never "
+    "does: <unk> stands for every rare word at once).")
 
 
 def main(argv):
@@ -33,7 +37,7 @@ def main(argv):
   model = trained_model.load(_CHECKPOINT.value, _STEP.value)
   result = generation.sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
                                temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                               seed=_SEED.value)
+                               seed=_SEED.value, keep_unk=_KEEP_UNK.value)
   if result["skipped"]:
     what = ("words read as <unk>" if model.tokenizer.level == "word"
             else "characters dropped")

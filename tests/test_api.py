@@ -154,6 +154,34 @@ def untrained_model() -> api.Model:
   return api.Model(trained_model.LoadedModel(run, lm, nn.unbox(variables), tokenizer))
 
 
+def unk_loving_word_model() -> api.Model:
+  """`untrained_model` over a word vocabulary, its output bias making <unk> nearly
+  certain: what a small word-level model's samples looked like."""
+  model = untrained_model()
+  words = ("the", "river", "<eos>", "<unk>") + tuple(f"w{i}" for i in range(23))
+  params = model.variables["params"]
+  bias = params["embedding"]["bias_0"].at[words.index("<unk>")].set(30.0)
+  variables = {"params": {**params, "embedding": {**params["embedding"], "bias_0": bias}}}
+  return api.Model(trained_model.LoadedModel(
+      model.config, model.lm, variables, tokenization.Tokenizer("text_files", "word", words)))
+
+
+def test_samples_leave_unk_out_unless_asked(tmp_path):
+  model = unk_loving_word_model()
+  for options in (dict(), dict(temperature=0.0)):
+    words = model.generate("the river", num_tokens=12, seed=1, **options).split()
+    assert len(words) == 12 and "<unk>" not in words, (options, words)
+  assert model.generate("the river", num_tokens=12, seed=1, keep_unk=True).split() == (
+      ["<unk>"] * 12)
+  # The command's flag (the default is the API's, through the same sampler).
+  model.save(tmp_path / "model")
+  kept = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.sample", f"--checkpoint={tmp_path / 'model'}",
+       "--prompt=the river", "--num_tokens=6", "--keep_unk"], capture_output=True,
+      text=True, cwd=ROOT, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert kept.stdout.split() == ["the", "river"] + ["<unk>"] * 6, kept.stderr
+
+
 def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
   model = untrained_model()
   model.save(tmp_path / "model")
@@ -179,6 +207,18 @@ def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
   smaller = model.prune_persistent_groups({0: {1: [0, 3]}, 1: {2: [0, 1, 2, 3]}},
                                           group_size=4)
   assert smaller.lm.cfg.persistent_slots == ((16, 16, 16, 8), (16, 16, 16, 0))
+  # The cut model numbers its heads by the slots they keep: the old head 1 of layer 0
+  # (8 slots left) is now head 3, as costs() and the export's note say.
+  assert smaller.costs()["persistent_per_head"] == [[16, 16, 16, 8], [16, 16, 16, 0]]
+  assert model.costs()["persistent_per_head"] == [[16] * 4, [16] * 4]
+  assert smaller.prune_heads({0: [3]}).lm.cfg.persistent_slots == ((16, 16, 16),
+                                                                    (16, 16, 16, 0))
+  note = model_export.renumbering_note(model.lm.cfg, smaller.lm.cfg)
+  assert ("numbers each layer's heads anew, 0 .. H-1: the heads kept, ordered by their "
+          "persistent slots, most first (per head: 16 16 16 8 | 16 16 16 0)") in note
+  assert "in the order they had" in model_export.renumbering_note(
+      model.lm.cfg, model.prune_heads({0: [1]}).lm.cfg)
+  assert model_export.renumbering_note(model.lm.cfg, model.lm.cfg) == ""
   expected_cfg, expected = head_removal.remove_heads(
       model.lm.cfg, jax.device_get(model.variables),
       slots={0: {1: [0, 1, 2, 3, 12, 13, 14, 15]}, 1: {2: list(range(16))}})

@@ -394,7 +394,8 @@ def test_help_describes_the_flags():
 @pytest.mark.slow
 @pytest.mark.parametrize("name, own_flags", [
     ("score", ("--checkpoint", "--step", "--text_file", "--out")),
-    ("sample", ("--checkpoint", "--prompt", "--num_tokens", "--top_k", "--seed")),
+    ("sample", ("--checkpoint", "--prompt", "--num_tokens", "--top_k", "--seed",
+                "--keep_unk")),
     ("evaluate", ("--checkpoint", "--split", "--text_file")),
     ("export", ("--workdir", "--out", "--step", "--overwrite")),
     ("data", ("--dataset", "--manual_dir", "--data_dir", "--level", "--files")),

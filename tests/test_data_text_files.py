@@ -1,6 +1,7 @@
 """Your own text (text_files), Penn Treebank and One Billion Word, on corpora written here."""
 import hashlib
 import json
+import logging
 import pathlib
 import types
 
@@ -137,6 +138,15 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
   assert {f['settings']['options']['level'] for f in fingerprints} == {'word', 'char'}
   load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST))   # back to word: nothing rebuilt
   assert len(tfds_prepares) == 3
+
+
+def test_preparing_names_the_folder_it_writes(tmp_path, caplog):
+  with caplog.at_level(logging.INFO):
+    load(tmp_path)
+  folder = next((tmp_path / 'data' / 'allatt_text').glob('text_files_*/1.0.0'))
+  [message] = [r.getMessage() for r in caplog.records if 'Preparing' in r.getMessage()]
+  assert message.startswith(f"Preparing dataset 'text_files' into {folder}, in the TFDS "
+                            f"data folder {tmp_path / 'data'} (a config's data.data_dir")
 
 
 def test_a_run_cannot_resume_with_another_option_set(tmp_path):

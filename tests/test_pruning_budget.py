@@ -23,6 +23,7 @@ from allatt_jax.config import config_base
 from allatt_jax.pruning import model_export
 from allatt_jax.pruning import gate_values
 from allatt_jax.model import gates as gates_lib
+from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import optim
 from allatt_jax.training import progress
@@ -31,6 +32,7 @@ from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
 from allatt_jax.runs import workdir_checks
 from allatt_jax.config.errors import ConfigError
+from allatt_jax.reports import demo_report
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 
@@ -352,6 +354,67 @@ def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, da
   config.train.learning_rate = 0.01
   with pytest.raises(ConfigError, match=r"train.learning_rate: 0.003 -> 0.01"):
     experiment().baseline()
+
+
+def _compared(stages, pruned_heads):
+  """`demo_report.compare_models`' figures of the tiny demo's baseline and of the
+  same model with `pruned_heads`, the speeds made up."""
+  cfg = model_lib.ModelConfig.from_config(
+      run_config.derived_run(stages.baseline, model=dict(vocab_size=27)))
+  e = stages.baseline.eval
+  compared = {}
+  for name, model_cfg in (("baseline", cfg),
+                          ("pruned", dataclasses.replace(cfg, heads_per_layer=pruned_heads))):
+    compared[name] = {"heads_per_layer": list(model_cfg.layer_heads),
+                      "persistent_per_layer": model_cfg.layer_slots,
+                      **cost_model.param_counts(model_cfg),
+                      **cost_model.macs_per_token(model_cfg, e.seq_len, e.mem_len,
+                                                  e.batch_size)}
+  compared["speed"] = {"baseline_tokens_per_s": 1000.0, "pruned_tokens_per_s": 1500.0}
+  return compared
+
+
+def _table_rows(report):
+  """{row label: [baseline cell, pruned cell]} of the demo's summary table."""
+  return {row.split(" | ")[0].strip(): [c.strip() for c in row.split(" | ")[1:]]
+          for row in demo_report.summary_table(report).splitlines()[3:]}
+
+
+def _stage_results(decision):
+  scores = {"valid": 2.5, "test": 2.4}
+  return {"metric": "bpc", **scores}, {**scores, "export": {
+      **scores, "budget": decision, "warnings": []}}
+
+
+def test_a_size_given_as_a_fraction_is_reported_in_full_with_the_cost_met():
+  stages = assembly.checked_pipeline(demo_config("unused", target_macs=0.5))
+  unpruned = cost_model.unpruned_cost(stages.pruning, model_lib.ModelConfig.from_config(
+      stages.pruning))
+  assert stages.pruning.gates.target_macs == 0.5 * unpruned
+  compared = _compared(stages, (2, 2))
+  baseline, pruned = _stage_results(dict(allowed=4, by_gates=4, changed=0, opened=[],
+                                         closed=[]))
+  report = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
+                             baseline, pruned, compared)
+  met = compared["pruned"]["macs_per_token_non_embedding"]
+  assert report["pruned"]["budget"] == {
+      "key": "target_macs", "value": 0.5 * unpruned, "unpruned": unpruned, "cost": met,
+      "allowed": 4, "by_gates": 4, "changed": 0, "opened": [], "closed": []}
+  rows = _table_rows(report)
+  ratio = compared["pruned"]["macs_per_token"] / compared["baseline"]["macs_per_token"]
+  assert rows["MACs per token"] == ["1.00", f"{ratio:.2f}"]      # with the output layer
+  assert rows["MACs/token (non-emb.)"] == [f"{unpruned:,.0f}",
+                                           f"{met:,.0f} ({met / unpruned:.2f})"]
+  assert rows["budget target_macs"] == ["", f"{0.5 * unpruned:,.0f}"]
+  params = [compared[m]["params_non_embedding"] for m in ("baseline", "pruned")]
+  assert rows["params (non-emb.)"] == [f"{params[0]:,}",
+                                       f"{params[1]:,} ({params[1] / params[0]:.2f})"]
+  # A sparsity: the heads it keeps.
+  stages = assembly.checked_pipeline(demo_config("unused", target_sparsity=0.5))
+  report = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
+                             baseline, pruned, compared)
+  assert "unpruned" not in report["pruned"]["budget"]
+  assert _table_rows(report)["budget target_sparsity"] == ["", "0.5 (4 heads)"]
 
 
 # --- The vocabulary from the data.

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from allatt_jax.model.attention import relative
@@ -272,6 +273,33 @@ def test_a_budget_above_the_gates_reopens_by_rank_what_fits():
   _, _, (_, decision) = _decide(101.0)
   assert decision["cost"] == 98 and [0, 1] not in decision["opened"]
   assert len(decision["opened"]) == 12
+
+
+def test_the_decision_line_says_which_kind_each_change_is_and_adds_up():
+  """A head opened brings the groups its gates keep open, a head closed takes them
+  along, with no decision of their own: the line names both kinds and those groups,
+  so the totals it reports add up."""
+  heads = ((3.0, -0.2, 1.0, 2.0), HEAD_LOGITS[1])
+  cfg = make_cfg()
+  gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
+                                        "persistent_logits": np.array(GROUP_LOGITS[i],
+                                                                      np.float32)}}
+           for i in range(2)}
+  penalty = budget.Penalty(optax.constant_schedule(0.0), HARD, allowed=97.5, units=_Units)
+  _, decision, line = freeze.keep_budgeted(cfg, gate_values.read(cfg, gates),
+                                                  penalty)
+  assert line.endswith("the gates keep 7 of 8 heads and 16 of 32 persistent groups at "
+                       "the freeze (86); the budget 98 keeps 8 heads and 17 groups (97): "
+                       "1 decision(s) changed by logit rank (opened 1 head(s) with their "
+                       "1 open group(s); closed none)"), line
+  for budget_value, head_logits in ((80.0, HEAD_LOGITS), (70.0, ((3.0, -4.0, 1.0, 2.0),
+                                                                 (2.0, 2.0, 2.0, 0.1))),
+                                    (101.0, HEAD_LOGITS), (97.5, heads)):
+    _, _, (_, decision) = _decide(budget_value, head_logits)
+    groups = lambda units: sum(len(unit) == 3 for unit in units)
+    assert (decision["groups_by_gates"] + decision["groups_with_opened"]
+            - decision["groups_with_closed"] + groups(decision["opened"])
+            - groups(decision["closed"])) == decision["groups"], budget_value
 
 
 def test_groups_only_keeps_every_head_and_fills_with_groups():

@@ -3,6 +3,7 @@ import pathlib
 
 import pytest
 
+from allatt_jax.reports import demo_report
 from allatt_jax.reports import readme_blocks
 from allatt_jax.config.errors import ConfigError
 
@@ -37,3 +38,32 @@ def test_markers_and_blocks_must_match():
       "a\n<!-- generated:demo -->\nnew\n<!-- end:demo -->\nb\n")
   with pytest.raises(ConfigError, match=r"blocks \['demo'\].*\['demo', 'score'\]"):
     readme_blocks.rewrite_blocks(text, {"demo": "x", "score": "y"})
+
+
+def test_a_lambda_runs_table_is_the_one_the_readme_quotes():
+  """The demo prunes with λ: its table has no budget rows, and the README's block is
+  what `summary_table` prints for the figures it shows."""
+  readme = (ROOT / "README.md").read_text()
+  start = "<!-- generated:demo -->\n```\n"
+  block = readme[readme.index(start) + len(start):
+                 readme.index("```\n<!-- end:demo -->")].rstrip("\n")
+  title, _, _, *rows = block.splitlines()
+  cells = {row.split("|")[0].strip(): [c.strip() for c in row.split("|")[1:]]
+           for row in rows}
+  number = lambda text: float(text.replace(",", "").rstrip("%"))
+  heads = {name: [int(h) for h in cells["heads per layer"][i].split()]
+           for i, name in enumerate(("baseline", "pruned"))}
+  models = {name: {"valid": number(cells["valid bpc"][i]),
+                   "test": number(cells["test bpc"][i]),
+                   "params_non_embedding": int(number(cells["params (non-emb.)"][i])),
+                   "heads_per_layer": heads[name],
+                   "persistent_per_layer": [64 * h for h in heads[name]]}
+            for i, name in enumerate(("baseline", "pruned"))}
+  models["pruned"].update(sparsity=1 - sum(heads["pruned"]) / sum(heads["baseline"]),
+                          budget=None)
+  speeds = [number(c) for c in cells["inference tokens/s"]]
+  report = {"dataset": title.split(":")[0], "metric": "bpc", **models,
+            "speed": {"baseline_tokens_per_s": speeds[0], "pruned_tokens_per_s": speeds[1],
+                      "speedup": speeds[1] / speeds[0],
+                      "macs_ratio": number(cells["MACs per token"][1])}}
+  assert demo_report.summary_table(report) == block

@@ -131,6 +131,45 @@ def test_the_nearest_budgets_named_are_met():
           == cost_model.param_counts(empty)["params_non_embedding"] == 64)
 
 
+def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
+  """target_params and target_macs in (0, 1) are fractions of the unpruned model's
+  non-embedding count, as target_sparsity is of its heads: the checked config holds
+  the figure, which the budget's checks, the run and its first lines use."""
+  cfg = model_lib.ModelConfig.from_config(
+      run_config.derived_run(run_config.RunConfig.of(demo()), model=dict(vocab_size=27)))
+  e = demo().eval
+  params = cost_model.param_counts(cfg)["params_non_embedding"]
+  macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len,
+                                   e.batch_size)["macs_per_token_non_embedding"]
+  pruning = assembly.checked_pipeline(demo("prune_gates", target_params=0.5)).pruning
+  assert pruning.gates.target_params == params // 2 == 6304
+  pruning = assembly.checked_pipeline(demo("prune_gates", target_macs=0.5)).pruning
+  assert pruning.gates.target_macs == 0.5 * macs
+  assert cost_model.target_open_heads(pruning, cfg) == 4
+  assert assembly.budget_note(pruning, cfg) == (
+      f"Budget target_macs: {macs / 2:,.0f} non-embedding MACs per token, 0.50 of the "
+      f"unpruned model's {macs:,.0f}.")
+  # A whole count is a count, as before.
+  pruning = assembly.checked_pipeline(demo("prune_gates", target_params=5000)).pruning
+  assert pruning.gates.target_params == 5000
+  # The checks apply to the figure, and say what the fraction stood for.
+  with pytest.raises(ConfigError, match=(
+      rf"target_macs=0.01 \(0.01 of the unpruned model's {macs:,.0f}: {macs / 100:,.0f}\) "
+      "leaves none of the model's 8 heads")):
+    assembly.checked_pipeline(demo("prune_gates", target_macs=0.01))
+
+
+def test_a_fraction_is_read_from_the_flag_and_checked_as_its_figure(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.main", "--config=configs/demo.py:tiny",
+       f"--workdir={tmp_path / 'run'}", f"{GATES}.target_params=0.001"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 2, result.stderr
+  assert (f"error: {GATES[2:]}.target_params=0.001 (0.001 of the unpruned model's "
+          "12,608: 12) is below the 64 non-embedding parameters") in result.stderr
+
+
 def test_a_pipeline_with_a_bad_pruning_key_stops_before_the_baseline(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "allatt_jax.main", "--config=configs/demo.py:tiny",

@@ -133,9 +133,11 @@ class GatesSection(_Section):
   lr_multiplier: float = 10.0
   learning_rate: float | None = None
   # A budget instead of λ (budget.py; at most one, lam=0): a Lagrangian controller
-  # prunes to this head sparsity, non-embedding parameter count or MACs per token.
+  # prunes to this head sparsity, non-embedding parameter count or MACs per token. A
+  # count in (0, 1) is that fraction of the unpruned model's, as a sparsity is of its
+  # heads: `assembly` sets the figure it stands for (cost_model.budget_value).
   target_sparsity: float | None = None
-  target_params: int | None = None
+  target_params: float | None = None
   target_macs: float | None = None
   lagrangian_lr: float = 1e-3          # ascent rate of the controller's multipliers
   # The controller's count σ(k·π) sharpens from k = 1 after the target warm-up to this

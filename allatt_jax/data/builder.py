@@ -158,7 +158,11 @@ def prepare(spec: specs.DatasetSpec, config_name: str, data_dir: str,
       spec, config_name)
   download_config = tfds.download.DownloadConfig(
       manual_dir=manual_dir, try_download_gcs=False)
-  logging.info("Preparing dataset '%s' into %s.", spec.name, folder)
+  # The folder is TFDS's, outside any run's workdir: say where, and what moves it.
+  logging.info("Preparing dataset '%s' into %s, in the TFDS data folder %s (a "
+               "config's data.data_dir or the data command's --data_dir, else "
+               '$TFDS_DATA_DIR, else ~/tensorflow_datasets), where later runs read it.',
+               spec.name, folder, data_dir)
   with cache.set_aside(folder):
     builder = AllattText(config=config, data_dir=data_dir, source_files=source_files,
                          encoding=encoding)

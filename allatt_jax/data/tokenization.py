@@ -194,6 +194,11 @@ class Tokenizer:
   def metric(self) -> str:
     return 'ppl' if self.level == 'word' else 'bpc'
 
+  @property
+  def unk_id(self) -> int | None:
+    """The id of <unk>, in a word vocabulary that has it; else None."""
+    return self._index.get(UNK) if self.level == 'word' else None
+
   @functools.cached_property
   def _index(self) -> dict[str, int]:
     return {token: i for i, token in enumerate(self.vocab)}

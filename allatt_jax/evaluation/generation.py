@@ -2,7 +2,9 @@
 
 A prompt is read once, in segments of at most the eval seq_len, to fill the memory;
 each new token is one jitted single-token step attending to the memory and itself, so
-the prompt is never recomputed. The same seed gives the same text.
+the prompt is never recomputed. The same seed gives the same text. A word vocabulary's
+<unk> is never sampled unless asked for: it stands for every rare word at once, so a
+small model's text would be mostly <unk> (LM samplers commonly mask it).
 """
 import functools
 
@@ -22,16 +24,20 @@ def _consume(variables, memory, inputs_1xT, *, lm):
   return None, memory
 
 
-@functools.partial(jax.jit, static_argnames=("lm", "temperature", "top_k"),
-                   donate_argnums=(2,))
-def _step(variables, token_1x1, memory, key, *, lm, temperature, top_k):
+@functools.partial(jax.jit, donate_argnums=(2,),
+                   static_argnames=("lm", "temperature", "top_k", "masked_token"))
+def _step(variables, token_1x1, memory, key, *, lm, temperature, top_k, masked_token):
   logp_1x1xV, memory = lm.apply(variables, token_1x1, memory, method=lm.log_probs)
   logp_V = logp_1x1xV[0, 0]
-  return _choose(logp_V, key, temperature, top_k).reshape(1, 1), logp_V, memory
+  chosen = _choose(logp_V, key, temperature, top_k, masked_token)
+  return chosen.reshape(1, 1), logp_V, memory
 
 
-def _choose(logp_V, key, temperature, top_k):
-  """A token from the distribution sharpened by `temperature` and cut to its top k."""
+def _choose(logp_V, key, temperature, top_k, masked_token):
+  """A token from the distribution sharpened by `temperature` and cut to its top k,
+  never `masked_token` (None: any)."""
+  if masked_token is not None:
+    logp_V = logp_V.at[masked_token].set(-jnp.inf)
   if temperature == 0.0:
     return jnp.argmax(logp_V).astype(jnp.int32)
   logits_V = logp_V / temperature
@@ -46,10 +52,11 @@ class Sampler:
 
   temperature: divides the log-probabilities before sampling; 0 is greedy decoding.
   top_k: sample among the k most likely tokens only; 0 keeps the whole vocabulary.
+  masked_token: a token id never chosen (a word vocabulary's <unk>); None: none.
   """
 
   def __init__(self, lm: model_lib.TransformerLM, *, seq_len: int, mem_len: int,
-               temperature: float = 1.0, top_k: int = 0):
+               temperature: float = 1.0, top_k: int = 0, masked_token: int | None = None):
     if mem_len < 1:
       raise errors.ConfigError(
           "Sampling feeds one token at a time, so it needs memory: config.eval.mem_len "
@@ -61,7 +68,8 @@ class Sampler:
           f"--top_k={top_k}: use 0 (no cut) up to the vocabulary size "
           f"{lm.cfg.vocab_size}.")
     self.lm, self.seq_len, self.mem_len = lm, seq_len, mem_len
-    self._options = dict(lm=lm, temperature=float(temperature), top_k=int(top_k))
+    self._options = dict(lm=lm, temperature=float(temperature), top_k=int(top_k),
+                         masked_token=masked_token)
 
   def initial_memory(self):
     return model_lib.init_memory(self.lm.cfg, 1, self.mem_len)
@@ -96,8 +104,10 @@ class Sampler:
 
 
 def sample_text(model: trained_model.LoadedModel, prompt: str, num_tokens: int, *,
-                temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
+                temperature: float = 1.0, top_k: int = 0, seed: int = 0,
+                keep_unk: bool = False) -> dict:
   """The prompt as the model reads it, its continuation, and skipped prompt tokens.
+  The continuation holds no <unk> unless `keep_unk` (the prompt may).
 
   Raises:
     DataError: no token of the prompt is in the vocabulary.
@@ -109,7 +119,8 @@ def sample_text(model: trained_model.LoadedModel, prompt: str, num_tokens: int, 
                            f"dataset {model.tokenizer.dataset!r}{hint}.")
   e = model.config.eval
   sampler = Sampler(model.lm, seq_len=e.seq_len, mem_len=e.mem_len,
-                    temperature=temperature, top_k=top_k)
+                    temperature=temperature, top_k=top_k,
+                    masked_token=None if keep_unk else model.tokenizer.unk_id)
   generated = sampler.generate(model.variables, ids, num_tokens, seed)
   return {"prompt": model.tokenizer.decode(ids),
           "text": model.tokenizer.decode(np.concatenate([ids, generated])),

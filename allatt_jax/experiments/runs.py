@@ -252,7 +252,9 @@ class Experiment:
   # --- Machinery.
 
   def _made(self, planned: PlannedRun) -> Record:
-    return self._run(planned.name, planned.kind, planned.config)
+    # Checked before the suite (`check`); resolved again here, so the run trains on
+    # its budget's figure, not a fraction the plan may give.
+    return self._run(planned.name, planned.kind, assembly.checked_config(planned.config))
 
   def _run(self, name: str, kind: str, config: RunConfig) -> Record:
     workdir = self.run_dir(name)

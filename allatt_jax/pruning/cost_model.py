@@ -129,19 +129,26 @@ def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
   return macs
 
 
+def _heads(cfg: model_lib.ModelConfig) -> dict:
+  """The heads of each layer and their persistent slots: per layer, and per head in
+  the model's order of heads, the indices `api.Model.prune_heads` takes (an export
+  numbers each layer's heads anew, most slots first: `prune.remove_heads`)."""
+  return {"heads_per_layer": list(cfg.layer_heads),
+          "persistent_per_layer": cfg.layer_slots,
+          "persistent_per_head": [list(cfg.head_slots(i)) for i in range(cfg.num_layers)]}
+
+
 def report(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int, batch_size: int,
            heads_kept: float | None = None) -> dict:
   """The cost report; with `heads_kept`, also relative to the unpruned model."""
   full = {**param_counts(cfg), **macs_per_token(cfg, seq_len, mem_len, batch_size),
-          "heads_per_layer": list(cfg.layer_heads),
-          "persistent_per_layer": cfg.layer_slots, "seq_len": seq_len,
-          "mem_len": mem_len, "batch_size": batch_size}
+          **_heads(cfg), "seq_len": seq_len, "mem_len": mem_len, "batch_size": batch_size}
   if heads_kept is None:
     return full
   pruned_cfg = prune_uniformly(cfg, heads_kept)
   pruned = {**param_counts(pruned_cfg),
             **macs_per_token(pruned_cfg, seq_len, mem_len, batch_size),
-            "heads_per_layer": list(pruned_cfg.layer_heads)}
+            **_heads(pruned_cfg)}
   pruned["relative_params"] = (pruned["params_non_embedding"]
                                / full["params_non_embedding"])
   pruned["relative_macs"] = (pruned["macs_per_token_non_embedding"]
@@ -178,6 +185,26 @@ def _budget_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> float:
   if key == "target_params":
     return param_counts(cfg)["params_non_embedding"]
   return macs_per_token(cfg, *eval_lengths)["macs_per_token_non_embedding"]
+
+
+def unpruned_cost(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> float:
+  """What the config's params or MACs budget measures of its unpruned model `cfg`: the
+  non-embedding parameters, or MACs per token at the eval lengths."""
+  e = config.eval
+  return _budget_cost(cfg, config.gates.budget_target, (e.seq_len, e.mem_len, e.batch_size))
+
+
+def budget_value(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> float:
+  """The figure the config's params or MACs budget prunes to (`cfg`: the unpruned
+  model): the value set, or, for a value in (0, 1), that fraction of `unpruned_cost`,
+  as target_sparsity is a fraction of the heads (no budget of under one parameter or
+  MAC means anything else). Parameters are whole: a budget of 0.5 of 1,001 keeps at
+  most 500."""
+  key = config.gates.budget_target
+  value = getattr(config.gates, key)
+  if 0 < value < 1:
+    value *= unpruned_cost(config, cfg)
+  return math.floor(value) if key == "target_params" else value
 
 
 def head_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> tuple[float, float]:

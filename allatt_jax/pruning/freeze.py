@@ -90,7 +90,9 @@ def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, uni
     the kept units cost), 'allowed' and 'groups' (the heads and groups kept),
     'by_gates', 'groups_by_gates' and 'cost_by_gates' (the same of the gates' own
     decision), 'changed' (decisions reversed) and the reversed units, [layer, head]
-    or [layer, head, group], in 'opened' and 'closed').
+    or [layer, head, group], in 'opened' and 'closed'; 'groups_with_opened' and
+    'groups_with_closed', the groups open by their gates of the heads opened and
+    closed, which come and go with their head without a decision of their own).
   """
   gate = cfg.gate
   layers = [(i, gates.head_logits[i], gates.head_values[i] > 0, gates.group_logits[i],
@@ -123,6 +125,7 @@ def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, uni
 
   new_gates, opened, closed = {}, [], []
   by_gates_heads, by_gates_groups = [], []
+  with_opened = with_closed = 0
   for i, heads_H, heads_open, groups_HxG, groups_open in layers:
     heads_new, groups_new = heads_H.copy(), groups_HxG.copy()
     by_gates_heads.append(int(heads_open.sum()))
@@ -132,6 +135,10 @@ def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, uni
       if gate.heads and keep != heads_open[h]:
         (opened if keep else closed).append([i, h])
         heads_new[h] = _CERTAIN_LOGIT if keep else -_CERTAIN_LOGIT
+        if keep:
+          with_opened += int(groups_open[h].sum())
+        else:
+          with_closed += int(groups_open[h].sum())
       if not keep:
         continue   # a removed head's groups go with it, whatever their gates say
       for g in range(groups_HxG.shape[1]):
@@ -146,7 +153,8 @@ def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, uni
       "groups": len(kept_groups), "by_gates": sum(by_gates_heads),
       "groups_by_gates": sum(by_gates_groups),
       "cost_by_gates": units.cost(by_gates_heads, by_gates_groups),
-      "changed": len(opened) + len(closed), "opened": opened, "closed": closed}
+      "changed": len(opened) + len(closed), "opened": opened, "closed": closed,
+      "groups_with_opened": with_opened, "groups_with_closed": with_closed}
   return new_gates, decision
 
 
@@ -170,5 +178,18 @@ def _units_line(decision: dict, num_heads: int, num_groups: int) -> str:
           f"({decision['cost']:,.0f})")
   if not decision["changed"]:
     return line + ": kept as they are"
-  return line + (f": {decision['changed']} decision(s) changed by logit rank (opened "
-                 f"{len(decision['opened'])}, closed {len(decision['closed'])})")
+  # Each kind apart, and the groups that come and go with a head: the totals above
+  # then add up (35 groups, a head opened with 2 open groups, 1 group closed: 36).
+  changes = []
+  for verb, units, groups_along in (
+      ("opened", decision["opened"], decision["groups_with_opened"]),
+      ("closed", decision["closed"], decision["groups_with_closed"])):
+    heads = sum(len(unit) == 2 for unit in units)
+    kinds = []
+    if heads:
+      kinds.append(f"{heads} head(s) with their {groups_along} open group(s)")
+    if len(units) > heads:
+      kinds.append(f"{len(units) - heads} persistent group(s)")
+    changes.append(f"{verb} {' and '.join(kinds) or 'none'}")
+  return line + (f": {decision['changed']} decision(s) changed by logit rank "
+                 f"({'; '.join(changes)})")

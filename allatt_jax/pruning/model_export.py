@@ -109,6 +109,8 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
     console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
                    f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}"
                    f"{kept_slots}) to {directory}; evaluating it")
+    if note := renumbering_note(cfg, pruned_cfg):
+      print(note, flush=True)
   evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
                                                config)
   results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
@@ -117,6 +119,22 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
     results["persistent_per_layer"] = slots
   results["directory"] = str(directory)
   return results
+
+
+def renumbering_note(cfg: model_lib.ModelConfig,
+                     pruned_cfg: model_lib.ModelConfig) -> str:
+  """What a user of the export `pruned_cfg` of `cfg` should know of its heads'
+  numbers (`prune.remove_heads` orders them), or '' where they are the same: each
+  layer's heads are numbered anew, and the indices the API takes count them so."""
+  if pruned_cfg.layer_heads == cfg.layer_heads and pruned_cfg.persistent_slots is None:
+    return ""
+  order = "in the order they had"
+  if pruned_cfg.persistent_slots is not None:
+    per_head = " | ".join(" ".join(map(str, layer)) for layer in pruned_cfg.persistent_slots)
+    order = f"ordered by their persistent slots, most first (per head: {per_head})"
+  return (f"The export numbers each layer's heads anew, 0 .. H-1: the heads kept, {order}. "
+          "Model.prune_heads and prune_persistent_groups take those numbers, and "
+          "Model.costs() lists each head's slots (persistent_per_head).")
 
 
 def export_pruning_run(workdir, config: run_config.RunConfig, cfg: model_lib.ModelConfig,

@@ -69,12 +69,22 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
   decision."""
   b, p, speed = compared["baseline"], compared["pruned"], compared["speed"]
   key = prune_config.gates.budget_target
+  budget = None
+  if key:
+    budget = {"key": key, "value": getattr(prune_config.gates, key),
+              **(pruned["export"].get("budget") or {})}
+    if key != "target_sparsity":
+      # What the budget measures, of both models: the pruned one's is the cost met.
+      measured = ("params_non_embedding" if key == "target_params"
+                  else "macs_per_token_non_embedding")
+      budget.update(unpruned=b[measured], cost=p[measured])
   return {
       "dataset": baseline_config.data.name,
       "metric": baseline["metric"],
       "baseline": {
           "valid": baseline["valid"], "test": baseline["test"],
           "params_non_embedding": b["params_non_embedding"],
+          "macs_per_token_non_embedding": b["macs_per_token_non_embedding"],
           "heads_per_layer": b["heads_per_layer"],
           "persistent_per_layer": b["persistent_per_layer"]},
       "pruned": {
@@ -82,6 +92,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "valid": pruned["export"]["valid"], "test": pruned["export"]["test"],
           "gated_valid": pruned["valid"], "gated_test": pruned["test"],
           "params_non_embedding": p["params_non_embedding"],
+          "macs_per_token_non_embedding": p["macs_per_token_non_embedding"],
           "heads_per_layer": p["heads_per_layer"],
           "sparsity": 1.0 - sum(p["heads_per_layer"]) / sum(b["heads_per_layer"]),
           # Persistent slots kept per layer (summed over its heads), and the fraction
@@ -90,10 +101,11 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "persistent_sparsity": (
               1.0 - sum(p["persistent_per_layer"]) / sum(b["persistent_per_layer"])
               if sum(b["persistent_per_layer"]) else 0.0),
-          # A fixed λ, or the budget asked for and what it decided at the freeze.
+          # A fixed λ, or the budget asked for (a fraction's figure: the resolver's),
+          # what it decided at the freeze and, of a size, the unpruned model's and the
+          # cost met.
           "lambda": None if key else prune_config.gates.lam,
-          "budget": ({"key": key, "value": getattr(prune_config.gates, key),
-                      **(pruned["export"].get("budget") or {})} if key else None)},
+          "budget": budget},
       "speed": {
           **speed,
           "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
@@ -114,13 +126,27 @@ def _groups_pruned(report: dict) -> bool:
                                            p["heads_per_layer"], per_head))
 
 
+def _budget_value(budget: dict) -> str:
+  """The budget asked for, as the table shows it: a sparsity and the heads it keeps,
+  or a size in full."""
+  if budget["key"] == "target_sparsity":
+    return f"{budget['value']:g} ({budget['allowed']} heads)"
+  return f"{budget['value']:,.0f}"
+
+
 def summary_table(report: dict) -> str:
+  """The table the demo prints. A budget run's adds the budget, and each size its
+  share of the unpruned model's (params; MACs of the layers, which pruning shrinks,
+  below the ratio with the output layer)."""
   metric, b, p, s = report["metric"], report["baseline"], report["pruned"], report["speed"]
+  budget = p.get("budget")
+  share = lambda key: f" ({p[key] / b[key]:.2f})" if budget else ""
   rows = [
       ("", "baseline", "pruned"),
       (f"valid {metric}", f"{b['valid']:.4f}", f"{p['valid']:.4f}"),
       (f"test {metric}", f"{b['test']:.4f}", f"{p['test']:.4f}"),
-      ("params (non-emb.)", f"{b['params_non_embedding']:,}", f"{p['params_non_embedding']:,}"),
+      ("params (non-emb.)", f"{b['params_non_embedding']:,}",
+       f"{p['params_non_embedding']:,}{share('params_non_embedding')}"),
       ("heads per layer", " ".join(map(str, b["heads_per_layer"])),
        " ".join(map(str, p["heads_per_layer"]))),
       ("head sparsity", "0%", f"{100 * p['sparsity']:.1f}%"),
@@ -130,6 +156,10 @@ def summary_table(report: dict) -> str:
       ("inference tokens/s", f"{s['baseline_tokens_per_s']:,.0f}",
        f"{s['pruned_tokens_per_s']:,.0f}"),
       ("MACs per token", "1.00", f"{s['macs_ratio']:.2f}"),
+      *([("MACs/token (non-emb.)", f"{b['macs_per_token_non_embedding']:,.0f}",
+          f"{p['macs_per_token_non_embedding']:,.0f}"
+          f"{share('macs_per_token_non_embedding')}"),
+         (f"budget {budget['key']}", "", _budget_value(budget))] if budget else []),
   ]
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]

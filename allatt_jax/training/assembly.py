@@ -98,7 +98,7 @@ class RunSetup:
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
   """A run about to train: its objects, its dataset, and what it says first about
-  how the config was completed (`complete`)."""
+  how the config was completed (`complete`, `budget_note`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
   note: str = ""
@@ -118,15 +118,15 @@ class PreparedPipeline:
 
 
 def checked_config(config) -> RunConfig:
-  """The checked RunConfig of a command's ConfigDict (or of a RunConfig); an unset
-  `model.vocab_size` is left for the dataset to complete.
+  """The checked RunConfig of a command's ConfigDict (or of a RunConfig), a budget
+  given as a fraction set to the figure it stands for (`cost_model.budget_value`),
+  so that every reader of the config sees that figure; an unset `model.vocab_size`
+  is left for the dataset to complete.
 
   Raises:
     ConfigError: an inconsistent or out-of-range config (see config_checks.py).
   """
-  run = RunConfig.of(config)
-  config_checks.check_config(run, jax.device_count())
-  return run
+  return config_checks.check_config(RunConfig.of(config), jax.device_count())
 
 
 def checked_pipeline(config) -> run_config.PipelineConfig:
@@ -233,8 +233,9 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 
 def _prepared(run: RunConfig, corpus: data_lib.Corpus,
               init_from: str | None = None) -> PreparedRun:
-  run, cfg, note = complete(run, corpus, init_from)
-  return PreparedRun(_build(run, cfg), corpus, note)
+  run, cfg, output_note = complete(run, corpus, init_from)
+  notes = (output_note, budget_note(run, cfg))
+  return PreparedRun(_build(run, cfg), corpus, "\n".join(note for note in notes if note))
 
 
 def _read_corpus(run: RunConfig) -> data_lib.Corpus:
@@ -333,3 +334,18 @@ def _word_output(run: RunConfig) -> tuple[dict, float, float]:
   return (dict(cutoffs=cutoffs,
                div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1)),
           plain, layers)
+
+
+def budget_note(run: RunConfig, cfg: model_lib.ModelConfig) -> str:
+  """What a run with a params or MACs budget says in its first lines: the figure it
+  prunes to (the one a fraction stood for: `checked_config`) and its share of the
+  unpruned model's (`cfg`); else ''."""
+  key = run.gates.budget_target
+  if key not in ("target_params", "target_macs"):
+    return ""
+  unpruned = cost_model.unpruned_cost(run, cfg)
+  value = getattr(run.gates, key)
+  unit = ("non-embedding parameters" if key == "target_params"
+          else "non-embedding MACs per token")
+  return (f"Budget {key}: {value:,.0f} {unit}, {value / unpruned:.2f} of the unpruned "
+          f"model's {unpruned:,.0f}.")

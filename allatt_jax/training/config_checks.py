@@ -52,11 +52,13 @@ _WHY_NOT_NEGATIVE = {
 }
 
 
-def check_config(config: run_config.RunConfig, num_devices: int) -> tuple[int, int]:
-  """The checks of the config alone, before any of it is built; returns the (data,
-  model) sizes `config.mesh` gives on `num_devices` devices. An unset
-  `model.vocab_size` is the dataset's, which the caller reads next, or refuses
-  (`check_vocab_size_set`).
+def check_config(config: run_config.RunConfig,
+                 num_devices: int) -> run_config.RunConfig:
+  """The checks of the config alone, before any of it is built, with `config.mesh` on
+  `num_devices` devices; returns the config with a params or MACs budget given as a
+  fraction resolved to the figure it stands for (`cost_model.budget_value`), which
+  the budget's checks apply to. An unset `model.vocab_size` is the dataset's, which
+  the caller reads next, or refuses (`check_vocab_size_set`).
 
   Raises:
     ConfigError: an inconsistent or out-of-range config.
@@ -66,8 +68,9 @@ def check_config(config: run_config.RunConfig, num_devices: int) -> tuple[int, i
   _check_model(config)
   _check_lengths(config)
   _check_persistent_groups(config)
-  _check_budget(config)
-  return _checked_mesh(config, num_devices)
+  config = _checked_budget(config)
+  _checked_mesh(config, num_devices)
+  return config
 
 
 def check_starting_point(config: run_config.RunConfig) -> None:
@@ -217,30 +220,39 @@ def _check_persistent_groups(config: run_config.RunConfig) -> None:
         f"{flag}=0).")
 
 
-def _check_budget(config: run_config.RunConfig) -> None:
-  """A budget (`gates.target_*`) must be one some number of heads meets, and one that
-  leaves a head, unless `gates.allow_empty` asks for a model without attention; the
-  error names the nearest budget that is met."""
+def _checked_budget(config: run_config.RunConfig) -> run_config.RunConfig:
+  """The config with its params or MACs budget as the figure it stands for
+  (`cost_model.budget_value`), checked: a budget (`gates.target_*`) must be one some
+  number of heads meets, and one that leaves a head, unless `gates.allow_empty` asks
+  for a model without attention; the error names the nearest budget that is met."""
   gates = config.gates
   key = gates.budget_target
   if key is None:
-    return
-  value, flag = getattr(gates, key), f"--config.gates.{key}"
+    return config
+  asked, flag = getattr(gates, key), f"--config.gates.{key}"
   if not gates.enabled:
     raise ConfigError(
-        f"config.gates.{key}={value} asks a pruning run for a size, but "
+        f"config.gates.{key}={asked} asks a pruning run for a size, but "
         "config.gates.enabled is False. Set --config.gates.enabled=True (and "
         "--config.init_from=BASELINE), or leave the budget unset.")
   cfg = model_lib.ModelConfig.from_config(config)
   if cfg.persistent_slots is not None:
     raise ConfigError(
-        f"config.gates.{key}={value}: a budget counts heads of equal cost, but this "
+        f"config.gates.{key}={asked}: a budget counts heads of equal cost, but this "
         "model's heads keep different numbers of persistent vectors (an export of "
         "pruned persistent groups). Prune it with a fixed --config.gates.lam, or start "
         "from the unpruned model.")
+  value, shown = asked, f"config.gates.{key}={asked}"
+  if key != "target_sparsity":
+    value = cost_model.budget_value(config, cfg)
+    config = run_config.derived_run(config, gates={key: value})
+    shown = f"config.gates.{key}={value}"
+    if 0 < asked < 1:   # a fraction: the errors say what it stood for
+      shown = (f"config.gates.{key}={asked} ({asked:g} of the unpruned model's "
+               f"{cost_model.unpruned_cost(config, cfg):,.0f}: {value:,.0f})")
   if gates.persistent_group:
-    _check_group_budget(config, cfg, key, value, flag)
-    return
+    _check_group_budget(config, cfg, key, value, shown, flag)
+    return config
   scale = cost_model.BudgetScale.of(config, cfg)
   total, allow_empty = scale.total, gates.allow_empty
   fewest = 0 if allow_empty else 1
@@ -252,25 +264,25 @@ def _check_budget(config: run_config.RunConfig) -> None:
     if not 0.0 <= value <= 1.0:
       nearest = keeps(fewest) + empty_advice if value > 1 else keeps(total)
       raise ConfigError(
-          f"config.gates.target_sparsity={value} is out of range: it is the fraction of "
-          f"the model's {total} heads to remove, in [0, 1]. The nearest budget that is "
-          f"met: {nearest}.")
+          f"{shown} is out of range: it is the fraction of the model's {total} heads to "
+          f"remove, in [0, 1]. The nearest budget that is met: {nearest}.")
   elif value < scale.empty or value <= 0:
     unit = ("non-embedding parameters" if key == "target_params"
             else "non-embedding MACs per token")
     raise ConfigError(
-        f"config.gates.{key}={value} is below the {scale.empty:,.0f} {unit} that no "
-        "head holds (what is left with every head removed), so no number of heads "
-        f"meets it. The smallest budget that is met: {keeps(fewest)}{empty_advice}.")
+        f"{shown} is below the {scale.empty:,.0f} {unit} that no head holds (what is "
+        "left with every head removed), so no number of heads meets it. The smallest "
+        f"budget that is met: {keeps(fewest)}{empty_advice}.")
   if scale.heads(value) == 0 and not allow_empty:
     raise ConfigError(
-        f"config.gates.{key}={value} leaves none of the model's {total} heads: a "
-        "model without attention, which is rarely what anyone wants. The nearest "
-        f"budget that keeps a head: {keeps(1)}; to remove every head anyway, add "
-        "--config.gates.allow_empty=True.")
+        f"{shown} leaves none of the model's {total} heads: a model without attention, "
+        "which is rarely what anyone wants. The nearest budget that keeps a head: "
+        f"{keeps(1)}; to remove every head anyway, add --config.gates.allow_empty=True.")
+  return config
 
 
-def _check_group_budget(config, cfg, key: str, value: float, flag: str) -> None:
+def _check_group_budget(config, cfg, key: str, value: float, shown: str,
+                        flag: str) -> None:
   """A budget over heads and persistent groups: at least what must stay (nothing, or
   every head without slots when heads are not gated), and a head unless allowed."""
   gates = config.gates
@@ -282,7 +294,7 @@ def _check_group_budget(config, cfg, key: str, value: float, flag: str) -> None:
     floor = units.cost(cfg.layer_heads, [0] * cfg.num_layers)
     if value < floor:
       raise ConfigError(
-          f"config.gates.{key}={value} is below the {floor:,.0f} {unit} that pruning "
+          f"{shown} is below the {floor:,.0f} {unit} that pruning "
           "persistent groups alone leaves (every head's projections and context "
           f"attention stay, config.gates.heads=False). The smallest budget that is met: "
           f"{met(floor)} (no persistent vector kept); to go lower, gate the heads too: "
@@ -295,12 +307,12 @@ def _check_group_budget(config, cfg, key: str, value: float, flag: str) -> None:
   if value < units.empty or value <= 0:
     nearest = met(units.empty) if gates.allow_empty else met(one_head)
     raise ConfigError(
-        f"config.gates.{key}={value} is below the {units.empty:,.0f} {unit} that no "
+        f"{shown} is below the {units.empty:,.0f} {unit} that no "
         "head holds (what is left with every head removed), so no number of heads "
         f"meets it. The smallest budget that is met: {nearest}{empty_advice}.")
   if value < one_head and not gates.allow_empty:
     raise ConfigError(
-        f"config.gates.{key}={value} leaves none of the model's {sum(cfg.layer_heads)} "
+        f"{shown} leaves none of the model's {sum(cfg.layer_heads)} "
         "heads: a model without attention, which is rarely what anyone wants. The "
         f"nearest budget that keeps a head: {met(one_head)} (one head without persistent "
         "vectors); to remove every head anyway, add --config.gates.allow_empty=True.")
