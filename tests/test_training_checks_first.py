@@ -146,7 +146,7 @@ def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
   pruning = assembly.checked_pipeline(demo("prune_gates", target_macs=0.5)).pruning
   assert pruning.gates.target_macs == 0.5 * macs
   assert cost_model.target_open_heads(pruning, cfg) == 4
-  assert assembly.budget_note(pruning, cfg) == (
+  assert cost_model.budget_note(pruning, cfg) == (
       f"Budget target_macs: {macs / 2:,.0f} non-embedding MACs per token, 0.50 of the "
       f"unpruned model's {macs:,.0f}.")
   # A whole count is a count, as before.

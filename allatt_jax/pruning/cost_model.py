@@ -358,3 +358,18 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
   if key != "target_sparsity" and value <= 0:
     raise ConfigError(f"config.gates.{key}={value} must be positive.")
   return BudgetScale.of(config, cfg).heads(value)
+
+
+def budget_note(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> str:
+  """What a run with a params or MACs budget says in its first lines: the figure it
+  prunes to (the one a fraction stood for, `budget_value`) and its share of the
+  unpruned model's; else ''."""
+  key = config.gates.budget_target
+  if key not in ("target_params", "target_macs"):
+    return ""
+  unpruned = unpruned_cost(config, cfg)
+  value = getattr(config.gates, key)
+  unit = ("non-embedding parameters" if key == "target_params"
+          else "non-embedding MACs per token")
+  return (f"Budget {key}: {value:,.0f} {unit}, {value / unpruned:.2f} of the unpruned "
+          f"model's {unpruned:,.0f}.")

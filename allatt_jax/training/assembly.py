@@ -98,7 +98,7 @@ class RunSetup:
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
   """A run about to train: its objects, its dataset, and what it says first about
-  how the config was completed (`complete`, `budget_note`)."""
+  how the config was completed (`complete`, `cost_model.budget_note`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
   note: str = ""
@@ -234,7 +234,7 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 def _prepared(run: RunConfig, corpus: data_lib.Corpus,
               init_from: str | None = None) -> PreparedRun:
   run, cfg, output_note = complete(run, corpus, init_from)
-  notes = (output_note, budget_note(run, cfg))
+  notes = (output_note, cost_model.budget_note(run, cfg))
   return PreparedRun(_build(run, cfg), corpus, "\n".join(note for note in notes if note))
 
 
@@ -322,30 +322,16 @@ def _word_output(run: RunConfig) -> tuple[dict, float, float]:
   if not (m.auto_cutoffs and data.name == "text_files" and data.level in ("", "word")
           and not m.cutoffs and m.div_val == 1 and m.vocab_size):
     return {}, 0.0, 0.0
+  cfg = model_lib.ModelConfig.from_config(run)
   cutoffs = adaptive.default_cutoffs(data.name, m.vocab_size)
   if not cutoffs:
     return {}, 0.0, 0.0
-  cfg = model_lib.ModelConfig.from_config(run)
-  plain = cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len)
-  layers = cost_model.macs_per_token(cfg, t.seq_len, t.mem_len,
-                                     t.batch_size)["macs_per_token_non_embedding"]
+  macs = cost_model.macs_per_token(cfg, t.seq_len, t.mem_len, t.batch_size)
+  layers = macs["macs_per_token_non_embedding"]
+  plain = macs["macs_per_token"] - layers
   if plain <= layers:
     return {}, 0.0, 0.0
   return (dict(cutoffs=cutoffs,
                div_val=next((k for k in (4, 2) if m.d_model // k ** len(cutoffs)), 1)),
           plain, layers)
 
-
-def budget_note(run: RunConfig, cfg: model_lib.ModelConfig) -> str:
-  """What a run with a params or MACs budget says in its first lines: the figure it
-  prunes to (the one a fraction stood for: `checked_config`) and its share of the
-  unpruned model's (`cfg`); else ''."""
-  key = run.gates.budget_target
-  if key not in ("target_params", "target_macs"):
-    return ""
-  unpruned = cost_model.unpruned_cost(run, cfg)
-  value = getattr(run.gates, key)
-  unit = ("non-embedding parameters" if key == "target_params"
-          else "non-embedding MACs per token")
-  return (f"Budget {key}: {value:,.0f} {unit}, {value / unpruned:.2f} of the unpruned "
-          f"model's {unpruned:,.0f}.")
