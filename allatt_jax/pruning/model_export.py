@@ -100,6 +100,7 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
                        cfg: model_lib.ModelConfig, pruned_cfg: model_lib.ModelConfig,
                        params, corpus: data_lib.Corpus, mesh) -> dict:
   """`export_and_evaluate` once `cfg` is cut to `pruned_cfg` with `params`."""
+  renumbered = renumbering_note(cfg, pruned_cfg)
   save(directory, config, pruned_cfg, params, corpus.tokenizer)
   slots = pruned_cfg.layer_slots
   if jax.process_index() == 0:
@@ -109,8 +110,8 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
     console.banner(f"Export: {sum(pruned_cfg.layer_heads)} of {sum(cfg.layer_heads)}"
                    f" heads kept (per layer {' '.join(map(str, pruned_cfg.layer_heads))}"
                    f"{kept_slots}) to {directory}; evaluating it")
-    if note := renumbering_note(cfg, pruned_cfg):
-      print(note, flush=True)
+    if renumbered:
+      print(renumbered, flush=True)
   evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
                                                config)
   results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
