@@ -9,7 +9,7 @@ is. Also: the packed keep bits are the XLA core's masks; the model's log-probabi
 and an accumulated train step; pruned layers of uneven head counts, a stream start,
 slot weights (a closed slot takes no mass); the Pallas part in interpret mode and the
 cuDNN part's plumbing (against a stand-in for cuDNN) against the XLA part; a 2 × 2
-mesh; the choices of part and their refusals.
+mesh; the choices of part and their refusals; the device script's dry run.
 """
 import functools
 import inspect
@@ -30,6 +30,7 @@ from allatt_jax import attention_impl
 from allatt_jax import attention_kernel
 from allatt_jax import config_base
 from allatt_jax import config_checks
+from allatt_jax import gpu_check
 from allatt_jax import keep_bits
 from allatt_jax import model as model_lib
 from allatt_jax import persistent_cores
@@ -431,3 +432,41 @@ def test_split_core_on_a_2x2_mesh():
   assert result.returncode == 0, result.stderr[-3000:]
   differences = json.loads(result.stdout.strip().splitlines()[-1])
   assert max(differences.values()) < 2e-6, differences
+
+
+def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
+  """The device script's pieces (launch/gpu_check.sh), in this process at a dry run's
+  tiny shapes, and the table it writes into docs/performance.md."""
+  pieces = gpu_check._pieces(dry=False)
+  for piece in ("versions", "part:pallas:0.2", "part:cudnn:0.0", "layer:xla:0.2",
+                "layer:split-pallas:0.2", "layer:split-cudnn:0.0", "alone:cudnn"):
+    assert piece in pieces
+  results = {piece: gpu_check.run_piece(piece, dry=True) for piece in gpu_check._pieces(True)}
+  assert results["versions"]["backend"] == "cpu"
+  for piece, result in results.items():
+    assert result.get("status", "ok") == "ok", (piece, result)
+  assert results["part:xla:0.2"]["agrees"] and results["layer:split-xla:0.2"]["ms"] > 0
+  assert gpu_check.run_piece("layer:split-pallas:0.0", dry=True) == {
+      "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32)}
+  assert gpu_check._best_split(results, dry=True) == "xla"
+  report = {"date": "2026-11-27", "dry_run": True, "seconds": 1.0,
+            "pieces": {**results, "benchmark": {"status": "timeout", "limit_s": 1.0}}}
+  doc = tmp_path / "performance.md"
+  doc.write_text(f"# Performance\n\n{gpu_check.BEGIN}\nold\n{gpu_check.END}\n\nafter\n")
+  for _ in range(2):
+    gpu_check.write_table(doc, gpu_check.table(report))
+  text = doc.read_text()
+  assert text.count(gpu_check.BEGIN) == 1 and "old" not in text and text.endswith("after\n")
+  assert "| `layer:split-xla:0.2` | ok |" in text and "| `benchmark` | timeout |" in text
+
+
+@pytest.mark.slow   # the CPU benchmark of configs/bench_cpu.py:tiny: a minute
+def test_gpu_check_dry_run_end_to_end(tmp_path):
+  done = subprocess.run([str(REPO / "launch" / "gpu_check.sh"), "--dry-run",
+                         f"--out_dir={tmp_path}"], env={**os.environ, "PYTHON": sys.executable},
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(next(tmp_path.glob("gpu_check_*[0-9].json")).read_text())
+  assert {r["status"] for r in report["pieces"].values()} == {"ok"}
+  assert set(report["pieces"]["benchmark"]["train"]) == {"xla", "split"}
+  assert gpu_check.BEGIN in (tmp_path / "performance.md").read_text()
