@@ -191,12 +191,15 @@ def _slot_grads_kernel(g: _Geometry, *refs):
     dpw_ref[0][...] = dpw
 
 
-def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name):
-  """A pallas_call of one kernel: 4 warps, 2 pipeline stages (untuned)."""
+def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warps=4):
+  """A pallas_call of one kernel, 2 pipeline stages. Untuned; at 64 x 64 tiles, head
+  size 64, bf16 with dropout, ptxas (Triton 3.9, sm_90a) gives the forward and query
+  gradient kernels 128 and 175 registers at 4 warps, the slot gradients' 232 at 8
+  warps (at 4: 255 and spills); see docs/performance.md."""
   return pl.pallas_call(
       functools.partial(kernel, g), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=g.interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2))
 
 
 def _geometry(qp, pk, pw, rate, tiles, interpret) -> _Geometry:
@@ -293,7 +296,7 @@ def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
   dpk, dpv, *dpw = _call(
       _slot_grads_kernel, g, (h, g.n_tiles, g.chunks),
       in_specs + [chunk_stats] * 3 + [chunk_rows], out_specs, out_shape,
-      "allatt_persistent_slot_grads")(*slot_args, top_, norm_, delta_, dout_)
+      "allatt_persistent_slot_grads", warps=8)(*slot_args, top_, norm_, delta_, dout_)
   slots_of = lambda x: x.sum(1)[:, :g.n]
   return (dq[:, :g.m, :dh].reshape(h, b, t, dh), slots_of(dpk)[..., :dh].astype(pk.dtype),
           slots_of(dpv)[..., :dh].astype(pv.dtype),
