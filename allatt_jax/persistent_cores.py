@@ -15,7 +15,8 @@ of `keep_bits.packed` (or None: no dropout):
               (H, B, T, dh). Every slot closed: l = 0, acc = 0.
   backward -> (dqp, dpk, dpv, dpw) under the merged softmax, given its shift m and
               sum l, δ = Σ out·dout and out, dout (H, B, T, dh): the weights are
-              w_n·q_n, q_n = exp(s_n − m)/l, and ∂L/∂s_n = w_n·q_n·(keep_n·dp_n/(1−rate) − δ).
+              w_n·q_n, q_n = exp(s_n − m)/l, and
+              ∂L/∂s_n = w_n·q_n·(keep_n·dp_n/(1 − rate) − δ).
 
 As in the XLA core, a closed slot's exponent is capped at 80, so w·exp is 0, not 0·inf.
 """

@@ -33,8 +33,8 @@ _BACKWARD_RULE = "_dot_product_attention_bwd_rule"
 
 def _module():
   """jax's cuDNN attention module, or None where this jax has not the calls used here."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+  try:   # jax's private module, imported here: its absence is a reason, not a crash
+    from jax._src.cudnn import fused_attention_stablehlo as fa
   except ImportError:
     return None
   needed = ("dot_product_attention", _FORWARD_RULE, _BACKWARD_RULE, "MaskType",

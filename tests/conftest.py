@@ -72,10 +72,11 @@ def compilation_cache(tmp_path_factory):
 _LONGEST_FIRST = (
     "test_experiments", "test_reliability", "test_train", "test_preemption", "test_api",
     "test_budget", "test_distill", "test_multidevice", "test_cli", "test_benchmark",
-    "test_attention_pallas", "test_multihost", "test_adaptive", "test_compile_check",
-    "test_model", "test_repro", "test_accumulation", "test_score_sample",
-    "test_text_files", "test_colab", "test_checkpoint_fallback", "test_attention",
-    "test_persistent_groups", "test_costs", "test_hlo_cost", "test_reference")
+    "test_attention_pallas", "test_split_core", "test_multihost", "test_adaptive",
+    "test_compile_check", "test_model", "test_repro", "test_accumulation",
+    "test_score_sample", "test_text_files", "test_colab", "test_checkpoint_fallback",
+    "test_attention", "test_persistent_groups", "test_costs", "test_hlo_cost",
+    "test_reference")
 
 
 def pytest_collection_modifyitems(items):

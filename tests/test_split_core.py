@@ -18,6 +18,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -336,7 +337,7 @@ def _stand_in_for_cudnn():
   """jax's cuDNN module with its calls in XLA, their signatures jax's: cuDNN's
   arithmetic (weights exp(s − stats), δ = Σ O·dO from the residuals handed to the
   backward rule), so that the part's arguments and layouts are checked here."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa   # pylint: disable=import-outside-toplevel
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
 
   def dot_product_attention(query, key, value, *, scale, qkv_layout, return_residual):
     assert (scale, qkv_layout, return_residual) == (1.0, "BNTH", True)
@@ -418,6 +419,35 @@ def test_choices_and_refusals(monkeypatch):
   saved = run_config.RunConfig.of(config_base.base_config()).to_dict()
   del saved["model"]["persistent_impl"]
   assert run_config.RunConfig.from_dict(saved).model.persistent_impl == "auto"
+
+
+def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
+  """On a GPU (pretended: the trials' times and failures are given), 'auto' is the
+  split core, with the fastest persistent part whose trial passes in time."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  monkeypatch.setattr(persistent_cores, "TRIAL_SECONDS", 0.5)
+
+  def trial(name, rate, weighted, dtype):
+    del rate
+    if name == "pallas" and weighted:
+      time.sleep(2)   # a stalled compile: given up after TRIAL_SECONDS
+    if name == "pallas" and dtype == "float16":
+      raise RuntimeError("it disagrees with the XLA part")
+    return {"xla": 3e-3, "pallas": 2e-3, "cudnn": 1e-3}[name]
+
+  monkeypatch.setattr(persistent_cores, "trial", trial)
+  persistent_cores._auto.cache_clear()
+  try:
+    assert attention_impl.use_split("auto")
+    choose = lambda rate, weighted, dtype=jnp.bfloat16: persistent_cores.part(
+        "auto", rate, weighted, dtype).name
+    assert choose(0.0, False) == "cudnn"
+    assert choose(0.2, False) == "pallas"   # cuDNN's dropout would not follow the key
+    assert choose(0.2, True) == "xla"       # Pallas stalled, cuDNN cannot weight slots
+    assert choose(0.2, False, jnp.float16) == "xla"   # Pallas disagreed
+  finally:
+    persistent_cores._auto.cache_clear()
 
 
 _SHARDED = """
