@@ -11,6 +11,7 @@ slot weights (a closed slot takes no mass); the Pallas part in interpret mode an
 cuDNN part's plumbing (against a stand-in for cuDNN) against the XLA part; a 2 × 2
 mesh; the choices of part and their refusals; the device script's dry run.
 """
+import dataclasses
 import functools
 import inspect
 import json
@@ -21,6 +22,7 @@ import sys
 import time
 import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +235,38 @@ def test_model_log_probs_match():
     first, memory = log_probs(variables, tokens[:, :6], memory)    # a stream's start
     second, _ = log_probs(variables, tokens[:, 6:], memory)        # with memory
     results[impl] = (first, second)
+  for got, expected in zip(results["split"], results["xla"]):
+    assert_close(got, expected)
+
+
+def test_model_with_closed_slot_groups_and_its_ragged_export_match():
+  """Persistent-group gates (closed groups weight their slots 0) and the export that
+  cuts them (heads keeping different numbers of slots, attended run by run)."""
+  from allatt_jax import prune   # pylint: disable=import-outside-toplevel
+  config = run_config.RunConfig.of(config_base.base_config())
+  config = dataclasses.replace(
+      tiny_model(heads_per_layer=None), gates=dataclasses.replace(
+          config.gates, enabled=True, persistent_group=8, hard=True))
+  tokens = np.random.default_rng(4).integers(0, 11, (2, 6))
+  # Layer 0's head 1 and layer 1's head 3 with every group closed, others with some.
+  logits = np.where(np.random.default_rng(5).random((2, 4, 5)) < 0.4, -3.0, 3.0)
+  logits[0, 1] = logits[1, 3] = -3.0
+  results = {}
+  for impl in ("split", "xla"):
+    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
+    memory = model_lib.init_memory(lm.cfg, 2, 5)
+    variables = nn.unbox(jax.jit(lm.init)(jax.random.key(0), tokens, tokens, memory))
+    for i in range(2):
+      variables["gates"][f"layer_{i}"]["attention"]["persistent_logits"] = jnp.asarray(
+          logits[i])
+    gated = jax.jit(functools.partial(lm.apply, method=lm.log_probs))(variables, tokens,
+                                                                       memory)[0]
+    cfg, params = prune.remove_heads(lm.cfg, variables)
+    export = model_lib.TransformerLM(dataclasses.replace(cfg, attention_impl=impl))
+    cut = jax.jit(functools.partial(export.apply, method=export.log_probs))(
+        {"params": params}, tokens, memory)[0]
+    results[impl] = (gated, cut)
+  assert len(set(cfg.persistent_slots[0])) > 1   # ragged: runs of heads
   for got, expected in zip(results["split"], results["xla"]):
     assert_close(got, expected)
 
