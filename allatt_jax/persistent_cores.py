@@ -38,8 +38,8 @@ from allatt_jax import persistent_pallas
 from allatt_jax.errors import ConfigError
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
-_NEG_INF = -1e30
-_MAX_EXPONENT = 80.0
+_NEG_INF = -1e30        # the XLA core's: finite, so that exp(masked - max) is exactly 0
+_MAX_EXPONENT = 80.0    # the XLA core's cap of a closed slot's exponent
 # Seconds each candidate of 'auto' may take to compile, check and time.
 TRIAL_SECONDS = 60.0
 
@@ -80,10 +80,6 @@ class Part:
 PARTS = {name: Part(name) for name in IMPLS[1:]}
 
 
-def _slot_axes(pw_HxN):
-  return pw_HxN[:, None, None, :].astype(jnp.float32)
-
-
 def _scores(qp, pk, score_dtype):
   return jnp.einsum("hbtd,hnd->hbtn", qp, pk,
                     preferred_element_type=score_dtype).astype(jnp.float32)
@@ -95,7 +91,7 @@ def _xla_forward(rate, score_dtype, qp, pk, pv, pw, bits):
     top = s.max(-1, keepdims=True)
     e = jnp.exp(s - top)
   else:   # the shift is the largest open slot's logit; a closed one's exp is capped
-    w = _slot_axes(pw)
+    w = attention_kernel._slot_axes(pw)
     top = jnp.where(w > 0, s, _NEG_INF).max(-1, keepdims=True)
     e = jnp.exp(jnp.minimum(s - top, _MAX_EXPONENT)) * w
   keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
@@ -119,7 +115,8 @@ def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dou
   dpw = None
   if pw is not None:   # the gradients of q_n's logit: w_n times those of p_n's
     dpw = dlog_q.sum((1, 2)).astype(pw.dtype)
-    q_dropped, dlog_q = q_dropped * _slot_axes(pw), dlog_q * _slot_axes(pw)
+    w = attention_kernel._slot_axes(pw)
+    q_dropped, dlog_q = q_dropped * w, dlog_q * w
   pd, dlog = q_dropped.astype(dtype), dlog_q.astype(dtype)
   dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd).swapaxes(-1, -2)
   dqp = jnp.einsum("hbtn,hnd->hbtd", dlog, pk, preferred_element_type=f32).astype(dtype)
