@@ -2,7 +2,7 @@ r"""The first thing a lent GPU runs (launch/gpu_check.sh): what the split core a
 persistent parts do there, each piece in a process of its own under a time limit, so
 that a stalled compile costs that piece's seconds and the rest go on.
 
-  python -m allatt_jax.gpu_check              # on a GPU, within --budget (540 s)
+  python -m allatt_jax.gpu_check              # on a GPU, within --budget (525 s)
   python -m allatt_jax.gpu_check --dry-run    # on a CPU: the XLA parts at tiny shapes
 
 Pieces, in order (each prints one JSON line; the layer pieces need jax and the
@@ -307,7 +307,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--dry-run", action="store_true",
                       help="on a CPU: the XLA parts at tiny shapes, the tiny CPU benchmark")
-  parser.add_argument("--budget", type=float, default=540.0, help="seconds for all pieces")
+  parser.add_argument("--budget", type=float, default=525.0, help="seconds for all pieces")
   parser.add_argument("--json", type=pathlib.Path, help="the report's JSON file")
   parser.add_argument("--doc", type=pathlib.Path, help="the Markdown file for its table")
   parser.add_argument("--out_dir", type=pathlib.Path,

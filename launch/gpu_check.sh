@@ -18,5 +18,5 @@ if compgen -G ".whl/*.whl" > /dev/null; then
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
-# The pieces keep to the script's 540 s budget; this stops whatever outlives it.
-exec timeout -k 10 570 "$PYTHON" -m allatt_jax.gpu_check "$@"
+# The pieces keep to the script's 525 s budget; this stops whatever outlives 9 minutes.
+exec timeout -k 5 535 "$PYTHON" -m allatt_jax.gpu_check "$@"
