@@ -8,9 +8,11 @@ docs/performance.md has its figures on an H200. Arguments: wt103_base.py's.
   python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile --out=/tmp/bench_gpu.json
 
 Its variant `before` times, in the same rounds, the code before the output layer and
-the attention were rewritten for accelerators. The fused attention kernels are not
-timed by default: their backward pass with dropout does not compile in minutes on an
-H200 (docs/performance.md); without attention dropout,
+the attention were rewritten for accelerators; its variant `split`, the split attention
+core (split_core.py) with the persistent part that `persistent_impl='auto'` picks
+(launch/gpu_check.sh times it with the part its layer timings found fastest). The fused
+attention kernels are not timed by default: their backward pass with dropout does not
+compile in minutes on an H200 (docs/performance.md); without attention dropout,
 `--variant=pallas:model.attention_impl=pallas,model.dropout_attn=0.0`.
 """
 import ml_collections
@@ -30,5 +32,7 @@ def get_config(arg=None):
       # float32 attention scores; `--profile` adds its breakdown).
       variants=dict(
           before=dict(model=dict(vocab_block=8192, tail_capacity=0.0,
-                                 score_dtype="float32", attention_impl="xla")))))
+                                 score_dtype="float32", attention_impl="xla")),
+          # The context part in XLA, the persistent part merged by its log-sum-exp.
+          split=dict(model=dict(attention_impl="split", persistent_impl="auto")))))
   return c

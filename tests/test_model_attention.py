@@ -242,11 +242,14 @@ def test_bf16_scores_take_their_max_exp_and_sum_in_float32():
 # --- 4. A group budget that keeps a head must pay for its layer too.
 
 
-def test_auto_keeps_slot_weighted_layers_off_the_fused_kernels(monkeypatch):
-  # The kernels count as runnable here (Pallas' interpreter on CPU), so 'auto' picks
-  # them for every layer they can serve.
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_slot_weighted_layers_keep_their_weights_on_a_gpus_cores(monkeypatch, impl):
+  # As on a GPU: the whole-core kernels count as runnable (Pallas' interpreter on CPU),
+  # so 'pallas' picks them for every layer they can serve, and 'auto' is the split core.
+  # The whole-core kernels ignore slot weights: closed slots must never reach them.
   monkeypatch.setattr(core_choice, "_why_not_here", lambda: None)
-  assert core_choice.use_kernel("auto")
+  monkeypatch.setattr(core_choice, "use_split", lambda choice: choice in ("split", "auto"))
+  assert core_choice.use_kernel("pallas")
   gate = run_config.GatesSection(hard=True, persistent_group=2)
   make_cfg = lambda impl: model_lib.ModelConfig(
       kind="allatt", vocab_size=11, num_layers=2, d_model=16, num_heads=2, num_persistent=8,
@@ -275,7 +278,7 @@ def test_auto_keeps_slot_weighted_layers_off_the_fused_kernels(monkeypatch):
     return np.asarray(jax.jit(lm.apply)(variables, inputs, targets, memory)[0])
 
   expected = nll(xla_cfg, variables)
-  np.testing.assert_allclose(nll(make_cfg("auto"), variables), expected, rtol=1e-5,
+  np.testing.assert_allclose(nll(make_cfg(impl), variables), expected, rtol=1e-5,
                              atol=1e-5)
   # The closed slots matter: open, they change every position's NLL.
   all_open = {**variables, "gates": jax.tree.map(jnp.abs, gates)}

@@ -110,12 +110,14 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   plan = timing.BenchmarkPlan.from_dict(gpu.benchmark)
   assert dataclasses.replace(plan, variants={}) == timing.BenchmarkPlan(
       rounds=3, matmul_size=8192, variants={})
-  # Beside the code as it is, the code before the accelerator rewrite.
+  # Beside the code as it is, the code before the accelerator rewrite, and the split core.
   variants = config_variants.resolve(assembly.checked_config(gpu), plan.variants)
-  assert list(variants) == ["before"]
+  assert list(variants) == ["before", "split"]
   before = variants["before"].model
   assert (before.vocab_block, before.tail_capacity, before.score_dtype,
           before.attention_impl) == (8192, 0.0, "float32", "xla")
+  split = variants["split"].model
+  assert (split.attention_impl, split.persistent_impl) == ("split", "auto")
   assert assembly.checked_config(paper).model.attention_impl == "xla"
   assembly.checked_config(gpu)   # its checks pass as it ships
 

@@ -74,13 +74,19 @@ class ModelSection(_Section):
   remat: bool = False
   # The attention core (ours; numerically the same model either way): 'xla' (XLA ops,
   # xla_core.py), 'pallas' (fused GPU kernels, pallas_core.py; an error
-  # where they cannot run) or 'auto' (the kernels on a GPU where they compile and agree
-  # with XLA on a trial problem, XLA elsewhere). 'xla' by default: on an H200 with jax
-  # 0.11.2 the kernels' backward pass with dropout did not compile in 80 s (so the
-  # trial behind 'auto' stalls a process for minutes), and without dropout the kernels
-  # ran a layer's forward and backward at 0.73x the XLA core's speed, in 1/6 of its
-  # memory. head_block and remat apply to the XLA core only.
+  # where they cannot run), 'split' (split_core.py: the context part in XLA, the
+  # persistent part by persistent_impl, merged by their log-sum-exps) or 'auto'
+  # ('split' on a GPU, 'xla' elsewhere). 'xla' by default: on an H200 with jax 0.11.2
+  # the kernels' backward pass with dropout did not compile in 80 s, and without
+  # dropout they ran a layer's forward and backward at 0.73x the XLA core's speed, in
+  # 1/6 of its memory; 'split' has no GPU figures yet. head_block and remat apply to
+  # the XLA and split cores.
   attention_impl: str = "xla"
+  # The split core's persistent part (ours; persistent_cores.py): 'xla', 'pallas'
+  # (flash kernels, GPU), 'cudnn' (the vendor's fused attention, GPU, bf16/fp16; no
+  # attention dropout, no persistent groups) or 'auto' (on a GPU the fastest that passes
+  # a trial of seconds, 'xla' elsewhere).
+  persistent_impl: str = "auto"
   dropout: float = 0.1                 # hidden activations (the paper)
   dropout_attn: float = 0.2            # attention weights (the paper)
   dropout_emb: float = 0.1             # embeddings and relative positions

@@ -117,7 +117,7 @@ class Layer(nn.Module):
           slot_counts=None if set(slots) == {num_persistent} else slots,
           dropout_attn=cfg.dropout_attn, head_block=cfg.head_block, remat=cfg.remat,
           score_dtype=cfg.score_dtype,
-          attention_impl=cfg.attention_impl,
+          attention_impl=cfg.attention_impl, persistent_impl=cfg.persistent_impl,
           persistent_content_bias=cfg.persistent_content_bias, out_bias=cfg.out_bias,
           gated=cfg.gated, gate=cfg.gate, dtype=dtype, name="attention")(
               norm(x_BxTxD), norm(mem_BxSxD), r_KxD, mask_TxK, deterministic=deterministic,

@@ -31,7 +31,7 @@ RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
              "model.remat", "model.score_dtype", "model.vocab_block",
              "model.tail_capacity", "model.cluster_fractions", "model.attention_impl",
-             "gates.allow_empty", "model.auto_cutoffs")
+             "model.persistent_impl", "gates.allow_empty", "model.auto_cutoffs")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 

@@ -19,6 +19,7 @@ from allatt_jax import data as data_lib
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import optim
+from allatt_jax.model.attention import persistent_cores
 from allatt_jax.config import run_config
 from allatt_jax.parallel import sharding
 from allatt_jax.config.errors import ConfigError
@@ -173,7 +174,7 @@ def _check_ranges(config):
 
 def _check_persistent_groups(config: run_config.RunConfig) -> None:
   """Gates on persistent groups (`gates.persistent_group`) need an All-att model whose
-  every head holds N slots in groups of that size, hard gates and the XLA core."""
+  every head holds N slots in groups of that size, hard gates and the XLA or split core."""
   gates, m = config.gates, config.model
   group, flag = gates.persistent_group, "--config.gates.persistent_group"
   if not gates.heads and not group:
@@ -211,7 +212,7 @@ def _check_persistent_groups(config: run_config.RunConfig) -> None:
     raise ConfigError(
         f"config.model.attention_impl='pallas': the fused kernels cannot weight "
         f"persistent slots by their gates ({flag}={group}). Use --config.model."
-        "attention_impl=auto (which runs the XLA core for such a model) or xla.")
+        "attention_impl=auto (which runs the XLA or split core for such a model) or xla.")
   if gates.target_sparsity is not None:
     raise ConfigError(
         f"config.gates.target_sparsity={gates.target_sparsity} is a fraction of heads, "
@@ -324,6 +325,7 @@ def _check_names(config):
                        ("model.same_length_keys", relative.SAME_LENGTH_KEYS),
                        ("model.score_dtype", SCORE_DTYPES),
                        ("model.attention_impl", core_choice.IMPLS),
+                       ("model.persistent_impl", persistent_cores.IMPLS),
                        ("train.optimizer", optim.OPTIMIZERS),
                        ("distill.kl_clusters", KL_CLUSTERS)):
     if _value(config, key) not in choices:
@@ -362,6 +364,9 @@ def _check_model(config):
         f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
   # Where the kernels cannot run, asking for them is refused now, not at the first trace.
   core_choice.check_runs_here(m.attention_impl)
+  weighted = bool(config.gates.enabled and config.gates.persistent_group)
+  persistent_cores.check_config(m.attention_impl, m.persistent_impl, m.dropout_attn, m.dtype,
+                                weighted)
   if m.kind == "txl" and m.d_ff < 1:
     raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")

@@ -1,7 +1,8 @@
 """Which attention core a layer runs, as `model.attention_impl` asks: 'xla' (the
-default, `xla_core`), 'pallas' (the fused kernels, `pallas_core`) or
-'auto' (the kernels where they compile and agree with XLA on a trial problem, checked
-once per process on a GPU; XLA elsewhere).
+default, `xla_core`), 'pallas' (the fused kernels, `pallas_core`, where
+they compile and agree with XLA on a trial problem, checked once per process on a
+GPU), 'split' (`split_core`: the context part in XLA, the persistent part as
+`model.persistent_impl` picks) or 'auto' ('split' on a GPU, XLA elsewhere).
 """
 import functools
 
@@ -14,14 +15,14 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import pallas_core
 from allatt_jax.config.errors import ConfigError
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "split")
 
 
 def use_kernel(impl: str) -> bool:
-  """Whether a layer with `model.attention_impl=impl` runs the kernels: 'auto' and
-  'pallas' where they run (`runs_here`), else the XLA path, with a warning for
-  'pallas' (a model read from disk, trained where the kernels ran: a command's own
-  config asking for them where they cannot run is refused by `check_runs_here`).
+  """Whether a layer with `model.attention_impl=impl` runs the kernels: 'pallas' where
+  they run (`runs_here`), else the XLA path, with a warning (a model read from disk,
+  trained where the kernels ran: a command's own config asking for them where they
+  cannot run is refused by `check_runs_here`).
 
   Raises:
     ConfigError: an unknown `impl`.
@@ -29,12 +30,18 @@ def use_kernel(impl: str) -> bool:
   if impl not in IMPLS:
     raise ConfigError(f"config.model.attention_impl={impl!r} is unknown; choose one of "
                       f"{', '.join(map(repr, IMPLS))}.")
-  if impl == "xla":
+  if impl != "pallas":
     return False
   why_not = _why_not_here()
-  if why_not and (impl == "pallas" or jax.default_backend() == "gpu"):
+  if why_not:
     _warn_once(impl, why_not)
   return why_not is None
+
+
+def use_split(impl: str) -> bool:
+  """Whether a layer with `model.attention_impl=impl` runs the split core: 'split',
+  and 'auto' on a GPU (elsewhere 'auto' is the XLA core, as it computed before)."""
+  return impl == "split" or (impl == "auto" and jax.default_backend() == "gpu")
 
 
 def check_runs_here(impl: str) -> None:
@@ -43,8 +50,8 @@ def check_runs_here(impl: str) -> None:
   if why_not:
     raise ConfigError(
         f"config.model.attention_impl='pallas' asks for the fused attention kernels, "
-        f"but {why_not}. Use --config.model.attention_impl=auto (the kernels where they "
-        "run, XLA elsewhere) or =xla.")
+        f"but {why_not}. Use --config.model.attention_impl=auto (the split core on a "
+        "GPU, XLA elsewhere) or =xla.")
 
 
 def runs_here() -> bool:

@@ -8,7 +8,8 @@ softmax, Sukhbaatar et al. 2019) and Transformer-XL's (N = 0), scored as Dai et 
 
 u biases the context term only, as the official code (`persistent_content_bias`: (q_i +
 u)·p^K_n). Keys are [memory (S), segment (T)], K = S + T. The core is
-xla_core.py (XLA) or pallas_core.py, as core_choice.py chooses.
+xla_core.py (XLA), pallas_core.py or split_core.py, as core_choice.py
+chooses.
 """
 import math
 
@@ -21,6 +22,7 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import pallas_core
 from allatt_jax.model import gates as gates_lib
 from allatt_jax.config import run_config
+from allatt_jax.model.attention import split_core
 
 SAME_LENGTH_KEYS = ("mem_len+1", "mem_len")
 
@@ -94,7 +96,8 @@ class RelativeAttention(nn.Module):
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
   score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
-  attention_impl: str = "xla"      # the core: 'xla', 'pallas' or 'auto' (use_kernel)
+  attention_impl: str = "xla"      # the core: 'xla', 'pallas', 'split' or 'auto'
+  persistent_impl: str = "auto"    # the split core's persistent part (persistent_cores)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
   # An export's persistent slots per head, non-increasing: its arrays hold the
@@ -160,6 +163,9 @@ class RelativeAttention(nn.Module):
         # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
         return pallas_core.attend(rate, *args, mask_TxK, keys)
       block = xla_core.divisor_at_most(last - first, self.head_block or h)
+      if core_choice.use_split(self.attention_impl):
+        return split_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK, keys,
+                                 pw, persistent=self.persistent_impl)
       return xla_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK,
                                      keys, pw)
 

@@ -1,0 +1,303 @@
+"""The split core's persistent part as Pallas flash kernels (persistent_impl='pallas').
+
+The persistent part is plain attention of every query of a head (the B·T rows of the
+batch, flattened: the slots are shared by every row) against that head's N slots: no
+position term, no shift, no mask but the slot weights. Three kernels, each program a
+tile of `rows` queries by `slots` slots at a time, none keeping a (rows, N) array:
+
+- forward, grid (head, query tile): an online softmax over the slot tiles, with the
+  weighted sum of values; writes each row's (acc, m, l) (persistent_cores.py);
+- query gradients, grid (head, query tile): over the slot tiles, given the merged
+  softmax's shift m, sum l and δ;
+- slot gradients, grid (head, slot tile, chunk of query tiles): the key, value and
+  slot-weight gradients of one slot tile from a chunk of the queries, the chunks'
+  shares summed by XLA.
+
+Dropout reads the packed keep bits (keep_bits.py): a tile's words are gathered into
+its (rows, slots) shape and shifted, so the kernels hash nothing. Slot weights are a
+slot's factor on its exponential (0: closed, also for the padding slots); a closed
+slot's exponent is capped at 80 as in the XLA core. Off the GPU the kernels run in
+Pallas' interpreter.
+"""
+import dataclasses
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import keep_bits
+
+_F32 = jnp.float32
+_NEG_INF = -1e30
+_MAX_EXPONENT = 80.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """`rows` queries by `slots` slots per tile (`slots` whole words of keep bits), and
+  at most `chunks` programs along the queries for each slot tile's gradients."""
+  rows: int = 64
+  slots: int = 64
+  chunks: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  m: int                 # query rows: B·T
+  n: int                 # slots
+  dh: int
+  tiles: Tiles
+  rate: float
+  weighted: bool         # slot weights given: their gradient is wanted
+  interpret: bool
+
+  def _pad(self, size, multiple):
+    return -(-size // multiple) * multiple
+
+  @property
+  def m_pad(self):
+    return self._pad(self.m, self.tiles.rows)
+
+  @property
+  def n_pad(self):
+    return self._pad(self.n, self.tiles.slots)
+
+  @property
+  def dh_pad(self):
+    return max(16, 1 << (self.dh - 1).bit_length())
+
+  @property
+  def q_tiles(self):
+    return self.m_pad // self.tiles.rows
+
+  @property
+  def n_tiles(self):
+    return self.n_pad // self.tiles.slots
+
+  @property
+  def chunks(self):
+    return xla_core.divisor_at_most(self.q_tiles, self.tiles.chunks)
+
+
+def _dot(a, b):      # a @ b
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_t(a, b):    # a @ b.T
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _t_dot(a, b):    # a.T @ b
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _keep(g: _Geometry, bits_ref, row0, word0):
+  """The keep mask of a tile: rows row0.. of the block's bits, slots from word word0."""
+  if not g.rate:
+    return None
+  shape = (g.tiles.rows, g.tiles.slots)
+  a = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  c = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  words = bits_ref[row0 + a, word0 + c // keep_bits.WORD]
+  return ((words >> (c % keep_bits.WORD).astype(jnp.uint32)) & jnp.uint32(1)) != 0
+
+
+def _refs(g: _Geometry, refs):
+  """q, pk, pv, w, bits (None without dropout), then the rest."""
+  q_ref, pk_ref, pv_ref, w_ref, *rest = refs
+  bits_ref = rest.pop(0) if g.rate else None
+  return q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest
+
+
+def _forward_kernel(g: _Geometry, *refs):
+  q_ref, pk_ref, pv_ref, w_ref, bits_ref, (acc_ref, top_ref, norm_ref) = _refs(g, refs)
+  q, slots = q_ref[...], g.tiles.slots
+
+  def step(nb, carry):
+    m, l, acc = carry
+    n0 = nb * slots
+    s = _dot_t(q, pk_ref[pl.ds(n0, slots), :])
+    w = w_ref[pl.ds(n0, slots)][None, :]
+    m_next = jnp.maximum(m, jnp.where(w > 0, s, _NEG_INF).max(axis=1))
+    correction = jnp.exp(m - m_next)
+    e = jnp.exp(jnp.minimum(s - m_next[:, None], _MAX_EXPONENT)) * w
+    l = l * correction + e.sum(axis=1)
+    e = xla_core._dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
+    pv = pv_ref[pl.ds(n0, slots), :]
+    return m_next, l, acc * correction[:, None] + _dot(e.astype(pv.dtype), pv)
+
+  rows = g.tiles.rows
+  m, l, acc = jax.lax.fori_loop(0, g.n_tiles, step, (
+      jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32),
+      jnp.zeros((rows, g.dh_pad), _F32)))
+  acc_ref[...] = acc
+  top_ref[...] = m
+  norm_ref[...] = l
+
+
+def _grads(g, q, pk, pv, keep, top, inv_norm, delta, dout):
+  """A tile's dropped weights before the slot weights, and their logits' gradients."""
+  q_n = (jnp.exp(jnp.minimum(_dot_t(q, pk) - top[:, None], _MAX_EXPONENT))
+         * inv_norm[:, None])
+  q_dropped = xla_core._dropped(q_n, keep, g.rate)
+  return q_dropped, q_dropped * _dot_t(dout, pv) - q_n * delta[:, None]
+
+
+def _query_grads_kernel(g: _Geometry, *refs):
+  q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest = _refs(g, refs)
+  top_ref, norm_ref, delta_ref, dout_ref, dq_ref = rest
+  q, dout, top, delta = q_ref[...], dout_ref[...], top_ref[...], delta_ref[...]
+  inv_norm = 1.0 / norm_ref[...]
+  slots = g.tiles.slots
+
+  def step(nb, dq):
+    n0 = nb * slots
+    pk = pk_ref[pl.ds(n0, slots), :]
+    keep = _keep(g, bits_ref, 0, n0 // keep_bits.WORD)
+    _, dlog_q = _grads(g, q, pk, pv_ref[pl.ds(n0, slots), :], keep, top, inv_norm, delta,
+                       dout)
+    ds = dlog_q * w_ref[pl.ds(n0, slots)][None, :]
+    return dq + _dot(ds.astype(pk.dtype), pk)
+
+  dq = jax.lax.fori_loop(0, g.n_tiles, step, jnp.zeros((g.tiles.rows, g.dh_pad), _F32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _slot_grads_kernel(g: _Geometry, *refs):
+  q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest = _refs(g, refs)
+  top_ref, norm_ref, delta_ref, dout_ref, dpk_ref, dpv_ref, *dpw_ref = rest
+  pk, pv, w = pk_ref[...], pv_ref[...], w_ref[...][None, :]
+  rows, dtype = g.tiles.rows, pk_ref.dtype
+
+  def step(i, carry):
+    dpk, dpv, dpw = carry
+    block = pl.ds(i * rows, rows)
+    q, dout = q_ref[block, :], dout_ref[block, :]
+    q_dropped, dlog_q = _grads(g, q, pk, pv, _keep(g, bits_ref, i * rows, 0), top_ref[block],
+                               1.0 / norm_ref[block], delta_ref[block], dout)
+    return (dpk + _t_dot((dlog_q * w).astype(dtype), q),
+            dpv + _t_dot((q_dropped * w).astype(dtype), dout), dpw + dlog_q.sum(axis=0))
+
+  slots = g.tiles.slots
+  zero = jnp.zeros((slots, g.dh_pad), _F32)
+  dpk, dpv, dpw = jax.lax.fori_loop(0, g.q_tiles // g.chunks, step,
+                                    (zero, zero, jnp.zeros((slots,), _F32)))
+  dpk_ref[...] = dpk
+  dpv_ref[...] = dpv
+  if g.weighted:
+    dpw_ref[0][...] = dpw
+
+
+def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warps=4):
+  """A pallas_call of one kernel, 2 pipeline stages. Untuned; at 64 x 64 tiles, head
+  size 64, bf16 with dropout, ptxas (Triton 3.9, sm_90a) gives the forward and query
+  gradient kernels 128 and 175 registers at 4 warps, the slot gradients' 232 at 8
+  warps (at 4: 255 and spills); see docs/performance.md."""
+  return pl.pallas_call(
+      functools.partial(kernel, g), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=g.interpret, name=name,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2))
+
+
+def _geometry(qp, pk, pw, rate, tiles, interpret) -> _Geometry:
+  h, b, t, dh = qp.shape
+  return _Geometry(m=b * t, n=pk.shape[1], dh=dh, tiles=tiles or Tiles(), rate=float(rate),
+                   weighted=pw is not None,
+                   interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
+
+
+def _padded(g: _Geometry, qp, pk, pv, pw, bits, *rows_H):
+  """Queries (and `rows_H`: per-row arrays) as (H, m_pad, ...), slots as (H, n_pad, ...),
+  the head size as dh_pad; the slot weights, 0 on the padding slots."""
+  h = qp.shape[0]
+
+  def pad(x, *sizes):
+    widths = [(0, 0)] + [(0, s - d) for s, d in zip(sizes, x.shape[1:])]
+    return jnp.pad(x, widths)
+
+  flat = lambda x: x.reshape(h, g.m, *x.shape[3:])
+  w = jnp.ones((h, g.n), _F32) if pw is None else pw.astype(_F32)
+  words = g.n_pad // keep_bits.WORD
+  return (pad(flat(qp), g.m_pad, g.dh_pad), pad(pk, g.n_pad, g.dh_pad),
+          pad(pv, g.n_pad, g.dh_pad), pad(w, g.n_pad),
+          None if bits is None else pad(flat(bits), g.m_pad, words),
+          *(pad(flat(x), g.m_pad, *((g.dh_pad,) if x.ndim == 4 else ())) for x in rows_H))
+
+
+def _row_specs(g: _Geometry, with_bits: bool):
+  """Specs of q, pk, pv, w and bits for a grid (head, query tile)."""
+  rows, d = g.tiles.rows, g.dh_pad
+  specs = [pl.BlockSpec((None, rows, d), lambda h, i: (h, i, 0)),
+           pl.BlockSpec((None, g.n_pad, d), lambda h, i: (h, 0, 0)),
+           pl.BlockSpec((None, g.n_pad, d), lambda h, i: (h, 0, 0)),
+           pl.BlockSpec((None, g.n_pad), lambda h, i: (h, 0))]
+  if with_bits:
+    specs.append(pl.BlockSpec((None, rows, g.n_pad // keep_bits.WORD), lambda h, i: (h, i, 0)))
+  return specs
+
+
+def forward(qp, pk, pv, pw, bits, *, rate, tiles: Tiles | None = None,
+            interpret: bool | None = None):
+  """(acc (H, B, T, dh), m, l (H, B, T)), float32, of the persistent part
+  (persistent_cores.py). `interpret`: Pallas' interpreter (default: off the GPU)."""
+  g = _geometry(qp, pk, pw, rate, tiles, interpret)
+  h, b, t, dh = qp.shape
+  args = [x for x in _padded(g, qp, pk, pv, pw, bits) if x is not None]
+  rows = g.tiles.rows
+  stats = pl.BlockSpec((None, rows), lambda h, i: (h, i))
+  stats_shape = jax.ShapeDtypeStruct((h, g.m_pad), _F32)
+  acc, top, norm = _call(
+      _forward_kernel, g, (h, g.q_tiles), _row_specs(g, bits is not None),
+      [pl.BlockSpec((None, rows, g.dh_pad), lambda h, i: (h, i, 0)), stats, stats],
+      [jax.ShapeDtypeStruct((h, g.m_pad, g.dh_pad), _F32), stats_shape, stats_shape],
+      "allatt_persistent_forward")(*args)
+  rows_of = lambda x: x[:, :g.m].reshape(h, b, t, *x.shape[2:])
+  return rows_of(acc[..., :dh]), rows_of(top), rows_of(norm)
+
+
+def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
+             tiles: Tiles | None = None, interpret: bool | None = None):
+  """(dqp, dpk, dpv, dpw or None) given the merged softmax's shift `top`, sum `norm`
+  and δ (H, B, T)."""
+  g = _geometry(qp, pk, pw, rate, tiles, interpret)
+  h, b, t, dh = qp.shape
+  # Padding rows get a sum of 1 (their gradients are 0: their dout and δ are).
+  q, pk_, pv_, w, bits_, top_, norm_, delta_, dout_ = _padded(g, qp, pk, pv, pw, bits, top,
+                                                               norm, delta, dout)
+  norm_ = norm_.at[:, g.m:].set(1.0)
+  slot_args = [x for x in (q, pk_, pv_, w, bits_) if x is not None]
+  rows, d, slots = g.tiles.rows, g.dh_pad, g.tiles.slots
+  stats = pl.BlockSpec((None, rows), lambda h, i: (h, i))
+  queries = pl.BlockSpec((None, rows, d), lambda h, i: (h, i, 0))
+  dq = _call(_query_grads_kernel, g, (h, g.q_tiles),
+             _row_specs(g, bits is not None) + [stats] * 3 + [queries], queries,
+             jax.ShapeDtypeStruct(q.shape, qp.dtype), "allatt_persistent_query_grads")(
+                 *slot_args, top_, norm_, delta_, dout_)
+
+  # Grid (head, slot tile, chunk): each program a slot tile against a chunk of queries.
+  chunk = g.m_pad // g.chunks
+  chunk_rows = pl.BlockSpec((None, chunk, d), lambda h, s, c: (h, c, 0))
+  chunk_stats = pl.BlockSpec((None, chunk), lambda h, s, c: (h, c))
+  slot_tile = pl.BlockSpec((None, slots, d), lambda h, s, c: (h, s, 0))
+  in_specs = [chunk_rows, slot_tile, slot_tile,
+              pl.BlockSpec((None, slots), lambda h, s, c: (h, s))]
+  if bits is not None:
+    in_specs.append(pl.BlockSpec((None, chunk, slots // keep_bits.WORD),
+                                 lambda h, s, c: (h, c, s)))
+  share = pl.BlockSpec((None, None, slots, d), lambda h, s, c: (h, c, s, 0))
+  shares = jax.ShapeDtypeStruct((h, g.chunks, g.n_pad, d), _F32)
+  out_specs, out_shape = [share, share], [shares, shares]
+  if g.weighted:
+    out_specs.append(pl.BlockSpec((None, None, slots), lambda h, s, c: (h, c, s)))
+    out_shape.append(jax.ShapeDtypeStruct((h, g.chunks, g.n_pad), _F32))
+  dpk, dpv, *dpw = _call(
+      _slot_grads_kernel, g, (h, g.n_tiles, g.chunks),
+      in_specs + [chunk_stats] * 3 + [chunk_rows], out_specs, out_shape,
+      "allatt_persistent_slot_grads", warps=8)(*slot_args, top_, norm_, delta_, dout_)
+  slots_of = lambda x: x.sum(1)[:, :g.n]
+  return (dq[:, :g.m, :dh].reshape(h, b, t, dh), slots_of(dpk)[..., :dh].astype(pk.dtype),
+          slots_of(dpv)[..., :dh].astype(pv.dtype),
+          slots_of(dpw[0]).astype(pw.dtype) if g.weighted else None)

@@ -1,0 +1,337 @@
+r"""The first thing a lent GPU runs (launch/gpu_check.sh): what the split core and its
+persistent parts do there, each piece in a process of its own under a time limit, so
+that a stalled compile costs that piece's seconds and the rest go on.
+
+  python -m allatt_jax.perf.gpu_check              # on a GPU, within --budget (525 s)
+  python -m allatt_jax.perf.gpu_check --dry-run    # on a CPU: the XLA parts at tiny shapes
+
+Pieces, in order (each prints one JSON line; the layer pieces need jax and the
+package's model code only, not the benchmark's ml_collections):
+
+  versions          jax, jaxlib, the device, CUDA and cuDNN
+  part:NAME:RATE    persistent part NAME (xla, pallas, cudnn) on a small bf16 problem at
+                    attention dropout RATE: compile seconds, and its largest difference
+                    to the XLA part, of each result's largest value (agrees: within 5%)
+  layer:CORE:RATE   one layer's attention core forward and backward at the benchmark's
+                    shape (H=8, B=96, T=S=192, N=2048, dh=64, bf16): 'xla' and each
+                    'split-NAME' (median of 10 calls, compile seconds, XLA temporaries)
+  alone:NAME        a persistent part alone at its shape in that layer (8 heads of
+                    B·T = 18,432 queries against 2,048 shared slots, dh=64, bf16, no
+                    dropout), forward and backward from its log-sum-exp
+  benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile:
+                    the config (the XLA core), the fastest 'split' at dropout 0.2 and
+                    `before`, in the same rounds
+
+Writes the report as JSON (--json; default docs/bench/gpu_check_DATE.json) and its
+table between the gpu_check markers of docs/performance.md (--doc); a dry run writes
+both under --out_dir (default: a new temporary directory).
+"""
+import argparse
+import datetime
+import functools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import persistent_cores
+from allatt_jax.model.attention import split_core
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PARTS = ("xla", "pallas", "cudnn")
+RATES = (0.0, 0.2)
+# (H, B, T, S, N, dh): the benchmark's layer, and a dry run's.
+LAYER = dict(gpu=(8, 96, 192, 192, 2048, 64), dry=(2, 2, 8, 8, 64, 16))
+SMALL = dict(gpu=dict(h=2, b=8, t=128, n=512, dh=64), dry=dict(h=2, b=2, t=8, n=64, dh=16))
+# Seconds each kind of piece may take; the benchmark gets what is left of the budget.
+LIMITS = dict(versions=60, part=75, layer=90, alone=75)
+BEGIN, END = "<!-- gpu_check: begin -->", "<!-- gpu_check: end -->"
+
+
+def _dtype(dry: bool):
+  return jnp.float32 if dry else jnp.bfloat16
+
+
+def _timed(fn, args, calls: int = 10) -> dict:
+  """Compile seconds, XLA temporaries and median milliseconds of `calls` calls of jit(fn)."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  compile_s = time.perf_counter() - start
+  try:
+    temp = compiled.memory_analysis().temp_size_in_bytes
+  except Exception:  # pylint: disable=broad-except  # not every backend reports it
+    temp = None
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return {"compile_s": compile_s, "ms": 1e3 * statistics.median(times), "temp_bytes": temp}
+
+
+def _unavailable(name: str, rate: float, dtype) -> str | None:
+  return (persistent_cores.refusal(name, rate, False)
+          or persistent_cores.why_not_here(name, dtype))
+
+
+def _versions(dry: bool) -> dict:
+  result = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "dry_run": dry}
+  try:
+    from jax._src.lib import cuda_versions   # pylint: disable=import-outside-toplevel
+    for name in ("cuda_runtime_get_version", "cudnn_get_version", "cuda_driver_get_version"):
+      if cuda_versions is not None and hasattr(cuda_versions, name):
+        result[name.removesuffix("_get_version")] = getattr(cuda_versions, name)()
+  except Exception as e:  # pylint: disable=broad-except  # reported, not fatal
+    result["cuda_versions_error"] = f"{type(e).__name__}: {e}"
+  return result
+
+
+def _part(name: str, rate: float, dry: bool) -> dict:
+  dtype = _dtype(dry)
+  why_not = _unavailable(name, rate, dtype)
+  if why_not:
+    return {"status": "unavailable", "why": why_not}
+  args = persistent_cores.trial_problem(jnp.dtype(dtype), rate, False,
+                                        **SMALL["dry" if dry else "gpu"])
+  run = lambda part: functools.partial(persistent_cores.outputs_and_grads,
+                                       persistent_cores.PARTS[part], rate, jnp.float32)
+  start = time.perf_counter()
+  got = jax.jit(run(name)).lower(*args).compile()(*args)
+  compile_s = time.perf_counter() - start
+  expected = jax.jit(run("xla"))(*args)
+  differences = {
+      key: float(np.abs(np.asarray(g, np.float32) - np.asarray(e, np.float32)).max()
+                 / max(float(np.abs(np.asarray(e, np.float32)).max()), 1e-30))
+      for key, g, e in zip(("out", "lse", "dqp", "dpk", "dpv"), got, expected)}
+  return {"status": "ok", "compile_s": compile_s, "max_difference": differences,
+          "agrees": max(differences.values()) <= 0.05}
+
+
+def _layer(core: str, rate: float, dry: bool) -> dict:
+  dtype = _dtype(dry)
+  if core != "xla":
+    why_not = _unavailable(core.removeprefix("split-"), rate, dtype)
+    if why_not:
+      return {"status": "unavailable", "why": why_not}
+  h, b, t, s, n, dh = LAYER["dry" if dry else "gpu"]
+  k = s + t
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+  args = (normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, k, dh),
+          normal(h, b, k, dh), jnp.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
+          normal(h, n, dh), normal(h, n, dh))
+  mask = relative.attention_mask(t, s, jnp.int32(s), True)
+  keys = jnp.array([[1, 2], [3, 4]], jnp.uint32) if rate else None
+  dout = normal(h, b, t, dh)
+  # As configs/bench_gpu.py runs it: all heads at once, no remat, scores in bf16.
+  attend = (functools.partial(xla_core.attend, rate, h, False, dtype) if core == "xla"
+            else functools.partial(split_core.attend, rate, h, False, dtype,
+                                   persistent=core.removeprefix("split-")))
+
+  def forward_and_backward(*args):
+    out, vjp = jax.vjp(lambda *a: attend(*a, mask, keys), *args)
+    return out, vjp(dout)
+
+  return {"status": "ok", **_timed(forward_and_backward, args)}
+
+
+def _alone(name: str, dry: bool) -> dict:
+  dtype = _dtype(dry)
+  why_not = _unavailable(name, 0.0, dtype)
+  if why_not:
+    return {"status": "unavailable", "why": why_not}
+  h, b, t, _, n, dh = LAYER["dry" if dry else "gpu"]
+  args = [jnp.asarray(x) if x is not None else None for x in
+          persistent_cores.trial_problem(np.dtype(jnp.dtype(dtype)), 0.0, False, h=h, b=b, t=t,
+                                         n=n, dh=dh)]
+  result = _timed(functools.partial(persistent_cores.outputs_and_grads,
+                                    persistent_cores.PARTS[name], 0.0, dtype), args)
+  # Flash attention's count: 4·M·N·dh forward, 2.5 times that backward.
+  result["tflop_per_s"] = 14 * h * b * t * n * dh / (result["ms"] * 1e-3) / 1e12
+  return {"status": "ok", **result}
+
+
+def run_piece(piece: str, dry: bool) -> dict:
+  """One piece's result (this process runs it)."""
+  kind, *args = piece.split(":")
+  if kind == "versions":
+    return _versions(dry)
+  if kind == "part":
+    return _part(args[0], float(args[1]), dry)
+  if kind == "layer":
+    return _layer(args[0], float(args[1]), dry)
+  if kind == "alone":
+    return _alone(args[0], dry)
+  raise ValueError(f"unknown piece {piece!r}")
+
+
+def _spawn(command, limit: float, env=None) -> dict:
+  """A command under `timeout`: its last JSON line of output, or how it failed."""
+  start = time.perf_counter()
+  done = subprocess.run(["timeout", "-k", "5", f"{max(limit, 1):.0f}", *command], cwd=ROOT,
+                        capture_output=True, text=True, env=env, check=False)
+  seconds = time.perf_counter() - start
+  if done.returncode in (124, 137):
+    return {"status": "timeout", "seconds": seconds, "limit_s": limit}
+  if done.returncode:
+    tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+    return {"status": "failed", "seconds": seconds, "error": " | ".join(tail)}
+  lines = done.stdout.strip().splitlines()
+  result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+  return {"status": "ok", **result, "seconds": seconds}
+
+
+def _pieces(dry: bool) -> list[str]:
+  parts = ("xla",) if dry else PARTS
+  pieces = ["versions"] + [f"part:{p}:{r}" for p in parts for r in RATES]
+  pieces += [f"layer:{c}:{r}" for r in RATES for c in ("xla", *(f"split-{p}" for p in parts))]
+  return pieces + [f"alone:{p}" for p in parts]
+
+
+def _best_split(results: dict, dry: bool) -> str:
+  """The persistent part of the fastest split core at dropout 0.2 (training's)."""
+  timed = {p: results.get(f"layer:split-{p}:0.2", {}) for p in (("xla",) if dry else PARTS)}
+  ok = {p: r["ms"] for p, r in timed.items() if r.get("status") == "ok" and "ms" in r}
+  return min(ok, key=ok.get) if ok else "xla"
+
+
+def _benchmark(best: str, dry: bool, out: pathlib.Path, limit: float) -> dict:
+  if dry:
+    config = ["--config=configs/bench_cpu.py:tiny",
+              f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"]
+  else:
+    config = ["--config=configs/bench_gpu.py", f"--variant=split:model.persistent_impl={best}",
+              "--config.benchmark.heads_kept=(1.0,)", "--config.benchmark.rounds=2"]
+  result = _spawn([sys.executable, "-m", "allatt_jax.benchmark", *config, "--profile",
+                   f"--out={out}"], limit)
+  if result["status"] != "ok" or not out.exists():
+    return result
+  report = json.loads(out.read_text())
+  train = report["train"]["baseline"]
+  summary = {"xla": {"tokens_per_s": train["tokens_per_s"], "ratio": 1.0}}
+  for name, variant in report.get("variants", {}).items():
+    summary[name] = {"tokens_per_s": variant["train"]["tokens_per_s"],
+                     "ratio": variant["train_tokens_per_s_ratio"]}
+  return {"status": "ok", "seconds": result["seconds"], "persistent_impl": best,
+          "train": summary, "report": str(out)}
+
+
+def table(report: dict) -> str:
+  """The report as Markdown, for docs/performance.md."""
+  v = report["pieces"].get("versions", {})
+  lines = [f"{report['date']}, {v.get('device', '?')}, jax {v.get('jax', '?')}, CUDA "
+           f"{v.get('cuda_runtime', '-')}, cuDNN {v.get('cudnn', '-')}"
+           f"{' (dry run: CPU, tiny shapes)' if report['dry_run'] else ''}; "
+           f"{report['seconds']:.0f} s in all.", "",
+           "| piece | status | compile s | ms | note |", "|---|---|---|---|---|"]
+  for name, r in report["pieces"].items():
+    if name == "versions":
+      continue
+    note = r.get("why") or r.get("error") or ""
+    if "max_difference" in r:
+      note = (f"agrees with XLA: {r['agrees']} (largest difference "
+              f"{max(r['max_difference'].values()):.1e})")
+    elif "tflop_per_s" in r:
+      note = f"{r['tflop_per_s']:.1f} TFLOP/s"
+    elif r.get("temp_bytes") is not None:
+      note = f"XLA temporaries {r['temp_bytes'] / 2**20:,.0f} MiB"
+    elif name == "benchmark" and r.get("status") == "ok":
+      note = ", ".join(f"{k}: {x['tokens_per_s']:,.0f} tokens/s (x{x['ratio']:.2f})"
+                       for k, x in r["train"].items())
+    number = lambda key: f"{r[key]:.2f}" if isinstance(r.get(key), float) else ""
+    lines.append(f"| `{name}` | {r.get('status', '?')} | {number('compile_s')} | "
+                 f"{number('ms')} | {note.replace('|', '/')} |")
+  return "\n".join(lines)
+
+
+def write_table(doc: pathlib.Path, text: str) -> None:
+  """`text` between the doc's gpu_check markers (appended with them where it has none)."""
+  old = doc.read_text() if doc.exists() else ""
+  block = f"{BEGIN}\n{text}\n{END}"
+  if BEGIN in old and END in old:
+    new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+  else:
+    new = old.rstrip("\n") + "\n\n" + block + "\n"
+  doc.write_text(new)
+
+
+def check(dry: bool, budget: float, json_path: pathlib.Path, doc: pathlib.Path) -> dict:
+  """Runs every piece in its own process within `budget` seconds; writes the report."""
+  start = time.perf_counter()
+  left = lambda: budget - (time.perf_counter() - start)
+  # Pieces start faster without jax taking most of the GPU's memory at once.
+  env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  results = {}
+  for piece in _pieces(dry):
+    kind, *args = piece.split(":")
+    refused = (persistent_cores.refusal(args[0].removeprefix("split-"), float(args[1]), False)
+               if kind in ("part", "layer") else None)
+    limit = min(LIMITS[kind], left() - 60)   # a minute kept for the benchmark
+    if refused:
+      results[piece] = {"status": "refused", "why": refused}
+      continue
+    if limit < 10:
+      results[piece] = {"status": "skipped", "why": "the budget is spent"}
+      continue
+    command = [sys.executable, "-m", "allatt_jax.perf.gpu_check", f"--piece={piece}"]
+    results[piece] = _spawn(command + (["--dry-run"] if dry else []), limit, env)
+    print(f"{piece}: {json.dumps(results[piece])}", flush=True)
+  best = _best_split(results, dry)
+  benchmark_json = json_path.with_name(json_path.stem + "_benchmark.json")
+  results["benchmark"] = (_benchmark(best, dry, benchmark_json, left() - 5) if left() > 30
+                          else {"status": "skipped", "why": "the budget is spent"})
+  print(f"benchmark: {json.dumps(results['benchmark'])}", flush=True)
+  report = {"date": datetime.date.today().isoformat(), "dry_run": dry, "budget_s": budget,
+            "seconds": time.perf_counter() - start, "pieces": results}
+  json_path.parent.mkdir(parents=True, exist_ok=True)
+  json_path.write_text(json.dumps(report, indent=2) + "\n")
+  write_table(doc, table(report))
+  return report
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--dry-run", action="store_true",
+                      help="on a CPU: the XLA parts at tiny shapes, the tiny CPU benchmark")
+  parser.add_argument("--budget", type=float, default=525.0, help="seconds for all pieces")
+  parser.add_argument("--json", type=pathlib.Path, help="the report's JSON file")
+  parser.add_argument("--doc", type=pathlib.Path, help="the Markdown file for its table")
+  parser.add_argument("--out_dir", type=pathlib.Path,
+                      help="a dry run's folder for both (default: a new temporary one)")
+  parser.add_argument("--piece", help=argparse.SUPPRESS)   # one piece, in this process
+  args = parser.parse_args(argv)
+  if args.piece:
+    print(json.dumps(run_piece(args.piece, args.dry_run)))
+    return
+  date = datetime.date.today().isoformat()
+  if args.dry_run:
+    out_dir = args.out_dir or pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = args.doc or out_dir / "performance.md"
+    if not doc.exists():
+      doc.write_text((ROOT / "docs" / "performance.md").read_text())
+    json_path = args.json or out_dir / f"gpu_check_{date}.json"
+  else:
+    doc = args.doc or ROOT / "docs" / "performance.md"
+    json_path = args.json or ROOT / "docs" / "bench" / f"gpu_check_{date}.json"
+  report = check(args.dry_run, args.budget, json_path, doc)
+  print(table(report))
+  print(f"report: {json_path}; table: {doc}")
+
+
+if __name__ == "__main__":
+  main()

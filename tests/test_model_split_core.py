@@ -1,0 +1,581 @@
+"""The split core (split_core.py) against the XLA core, on CPU.
+
+The split core computes what `xla_core.attend` computes, in float32 to the
+round-off of a reordered sum: outputs and every gradient (q through both bias paths
+and the persistent queries, k, v, the position table, persistent keys and values,
+slot weights) within 1e-6 of each array's largest value plus 1e-6 of each element's,
+with the same dropout masks; each as close to a float64 reference as the XLA core
+is. Also: the packed keep bits are the XLA core's masks; the model's log-probabilities
+and an accumulated train step; pruned layers of uneven head counts, a stream start,
+slot weights (a closed slot takes no mass); the Pallas part in interpret mode and the
+cuDNN part's plumbing (against a stand-in for cuDNN) against the XLA part; a 2 × 2
+mesh; the choices of part and their refusals; the device script's dry run.
+"""
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import core_choice
+from allatt_jax.model.attention import xla_core
+from allatt_jax.config import config_base
+from allatt_jax.training import config_checks
+from allatt_jax.perf import gpu_check
+from allatt_jax.model.attention import keep_bits
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.model.attention import persistent_cores
+from allatt_jax.model.attention import persistent_cudnn
+from allatt_jax.model.attention import persistent_pallas
+from allatt_jax.config import run_config
+from allatt_jax.model.attention import split_core
+from allatt_jax.config.errors import ConfigError
+
+import helpers
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEYS = np.array([[5, 6], [7, 8]], np.uint32)
+NAMES = ("out", "qu", "qv", "qp", "k", "v", "r_pad", "pk", "pv", "pw")
+SMALL_TILES = persistent_pallas.Tiles(rows=8, slots=32, chunks=2)
+
+
+def assert_close(got, expected, err_msg="", tolerance=1e-6):
+  """Within `tolerance` of the array's largest value plus `tolerance` of each element:
+  float32 round-off of sums taken in another order."""
+  got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+  np.testing.assert_allclose(got, expected, rtol=tolerance,
+                             atol=tolerance * np.abs(expected).max(), err_msg=err_msg)
+
+
+def core_inputs(h=2, b=3, t=7, s=5, n=40, dh=8, mem_valid=3, closed=None):
+  """(qu, qv, qp, k, v, r_pad, pk, pv, pw) as float32 NumPy arrays, the mask and an
+  output cotangent. `closed`: None (no slot weights), or 'groups' (every third slot
+  closed) or 'head' (also every slot of head 0)."""
+  k = s + t
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  pw = None
+  if closed:
+    pw = (np.arange(n) % 3 != 0)[None].repeat(h, 0).astype(np.float32)
+    if closed == "head":
+      pw[0] = 0.0
+  args = (normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, k, dh),
+          normal(h, b, k, dh), np.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
+          normal(h, n, dh), normal(h, n, dh), pw)
+  mask = np.asarray(relative.attention_mask(t, s, jnp.int32(mem_valid), True))
+  return args, mask, normal(h, b, t, dh)
+
+
+def outputs_and_grads(core, rate, args, mask, dout):
+  """(out, *gradients of every input) of `core(*args[:8], mask, keys, pw)`."""
+  keys = KEYS if rate else None
+  out, vjp = jax.vjp(lambda *a: core(*a[:8], mask, keys, a[8]), *args)
+  return (out, *vjp(dout))
+
+
+def run_cores(split, xla, rate, args, mask, dout):
+  run = lambda core: jax.jit(functools.partial(outputs_and_grads, core, rate))(
+      args, mask, dout)
+  return run(split), run(xla)
+
+
+def assert_all_close(got, expected, tolerance=1e-6):
+  for name, g, e in zip(NAMES, got, expected):
+    if e is None:
+      assert g is None, name
+    else:
+      assert_close(g, e, name, tolerance)
+
+
+@pytest.mark.parametrize("case", [
+    dict(rate=0.0, block=1, remat=False, shape={}),
+    dict(rate=0.3, block=2, remat=True, shape={}),
+    # A stream's start: the memory holds nothing yet.
+    dict(rate=0.3, block=1, remat=False, shape=dict(mem_valid=0)),
+    # Slot weights: closed slots take no mass, a head with every slot closed is the
+    # context's alone.
+    dict(rate=0.0, block=2, remat=False, shape=dict(closed="groups")),
+    dict(rate=0.3, block=1, remat=True, shape=dict(closed="head", h=3)),
+], ids=["no_dropout", "dropout_remat", "stream_start", "slot_weights", "closed_head"])
+def test_split_core_is_the_xla_core(case):
+  args, mask, dout = core_inputs(**case["shape"])
+  rate, block, remat = case["rate"], case["block"], case["remat"]
+  got, expected = run_cores(
+      functools.partial(split_core.attend, rate, block, remat, jnp.float32, persistent="xla"),
+      functools.partial(xla_core.attend, rate, block, remat, jnp.float32),
+      rate, args, mask, dout)
+  assert all(np.all(np.isfinite(g)) for g in got if g is not None)
+  assert_all_close(got, expected)
+
+
+def _float64_reference(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask, keys, pw):
+  """The attention written plainly, one softmax over the concatenated scores (a
+  slot's exponential times its weight); the XLA core's dropout masks."""
+  content = jnp.einsum("hbtd,hbkd->hbtk", qu, k)
+  ctx = jnp.where(mask, content + xla_core.rel_shift(
+      jnp.einsum("hbtd,hkd->hbtk", qv, r_pad)), -jnp.inf)
+  pers = jnp.einsum("hbtd,hnd->hbtn", qp, pk)
+  scores = jnp.concatenate([ctx, pers], -1)
+  weights = jnp.concatenate([jnp.ones_like(ctx), jnp.broadcast_to(pw[:, None, None], pers.shape)],
+                            -1)
+  e = weights * jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
+  p = e / e.sum(-1, keepdims=True)
+  keep = jnp.concatenate([xla_core._keep_mask(keys[0], ctx.shape, rate, 0),
+                          xla_core._keep_mask(keys[1], pers.shape, rate, 0)], -1)
+  p = jnp.where(keep, p / (1 - rate), 0.0)
+  kk = k.shape[2]
+  return (jnp.einsum("hbtk,hbkd->hbtd", p[..., :kk], v)
+          + jnp.einsum("hbtn,hnd->hbtd", p[..., kk:], pv))
+
+
+def test_split_core_is_as_exact_as_the_xla_core():
+  """Against a float64 reference: the split core's float32 results err no more than
+  the XLA core's (their log-sum-exps as (max, sum) pairs; a single lse erred 3x more)."""
+  rate = 0.3
+  args, mask, dout = core_inputs(closed="groups")
+  with jax.enable_x64(True):
+    truth = jax.jit(functools.partial(outputs_and_grads,
+                                      functools.partial(_float64_reference, rate), rate))(
+        [x.astype(np.float64) for x in args], mask, dout.astype(np.float64))
+    truth = [np.asarray(x) for x in truth]
+  got, xla = run_cores(
+      functools.partial(split_core.attend, rate, 1, False, jnp.float32, persistent="xla"),
+      functools.partial(xla_core.attend, rate, 1, False, jnp.float32),
+      rate, args, mask, dout)
+  error = lambda results: np.array([np.abs(np.asarray(r, np.float64) - t).max() / np.abs(t).max()
+                                    for r, t in zip(results, truth)])
+  split_error, xla_error = error(got), error(xla)
+  assert split_error.max() < 2e-6, split_error
+  assert np.all(split_error <= 1.5 * xla_error + 2e-7), (split_error, xla_error)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 5, 70), (2, 1, 3, 64), (1, 2, 2, 5)])
+def test_packed_keep_bits_are_the_xla_cores_masks(shape):
+  rate = 0.3
+  words = keep_bits.packed(KEYS[1], shape, rate)
+  assert words.shape == (*shape[:3], -(-shape[3] // 32)) and words.dtype == jnp.uint32
+  keep = keep_bits.unpacked(words, shape[3])
+  np.testing.assert_array_equal(keep, xla_core._keep_mask(KEYS[1], shape, rate, 0))
+  # A block of heads counts its heads from its first (the XLA core's head loop).
+  np.testing.assert_array_equal(keep[1:], xla_core._keep_mask(
+      KEYS[1], (shape[0] - 1, *shape[1:]), rate, 1))
+
+
+def assert_kept_fraction(keep, rate):
+  """Within 3 sigma of 1 - rate (Bernoulli)."""
+  sigma = np.sqrt(rate * (1 - rate) / keep.size)
+  assert abs(float(np.mean(keep)) - (1 - rate)) < 3 * sigma, (np.mean(keep), sigma)
+
+
+def tiny_model(**model):
+  """An All-att model with uneven heads (3 and 2 of 4, as after pruning), persistent
+  slots, dropout and gradient accumulation."""
+  config = config_base.base_config()
+  config.model.update(dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
+                           heads_per_layer=(3, 2), num_persistent=40, dropout=0.1,
+                           dropout_attn=0.3, dropout_emb=0.1))
+  config.model.update(model)
+  config.train.update(dict(batch_size=4, seq_len=6, mem_len=5, grad_accum_steps=2))
+  return run_config.RunConfig.of(config)
+
+
+def test_masks_follow_the_step_key_and_differ_across_steps_and_layers(monkeypatch):
+  """Each layer's packed mask keeps 1 - rate of its weights; no two layers or steps
+  draw the same mask."""
+  masks = []
+  packed = keep_bits.packed
+
+  def recording(key_2, shape, rate):
+    words = packed(key_2, shape, rate)
+    jax.debug.callback(lambda w: masks.append(np.asarray(keep_bits.unpacked(w, shape[3]))),
+                       words)
+    return words
+
+  monkeypatch.setattr(keep_bits, "packed", recording)
+  config = tiny_model(attention_impl="split", persistent_impl="xla", num_persistent=512)
+  lm = model_lib.TransformerLM.from_config(config)
+  tokens = np.random.default_rng(1).integers(0, 11, (4, 7))
+  memory = model_lib.init_memory(lm.cfg, 4, 5)
+  variables = jax.jit(lm.init)(jax.random.key(0), tokens[:, :6], tokens[:, 1:], memory)
+  step = jax.jit(lambda key: lm.apply(variables, tokens[:, :6], tokens[:, 1:], memory,
+                                      deterministic=False, rngs={"dropout": key}))
+  for key in range(2):
+    jax.block_until_ready(step(jax.random.key(key)))
+  jax.effects_barrier()
+  assert len(masks) == 4   # 2 steps x 2 layers
+  for keep in masks:
+    assert_kept_fraction(keep, 0.3)
+  for i in range(4):
+    for j in range(i):
+      n = min(masks[i].shape[0], masks[j].shape[0])   # uneven head counts
+      assert np.mean(masks[i][:n] != masks[j][:n]) > 0.3
+
+
+def test_model_log_probs_match():
+  config = tiny_model()
+  tokens = np.random.default_rng(1).integers(0, 11, (2, 12))
+  results = {}
+  for impl in ("split", "xla"):
+    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
+    memory = model_lib.init_memory(lm.cfg, 2, 5)
+    variables = jax.jit(lm.init)(jax.random.key(0), tokens[:, :6], tokens[:, :6], memory)
+    log_probs = jax.jit(functools.partial(lm.apply, method=lm.log_probs))
+    first, memory = log_probs(variables, tokens[:, :6], memory)    # a stream's start
+    second, _ = log_probs(variables, tokens[:, 6:], memory)        # with memory
+    results[impl] = (first, second)
+  for got, expected in zip(results["split"], results["xla"]):
+    assert_close(got, expected)
+
+
+def test_model_with_closed_slot_groups_and_its_ragged_export_match():
+  """Persistent-group gates (closed groups weight their slots 0) and the export that
+  cuts them (heads keeping different numbers of slots, attended run by run)."""
+  from allatt_jax.pruning import head_removal   # pylint: disable=import-outside-toplevel
+  config = run_config.RunConfig.of(config_base.base_config())
+  config = dataclasses.replace(
+      tiny_model(heads_per_layer=None), gates=dataclasses.replace(
+          config.gates, enabled=True, persistent_group=8, hard=True))
+  tokens = np.random.default_rng(4).integers(0, 11, (2, 6))
+  # Layer 0's head 1 and layer 1's head 3 with every group closed, others with some.
+  logits = np.where(np.random.default_rng(5).random((2, 4, 5)) < 0.4, -3.0, 3.0)
+  logits[0, 1] = logits[1, 3] = -3.0
+  results = {}
+  for impl in ("split", "xla"):
+    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
+    memory = model_lib.init_memory(lm.cfg, 2, 5)
+    variables = nn.unbox(jax.jit(lm.init)(jax.random.key(0), tokens, tokens, memory))
+    for i in range(2):
+      variables["gates"][f"layer_{i}"]["attention"]["persistent_logits"] = jnp.asarray(
+          logits[i])
+    gated = jax.jit(functools.partial(lm.apply, method=lm.log_probs))(variables, tokens,
+                                                                       memory)[0]
+    cfg, params = head_removal.remove_heads(lm.cfg, variables)
+    export = model_lib.TransformerLM(dataclasses.replace(cfg, attention_impl=impl))
+    cut = jax.jit(functools.partial(export.apply, method=export.log_probs))(
+        {"params": params}, tokens, memory)[0]
+    results[impl] = (gated, cut)
+  assert len(set(cfg.persistent_slots[0])) > 1   # ragged: runs of heads
+  for got, expected in zip(results["split"], results["xla"]):
+    assert_close(got, expected)
+
+
+def accumulated_step(impl: str):
+  """One train step of 2 accumulated micro-batches with dropout from a state with
+  memory: a function giving (updates, metrics)."""
+  import optax   # pylint: disable=import-outside-toplevel
+  from allatt_jax.pruning import budget   # pylint: disable=import-outside-toplevel
+  from allatt_jax.training import optim
+  from allatt_jax.training import train_step
+  tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
+  config = tiny_model(attention_impl=impl, persistent_impl="xla")
+  lm = model_lib.TransformerLM.from_config(config)
+  penalty = budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
+  settings = train_step.StepConfig.from_config(config, optim.schedules(config))
+  state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
+                                    settings))(jax.random.key(0))
+  _, memory, _ = jax.jit(lm.apply)(state.variables, tokens[:, :6], tokens[:, 1:7],
+                                   state.memory)
+  step = jax.jit(functools.partial(train_step.train_step, lm=lm, optimizer=optax.sgd(1.0),
+                                   penalty=penalty, step_config=settings, sample_gates=False))
+
+  def run():
+    new_state, metrics = step(state.replace(memory=memory), tokens[:, 6:12], tokens[:, 7:13])
+    return jax.tree.map(jnp.subtract, new_state.variables, state.variables), metrics
+
+  return run
+
+
+def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
+  """Every parameter's update (minus its gradient) as with the XLA core, dropout
+  included; the step again, from the same state and key (a resumed run's), is
+  bit-identical."""
+  split_step = accumulated_step("split")
+  updates, metrics = split_step()
+  expected_updates, expected_metrics = accumulated_step("xla")()
+  assert_close(metrics["loss"], expected_metrics["loss"])
+  paths = jax.tree_util.tree_flatten_with_path(expected_updates)[0]
+  assert any("persistent_key" in jax.tree_util.keystr(p) for p, _ in paths)
+  # Through two layers, their norms and the micro-batches' sum: 1e-5 (as the fused
+  # kernels' test; observed 4e-6, the relative position projection's).
+  for (path, expected), got in zip(paths, jax.tree.leaves(updates)):
+    assert_close(got, expected, jax.tree_util.keystr(path), tolerance=1e-5)
+  again, _ = split_step()
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(updates)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rate, closed", [(0.0, None), (0.3, "groups")])
+def test_pallas_part_matches_the_xla_part(rate, closed, monkeypatch):
+  """In Pallas' interpreter, several tiles in every direction (15 query rows in tiles
+  of 8, 70 slots in tiles of 32, 2 chunks); alone and inside the split core. 3e-6:
+  sums over slot tiles round otherwise (observed 2e-6 at one element of dqp, where
+  large terms cancel; there the Pallas and XLA parts are 1.2e-6 and 0.8e-6 from a
+  float64 reference)."""
+  args, mask, dout = core_inputs(t=5, n=70, dh=12, closed=closed)
+  qp, pk, pv, pw = args[2], args[6], args[7], args[8]
+  bits = keep_bits.packed(KEYS[1], (*qp.shape[:3], pk.shape[1]), rate) if rate else None
+  part = persistent_cores.Part("pallas", SMALL_TILES)
+  run = lambda p: jax.jit(functools.partial(persistent_cores.outputs_and_grads, p, rate,
+                                            jnp.float32))(qp, pk, pv, pw, bits, dout)
+  for name, got, expected in zip(("out", "lse", "dqp", "dpk", "dpv", "dpw"), run(part),
+                                 run(persistent_cores.PARTS["xla"])):
+    if expected is None:
+      assert got is None
+    else:
+      assert_close(got, expected, name, tolerance=3e-6)
+  monkeypatch.setattr(persistent_cores, "part", lambda *_: part)
+  got, expected = run_cores(
+      functools.partial(split_core.attend, rate, 2, False, jnp.float32, persistent="pallas"),
+      functools.partial(xla_core.attend, rate, 2, False, jnp.float32),
+      rate, args, mask, dout)
+  assert_all_close(got, expected, tolerance=3e-6)
+
+
+def test_pallas_part_lowers_for_the_gpu():
+  """The Triton lowering accepts the three kernels (tiles, the keep bits' gathers) in
+  bf16 with dropout and slot weights; compiling them needs a GPU."""
+  rate = 0.2
+  qp, pk, pv, pw, bits, dout = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2,
+                                                              b=2, t=24, n=70, dh=12)
+  kernels = dict(rate=rate, tiles=persistent_pallas.Tiles(rows=16, slots=32, chunks=2),
+                 interpret=False)
+
+  def forward_and_backward(qp, pk, pv, pw, bits, dout):
+    acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, bits, **kernels)
+    delta = jnp.sum(acc * dout, -1) / norm
+    return acc, persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout,
+                                           **kernels)
+
+  try:
+    lowered = jax.jit(forward_and_backward).trace(qp, pk, pv, pw, bits, dout).lower(
+        lowering_platforms=("cuda",))
+  except ModuleNotFoundError as e:   # a jaxlib without the Triton dialect
+    pytest.skip(str(e))
+  text = lowered.as_text()
+  for name in ("forward", "query_grads", "slot_grads"):
+    assert f"allatt_persistent_{name}" in text
+  assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+def _stand_in_for_cudnn():
+  """jax's cuDNN module with its calls in XLA, their signatures jax's: cuDNN's
+  arithmetic (weights exp(s − stats), δ = Σ O·dO from the residuals handed to the
+  backward rule), so that the part's arguments and layouts are checked here."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+
+  def dot_product_attention(query, key, value, *, scale, qkv_layout, return_residual):
+    assert (scale, qkv_layout, return_residual) == (1.0, "BNTH", True)
+    s = jnp.einsum("bntd,bnsd->bnts", query, key, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(s, -1)
+    p = jnp.exp(s - lse[..., None])
+    return jnp.einsum("bnts,bnsd->bntd", p.astype(value.dtype), value), lse
+
+  def backward_rule(**kwargs):
+    query, key, value, *_, stats, out = kwargs["res"]
+    dout = kwargs["grad_output"]
+    assert kwargs["layout"] == fa.AttentionLayout.BNTH.value and not kwargs["dropout_rate"]
+    p = jnp.exp(jnp.einsum("bntd,bnsd->bnts", query, key) - stats[..., None])
+    ds = p * (jnp.einsum("bntd,bnsd->bnts", dout, value)
+              - jnp.sum(out * dout, -1, keepdims=True))
+    return (jnp.einsum("bnts,bnsd->bntd", ds, key), jnp.einsum("bnts,bntd->bnsd", ds, query),
+            jnp.einsum("bnts,bntd->bnsd", p, dout), None)
+
+  backward_rule.__signature__ = inspect.signature(getattr(fa, "_dot_product_attention_bwd_rule"))
+  return types.SimpleNamespace(
+      dot_product_attention=dot_product_attention, MaskType=fa.MaskType,
+      AttentionLayout=fa.AttentionLayout, _dot_product_attention_bwd_rule=backward_rule,
+      _dot_product_attention_fwd_rule=fa._dot_product_attention_fwd_rule)
+
+
+def test_cudnn_part_hands_cudnn_the_merged_statistics(monkeypatch):
+  """With a stand-in computing what cuDNN computes, the cuDNN part inside the split
+  core is the XLA core: its residuals (the merged lse and output) are built right."""
+  assert not persistent_cudnn._unknown_parameters(persistent_cudnn._module())
+  monkeypatch.setattr(persistent_cudnn, "_module", _stand_in_for_cudnn)
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  args, mask, dout = core_inputs()
+  got, expected = run_cores(
+      functools.partial(split_core.attend, 0.0, 2, False, jnp.float32, persistent="cudnn"),
+      functools.partial(xla_core.attend, 0.0, 2, False, jnp.float32),
+      0.0, args, mask, dout)
+  assert_all_close(got, expected, tolerance=2e-6)
+
+
+def test_choices_and_refusals(monkeypatch):
+  # On a CPU: 'auto' is the XLA core (the CPU demo computes what it computed), and
+  # the split core's 'auto' persistent part is XLA's.
+  assert not core_choice.use_split("auto") and core_choice.use_split("split")
+  assert persistent_cores.part("auto", 0.3, True, jnp.float32).name == "xla"
+  # Asked for where they cannot run (a model read from disk): the XLA part.
+  for impl in ("pallas", "cudnn"):
+    assert persistent_cores.part(impl, 0.0, False, jnp.bfloat16).name == "xla"
+  with pytest.raises(ConfigError, match=r"^config\.model\.persistent_impl='cudnn': cuDNN's "
+                     r"attention dropout cannot follow the step's key.*\(attention dropout "
+                     r"here: 0\.2\)\. Use --config\.model\.persistent_impl=auto"):
+    persistent_cores.part("cudnn", 0.2, False, jnp.bfloat16)
+  with pytest.raises(ConfigError, match="cannot weight persistent slots"):
+    persistent_cores.part("cudnn", 0.0, True, jnp.bfloat16)
+  with pytest.raises(ConfigError, match=r"persistent_impl='flash' is unknown"):
+    persistent_cores.part("flash", 0.0, False, jnp.float32)
+
+  config = config_base.base_config()
+  config.model.update(dict(vocab_size=11, num_persistent=8, attention_impl="split"))
+  check = lambda: config_checks.check_config(run_config.RunConfig.of(config), 1)
+  check()   # split with the 'auto' part runs anywhere
+  for impl, message in (("cudnn", "needs a GPU with cuDNN and this process runs on cpu"),
+                        ("pallas", "need a CUDA GPU")):
+    config.model.persistent_impl = impl
+    config.model.dropout_attn = 0.0
+    with pytest.raises(ConfigError, match=f"persistent_impl='{impl}'.*{message}") as error:
+      check()
+    assert "\n" not in str(error.value)
+  # Training with attention dropout: refused whatever the device.
+  config.model.persistent_impl, config.model.dropout_attn = "cudnn", 0.2
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  with pytest.raises(ConfigError, match="dropout cannot follow the step's key"):
+    check()
+  config.model.dropout_attn = 0.0
+  check()
+  config.model.persistent_impl = "flash"
+  with pytest.raises(ConfigError, match=r"persistent_impl='flash' is unknown"):
+    check()
+  # A config.json saved before the key existed reads 'auto'.
+  saved = run_config.RunConfig.of(config_base.base_config()).to_dict()
+  del saved["model"]["persistent_impl"]
+  assert run_config.RunConfig.from_dict(saved).model.persistent_impl == "auto"
+
+
+def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
+  """On a GPU (pretended: the trials' times and failures are given), 'auto' is the
+  split core, with the fastest persistent part whose trial passes in time."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  monkeypatch.setattr(persistent_cores, "TRIAL_SECONDS", 0.5)
+
+  def trial(name, rate, weighted, dtype):
+    del rate
+    if name == "pallas" and weighted:
+      time.sleep(2)   # a stalled compile: given up after TRIAL_SECONDS
+    if name == "pallas" and dtype == "float16":
+      raise RuntimeError("it disagrees with the XLA part")
+    return {"xla": 3e-3, "pallas": 2e-3, "cudnn": 1e-3}[name]
+
+  monkeypatch.setattr(persistent_cores, "trial", trial)
+  persistent_cores._auto.cache_clear()
+  try:
+    assert core_choice.use_split("auto")
+    choose = lambda rate, weighted, dtype=jnp.bfloat16: persistent_cores.part(
+        "auto", rate, weighted, dtype).name
+    assert choose(0.0, False) == "cudnn"
+    assert choose(0.2, False) == "pallas"   # cuDNN's dropout would not follow the key
+    assert choose(0.2, True) == "xla"       # Pallas stalled, cuDNN cannot weight slots
+    assert choose(0.2, False, jnp.float16) == "xla"   # Pallas disagreed
+  finally:
+    persistent_cores._auto.cache_clear()
+
+
+_SHARDED = """
+import functools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+import test_model_split_core as t
+from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import persistent_cores
+from allatt_jax.parallel import sharding
+from allatt_jax.model.attention import split_core
+mesh = sharding.make_mesh((2, 2))
+args, mask, dout = t.core_inputs(h=4, b=4, n=70, closed="groups")
+expected = jax.jit(functools.partial(t.outputs_and_grads, functools.partial(
+    xla_core.attend, 0.3, 4, False, jnp.float32), 0.3))(args, mask, dout)
+differences = {}
+with jax.set_mesh(mesh):
+  place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  args = ([place(x, P("model", "data")) for x in args[:5]]
+          + [place(x, P("model")) for x in args[5:]])
+  for name in ("xla", "pallas"):
+    core = functools.partial(split_core.attend, 0.3, 4, False, jnp.float32, persistent=name)
+    if name == "pallas":
+      part = persistent_cores.Part("pallas", t.SMALL_TILES)
+      persistent_cores.part = lambda *a: part
+    got = jax.jit(functools.partial(t.outputs_and_grads, core, 0.3))(args, mask, dout)
+    differences[name] = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
+                            for a, b in zip(got, expected))
+print(json.dumps(differences))
+"""
+
+
+def test_split_core_on_a_2x2_mesh():
+  """Heads over 'model', batch rows over 'data': the XLA part through XLA's
+  partitioner, the Pallas part per shard (its slot gradients summed over 'data'); the
+  unsharded XLA core's values and gradients, the same dropout masks."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": helpers.xla_flags(cpu_devices=4)}
+  result = subprocess.run([sys.executable, "-c", _SHARDED, str(REPO / "tests")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  differences = json.loads(result.stdout.strip().splitlines()[-1])
+  assert max(differences.values()) < 2e-6, differences
+
+
+def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
+  """The device script's pieces (launch/gpu_check.sh), in this process at a dry run's
+  tiny shapes, and the table it writes into docs/performance.md."""
+  pieces = gpu_check._pieces(dry=False)
+  for piece in ("versions", "part:pallas:0.2", "part:cudnn:0.0", "layer:xla:0.2",
+                "layer:split-pallas:0.2", "layer:split-cudnn:0.0", "alone:cudnn"):
+    assert piece in pieces
+  results = {piece: gpu_check.run_piece(piece, dry=True) for piece in gpu_check._pieces(True)}
+  assert results["versions"]["backend"] == "cpu"
+  for piece, result in results.items():
+    assert result.get("status", "ok") == "ok", (piece, result)
+  assert results["part:xla:0.2"]["agrees"] and results["layer:split-xla:0.2"]["ms"] > 0
+  assert gpu_check.run_piece("layer:split-pallas:0.0", dry=True) == {
+      "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32)}
+  assert gpu_check._best_split(results, dry=True) == "xla"
+  report = {"date": "2026-11-27", "dry_run": True, "seconds": 1.0,
+            "pieces": {**results, "benchmark": {"status": "timeout", "limit_s": 1.0}}}
+  doc = tmp_path / "performance.md"
+  doc.write_text(f"# Performance\n\n{gpu_check.BEGIN}\nold\n{gpu_check.END}\n\nafter\n")
+  for _ in range(2):
+    gpu_check.write_table(doc, gpu_check.table(report))
+  text = doc.read_text()
+  assert text.count(gpu_check.BEGIN) == 1 and "old" not in text and text.endswith("after\n")
+  assert "| `layer:split-xla:0.2` | ok |" in text and "| `benchmark` | timeout |" in text
+
+
+def test_gpu_check_layer_pieces_need_no_command_packages():
+  """The accelerator image lacks ml_collections, clu and TFDS: a layer piece runs
+  without them (and without optax, orbax and etils)."""
+  blocked = ("ml_collections", "clu", "tensorflow_datasets", "tensorflow", "optax", "orbax",
+             "etils")
+  script = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"
+            "from allatt_jax.perf import gpu_check\n"
+            "print(gpu_check.run_piece('layer:split-xla:0.2', dry=True)['status'])")
+  done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip().splitlines()[-1] == "ok"
+
+
+@pytest.mark.slow   # the CPU benchmark of configs/bench_cpu.py:tiny: a minute
+def test_gpu_check_dry_run_end_to_end(tmp_path):
+  done = subprocess.run([str(REPO / "launch" / "gpu_check.sh"), "--dry-run",
+                         f"--out_dir={tmp_path}"], env={**os.environ, "PYTHON": sys.executable},
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads(next(tmp_path.glob("gpu_check_*[0-9].json")).read_text())
+  assert {r["status"] for r in report["pieces"].values()} == {"ok"}
+  assert set(report["pieces"]["benchmark"]["train"]) == {"xla", "split"}
+  assert gpu_check.BEGIN in (tmp_path / "performance.md").read_text()
