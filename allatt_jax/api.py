@@ -103,8 +103,8 @@ class Model:
     if num_tokens < 0:
       raise errors.ConfigError(f"num_tokens={num_tokens}: use 0 or more.")
     result = generation.sample_text(self._loaded, prompt, num_tokens,
-                                 temperature=temperature, top_k=top_k, seed=seed,
-                                 keep_unk=keep_unk)
+                                    temperature=temperature, top_k=top_k, seed=seed,
+                                    keep_unk=keep_unk)
     return self.tokenizer.decode(result["generated_ids"])
 
   def costs(self) -> dict:
@@ -136,7 +136,7 @@ class Model:
     pruned_cfg, params = head_removal.remove_heads(self.lm.cfg, host_variables, heads, slots)
     config = model_export.exported_config(self.config, pruned_cfg)
     return Model(trained_model.LoadedModel(config, model_lib.TransformerLM.from_config(config),
-                                    jax.device_put({"params": params}), self.tokenizer))
+                                           jax.device_put({"params": params}), self.tokenizer))
 
   def prune_persistent_groups(self, groups: Mapping[int, Mapping[int, Iterable[int]]],
                               group_size: int | None = None) -> "Model":
@@ -196,7 +196,7 @@ class Model:
                             "overwrite=True).")
     model = self.prune_heads({}) if self.lm.cfg.gated else self
     model_export.save(directory, model.config, model.lm.cfg,
-                        jax.device_get(model.variables["params"]), self.tokenizer)
+                      jax.device_get(model.variables["params"]), self.tokenizer)
 
 
 def load(directory, step: int | None = None) -> Model:

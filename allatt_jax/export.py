@@ -28,7 +28,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an exported model al
 def main(argv):
   del argv
   out_dir = model_export.export_run(_WORKDIR.value, _OUT.value, _STEP.value,
-                                      overwrite=_OVERWRITE.value)
+                                    overwrite=_OVERWRITE.value)
   print(f"Exported the pruned model to {out_dir}")
 
 

@@ -44,7 +44,7 @@ def main(argv):
     pipeline.run(stages, _WORKDIR.value)
   else:
     loop.train_and_evaluate(assembly.prepared_run(assembly.checked_config(config)),
-                             _WORKDIR.value)
+                            _WORKDIR.value)
 
 
 def run(argv=None) -> None:

@@ -36,8 +36,8 @@ def main(argv):
     raise errors.ConfigError(f"--num_tokens={_NUM_TOKENS.value}: use 0 or more.")
   model = trained_model.load(_CHECKPOINT.value, _STEP.value)
   result = generation.sample_text(model, _PROMPT.value, _NUM_TOKENS.value,
-                               temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                               seed=_SEED.value, keep_unk=_KEEP_UNK.value)
+                                  temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                                  seed=_SEED.value, keep_unk=_KEEP_UNK.value)
   if result["skipped"]:
     what = ("words read as <unk>" if model.tokenizer.level == "word"
             else "characters dropped")

@@ -51,7 +51,7 @@ def parse_args(argv):
                       help="gs:// folder for checkpoints and logs, shared by all workers.")
   parser.add_argument("--data_from", default=None,
                       help="gs:// folder of the dataset's official files, copied to ~/data "
-                           "on every worker and passed as --config.data.manual_dir.")
+                      "on every worker and passed as --config.data.manual_dir.")
   parser.add_argument("--steps", default=",".join(STEPS),
                       help=f"Comma-separated subset of {','.join(STEPS)}.")
   parser.add_argument("--dry_run", action="store_true", help="Print the commands only.")

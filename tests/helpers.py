@@ -58,7 +58,7 @@ def train_run(config, workdir, **kwargs) -> dict:
   """`loop.train_and_evaluate` of a config (a ConfigDict or a RunConfig), resolved as
   the main command resolves it."""
   return loop.train_and_evaluate(assembly.prepared_run(assembly.checked_config(config)),
-                                  workdir, **kwargs)
+                                 workdir, **kwargs)
 
 
 def run_pipeline(config, workdir) -> dict:

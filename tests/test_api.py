@@ -212,7 +212,7 @@ def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
   assert smaller.costs()["persistent_per_head"] == [[16, 16, 16, 8], [16, 16, 16, 0]]
   assert model.costs()["persistent_per_head"] == [[16] * 4, [16] * 4]
   assert smaller.prune_heads({0: [3]}).lm.cfg.persistent_slots == ((16, 16, 16),
-                                                                    (16, 16, 16, 0))
+                                                                   (16, 16, 16, 0))
   note = model_export.renumbering_note(model.lm.cfg, smaller.lm.cfg)
   assert ("numbers each layer's heads anew, 0 .. H-1: the heads kept, ordered by their "
           "persistent slots, most first (per head: 16 16 16 8 | 16 16 16 0)") in note
@@ -301,7 +301,7 @@ def test_export_is_standalone(model, tmp_path):
   assert evaluated["tokens"] == scored["tokens"]
   assert model_export.trained_model_config(export)[1].layer_heads == (5, 8, 7, 8)
   assert allatt_jax.load(export).score(TEXT)["bpc"] == pytest.approx(scored["bpc"],
-                                                                      rel=1e-5)
+                                                                     rel=1e-5)
   assert not any(empty.iterdir())
 
 

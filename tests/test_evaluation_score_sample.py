@@ -94,7 +94,7 @@ def test_score_matches_evaluate(model, corpus):
   log_probs = likelihood.token_log_probs(model.lm, model.variables, tokens,
                                          seq_len=e.seq_len, mem_len=e.mem_len)
   evaluator = stream_eval.Evaluator(model.lm, sharding.make_mesh((1, 1)),
-                                 batch_size=1, seq_len=e.seq_len, mem_len=e.mem_len)
+                                    batch_size=1, seq_len=e.seq_len, mem_len=e.mem_len)
   expected = evaluator.score(model.variables, tokens)
   assert len(log_probs) == expected["tokens"] == len(tokens) - 1
   assert -log_probs.mean() == pytest.approx(expected["nll"], rel=1e-5)
@@ -105,7 +105,7 @@ def test_score_matches_evaluate(model, corpus):
 
 
 def test_score_and_evaluate_give_the_same_number_for_a_text(model, corpus, workdir,
-                                                           tmp_path):
+                                                            tmp_path):
   text_file = tmp_path / "text.txt"
   text_file.write_text(model.tokenizer.decode(corpus.splits["test"][:5 * 16 + 8]))
   scored = json.loads(run_cli("score", f"--checkpoint={workdir}",

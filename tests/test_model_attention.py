@@ -233,7 +233,7 @@ def test_bf16_scores_take_their_max_exp_and_sum_in_float32():
   # And in the program itself: every max, exp and sum of the softmax is float32.
   jaxpr = jax.make_jaxpr(weights)(qu, qv, qp, k, r_pad, pk, mask_TxK).jaxpr
   softmax = [e for e in _equations(jaxpr) if e.primitive.name in ("reduce_max", "exp",
-                                                                   "reduce_sum", "max")]
+                                                                  "reduce_sum", "max")]
   assert len(softmax) >= 4
   for eqn in softmax:
     assert all(v.aval.dtype == jnp.float32 for v in eqn.outvars), eqn

@@ -260,7 +260,7 @@ def test_model_with_closed_slot_groups_and_its_ragged_export_match():
       variables["gates"][f"layer_{i}"]["attention"]["persistent_logits"] = jnp.asarray(
           logits[i])
     gated = jax.jit(functools.partial(lm.apply, method=lm.log_probs))(variables, tokens,
-                                                                       memory)[0]
+                                                                      memory)[0]
     cfg, params = head_removal.remove_heads(lm.cfg, variables)
     export = model_lib.TransformerLM(dataclasses.replace(cfg, attention_impl=impl))
     cut = jax.jit(functools.partial(export.apply, method=export.log_probs))(

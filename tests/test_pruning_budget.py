@@ -309,7 +309,7 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 
 @pytest.mark.slow
 def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
-                                                   capsys):
+                                                    capsys):
   config = demo_config(data_dir, lam=0.0)
   report = run_pipeline(config, with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
@@ -329,7 +329,7 @@ def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
   train_run(baseline, tmp_path / "run")
   saved = (tmp_path / "run" / "config.json").read_bytes()
   changed = run_config.derived_run(baseline, train=dict(learning_rate=0.01),
-                                  model=dict(dropout=0.1))
+                                   model=dict(dropout=0.1))
   with pytest.raises(ConfigError, match=(
       r"holds a run trained with other settings \(model.dropout: 0.0 -> 0.1; "
       r"train.learning_rate: 0.003 -> 0.01\)")):
@@ -474,11 +474,11 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   total = sum(setup.lm.cfg.layer_heads)
   everything = dict(allowed=total, by_gates=total, changed=0)
   [warning] = model_export.pruning_warnings(setup.run, total, total, everything,
-                                              "--config.gates")
+                                            "--config.gates")
   assert f"--config.gates.target_sparsity=0.0 allows all {total} heads" in warning
   far = dict(allowed=total // 2, by_gates=total, changed=total // 2)
   [warning] = model_export.pruning_warnings(setup.run, total, total // 2, far,
-                                              "--config.gates")
+                                            "--config.gates")
   assert "--config.gates.freeze_step (now 100" in warning
   assert "--config.gates.budget_warmup_steps (now 60)" in warning
   # What each number is: the gates' own count, the budget's, the decisions reversed.
@@ -487,7 +487,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
           "gates' decisions by logit rank.") in warning
   empty = dict(allowed=0, by_gates=total, changed=total)
   [warning] = model_export.pruning_warnings(setup.run, total, 0, empty,
-                                              "--config.gates")
+                                            "--config.gates")
   assert f"keeps none of the {total} heads (--config.gates.allow_empty=True)" in warning
   [warning] = model_export.pruning_warnings(setup.run, total, 0, None, "--config.gates")
   assert f"pruning removed every one of the {total} heads" in warning

@@ -169,7 +169,7 @@ def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
   pruned_cfg, params = head_removal.remove_heads(cfg, variables)
   # Its heads can be cut again (the slots go with them), and slots by hand.
   smaller_cfg, smaller = head_removal.remove_heads(pruned_cfg, {"params": params}, {1: [0]},
-                                            slots={0: {0: [0, 1, 7]}})
+                                                   slots={0: {0: [0, 1, 7]}})
   assert smaller_cfg.persistent_slots == ((5, 4, 0), (6, 4, 2))
   assert smaller_cfg.layer_slots == [9, 12] and cfg.layer_slots == [32, 32]
   # Parameters count the slots kept, not the padding each layer's arrays hold.
@@ -211,13 +211,13 @@ def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD):
                                         "persistent_logits": np.array(groups[i], np.float32)}}
            for i in range(2)}
   decided = freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
-                                             budget_value)
+                                      budget_value)
   return cfg, gates, decided
 
 
 def _kept(cfg, new_gates):
   pruned_cfg, _ = head_removal.remove_heads(cfg, {"params": init_variables(cfg)["params"],
-                                           "gates": new_gates})
+                                                  "gates": new_gates})
   return pruned_cfg
 
 
@@ -244,7 +244,7 @@ def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():
   assert decision["cost"] == 10 * decision["allowed"] + decision["groups"]
   # ... and applying the rule again changes nothing.
   _, again = freeze.keep_within_budget(cfg, gate_values.read(cfg, new_gates), _Units,
-                                              80.0)
+                                       80.0)
   assert again["changed"] == 0 and again["cost"] == decision["cost"]
 
 
@@ -287,7 +287,7 @@ def test_the_decision_line_says_which_kind_each_change_is_and_adds_up():
            for i in range(2)}
   penalty = budget.Penalty(optax.constant_schedule(0.0), HARD, allowed=97.5, units=_Units)
   _, decision, line = freeze.keep_budgeted(cfg, gate_values.read(cfg, gates),
-                                                  penalty)
+                                           penalty)
   assert line.endswith("the gates keep 7 of 8 heads and 16 of 32 persistent groups at "
                        "the freeze (86); the budget 98 keeps 8 heads and 17 groups (97): "
                        "1 decision(s) changed by logit rank (opened 1 head(s) with their "
@@ -327,7 +327,7 @@ def test_l0_and_controller_count_heads_and_groups_by_cost():
 @pytest.mark.parametrize("rate,head_block,remat", [(0.0, 3, False), (0.3, 1, False),
                                                    (0.3, 3, True)])
 def test_the_core_backward_with_slot_weights_is_autodiff_of_its_forward(rate, head_block,
-                                                                       remat):
+                                                                        remat):
   """The hand-written backward pass, slot weights included (a closed slot's ∂L/∂w is
   the gradient a straight-through gate needs to reopen it), equals autodiff."""
   x = _core_inputs()
@@ -337,9 +337,9 @@ def test_the_core_backward_with_slot_weights_is_autodiff_of_its_forward(rate, he
   args = (x["qu"], x["qv"], x["qp"], x["k"], x["v"], x["r_pad"], x["pk"], x["pv"])
   keys = jnp.array([[5, 6], [7, 8]], jnp.uint32) if rate else None
   custom = lambda *a: xla_core.attend(rate, head_block, remat, jnp.float32,
-                                              *a[:-1], x["mask"], keys, a[-1])
+                                      *a[:-1], x["mask"], keys, a[-1])
   plain = lambda *a: xla_core._attend_fwd(rate, 3, False, jnp.float32, *a[:-1],
-                                                  x["mask"], keys, a[-1])[0]
+                                          x["mask"], keys, a[-1])[0]
   out, custom_vjp = jax.vjp(custom, *args, pw_HxN)
   expected_out, plain_vjp = jax.vjp(plain, *args, pw_HxN)
   np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)

@@ -233,7 +233,7 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
 
 
 def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_path,
-                                                              text8_dirs):
+                                                                text8_dirs):
   workdir = tmp_path / "run"
   shutil.copytree(baseline, workdir)
   saved = (workdir / run_files.CONFIG_FILE).read_bytes()

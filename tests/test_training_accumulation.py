@@ -44,7 +44,7 @@ def make_state(config):
   optimizer = optax.sgd(1.0)
   settings = train_step.StepConfig.from_config(config, optim.schedules(config))
   state = train_step.init_state(lm, optimizer, fixed_lambda(config, lm),
-                           settings, jax.random.key(0))
+                                settings, jax.random.key(0))
   previous = jax.random.randint(jax.random.key(1), (BATCH, SEQ_LEN), 0, VOCAB)
   _, memory, _ = lm.apply(state.variables, previous, previous, state.memory)
   return lm, optimizer, state.replace(memory=memory)

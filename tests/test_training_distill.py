@@ -221,7 +221,7 @@ def test_the_progress_line_names_the_terms_the_loss_adds_up():
   tokens = np.random.default_rng(1).integers(0, 27, (4, 17), dtype=np.int32)
   with sharding.activate(setup.mesh):
     _, metrics = setup.train_step(sample_gates=True)(setup.new_state(), tokens[:, :-1],
-                                                      tokens[:, 1:])
+                                                     tokens[:, 1:])
   m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
   np.testing.assert_allclose(
       m["loss"], (1 - alpha) * m["nll"] + alpha * m["distill_kl"]

@@ -221,7 +221,7 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_last_checkpoint(
 
 @pytest.mark.slow
 def test_sigkill_during_a_save_resumes_from_the_last_complete_one(run_config, uninterrupted,
-                                                                   tmp_path):
+                                                                  tmp_path):
   config_path, config = run_config
   workdir, marker = tmp_path / "run", tmp_path / "stalled"
   stalled = 2 * CHECKPOINT_EVERY
@@ -289,7 +289,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
 
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, poisoned,
-                                                               tmp_path, monkeypatch):
+                                                                tmp_path, monkeypatch):
   monkeypatch.setattr(metric_writers, "create_default_writer",
                       lambda *args, **kwargs: RecordingWriter())
   RecordingWriter.scalars = {}

@@ -171,13 +171,13 @@ def attention_metrics(lm, variables, segments: Segments) -> dict[str, list[np.nd
 
   def statistics(memory, inputs_and_targets):
     mask_TxK = relative.attention_mask(seq_len, segments.mem_len, memory["length"],
-                                        lm.cfg.same_length, lm.cfg.same_length_keys)
+                                       lm.cfg.same_length, lm.cfg.same_length_keys)
     probs, memory = _attention_probs(lm, variables, *inputs_and_targets, memory)
     return [None if layer is None else _head_statistics(*layer, mask_TxK)
             for layer in probs], memory
 
   batch_statistics, _ = stream_eval.read_stream(statistics, segments.batches,
-                                               segments.memory(lm.cfg))
+                                                segments.memory(lm.cfg))
   sums = {k: [np.zeros(h) for h in lm.cfg.layer_heads] for k in ATTENTION_METRICS}
   for layers in batch_statistics:
     for i, layer in enumerate(layers):

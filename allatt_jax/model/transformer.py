@@ -184,7 +184,7 @@ class TransformerLM(nn.Module):
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
     seq_len, mem_len = inputs_BxT.shape[1], memory["hidden"].shape[2]
     mask_TxK = relative.attention_mask(seq_len, mem_len, memory["length"], cfg.same_length,
-                                        cfg.same_length_keys)
+                                       cfg.same_length_keys)
     r_KxD = self.drop_emb(self._relative_positions(mem_len + seq_len).astype(dtype),
                           deterministic=deterministic)
     x_BxTxD = self.drop_emb(self.embedding.embed(inputs_BxT), deterministic=deterministic)

@@ -54,7 +54,7 @@ class Report:
         "  per token             {:.4g} MFLOP (matmul {:.4g}, other {:.4g}), {:.4g} MB "
         "accessed (loops by trip count)".format(
             *(self.proxy[k] / 1e6 for k in ("flops", "matmul_flops", "other_flops",
-                                             "bytes"))),
+                                            "bytes"))),
     ]
     lines.append("  ... by part           " + "; ".join(
         f"{part.replace('_', ' ')} {p['flops'] / 1e6:.4g} MFLOP, {p['bytes'] / 1e6:.4g} MB"

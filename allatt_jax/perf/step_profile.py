@@ -138,8 +138,8 @@ def breakdown(profile, hlo: str, steps: int) -> dict:
   if not total or unattributed / 1e6 / steps > 0.5 * total:
     return {**report, "attributed": False,
             "note": f"The trace's {plane} events name no HLO instruction of "
-                    f"{module.name} for most of the time: it does not attribute time "
-                    "per op on this platform."}
+            f"{module.name} for most of the time: it does not attribute time "
+            "per op on this platform."}
   by_part = collections.defaultdict(collections.Counter)   # part -> direction -> ms
   for scope, ms in by_scope.items():
     by_part[scopes.part(scope)][scope.partition(" ")[0]] += ms

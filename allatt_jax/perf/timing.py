@@ -199,14 +199,14 @@ class Inference:
                segments: int):
     full_cfg, variables = model
     cfg, params = head_removal.remove_heads(full_cfg, variables,
-                                     removed_heads(full_cfg, heads_kept))
+                                            removed_heads(full_cfg, heads_kept))
     self.cfg = cfg
     self.heads_kept = heads_kept
     e = config.eval
     self.segments = segments
     mesh = sharding.run_mesh(config.mesh)
     self._evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(cfg), mesh,
-                                                       config)
+                                                        config)
     self._variables = jax.device_put({"params": params})
     length = e.batch_size * e.seq_len * self.segments + 1
     self._tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(1), cfg.vocab_size,
@@ -352,7 +352,7 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   full = next((r for r in inference if r["heads_kept"] == 1.0), None)
   variant_report = {
       name: config_variants.entry(plan.variants[name], entry(step), evaluation.figures(),
-                                 train_report["baseline"], full)
+                                  train_report["baseline"], full)
       for name, (step, evaluation) in variants.items()}
 
   return {

@@ -130,7 +130,7 @@ class Penalty:
       return controlled(optax.constant_schedule(end))
     if units is None:
       start = float(expected_open(gates, [jnp.full((h,), gates.init)
-                                         for h in layer_heads if h]))
+                                          for h in layer_heads if h]))
     else:
       groups = units.groups_per_head
       init_gates = {f"layer_{i}": {"attention": {

@@ -113,7 +113,7 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
     if renumbered:
       print(renumbered, flush=True)
   evaluator = stream_eval.Evaluator.from_config(model_lib.TransformerLM(pruned_cfg), mesh,
-                                               config)
+                                                config)
   results = stream_eval.evaluate_splits(evaluator, {"params": params}, corpus)
   results["heads_per_layer"] = list(pruned_cfg.layer_heads)
   if pruned_cfg.persistent_slots is not None:
@@ -239,7 +239,7 @@ def trained_model_config(checkpoint, step: int | None = None
   heads, or a run's with its closed gates removed (the heads its export would keep)."""
   config, variables, _ = checkpointing.read_model(checkpoint, step)
   return config, head_removal.running_model_config(model_lib.ModelConfig.from_config(config),
-                                            variables)
+                                                   variables)
 
 
 def export_run(workdir, out_dir=None, step: int | None = None, *,

@@ -73,8 +73,8 @@ def _wrap(paragraph: str) -> str:
 def _sample_block(pruned: trained_model.LoadedModel) -> str:
   o = SAMPLE_OPTIONS
   text = generation.sample_text(pruned, o["prompt"], o["num_tokens"],
-                             temperature=o["temperature"], top_k=o["top_k"],
-                             seed=o["seed"])["text"]
+                                temperature=o["temperature"], top_k=o["top_k"],
+                                seed=o["seed"])["text"]
   return (f"```bash\npython -m allatt_jax.sample --checkpoint={README_WORKDIR}/pruned/"
           f"export \\\n    --prompt=\"{o['prompt']}\" --num_tokens={o['num_tokens']} "
           f"--temperature={o['temperature']} --top_k={o['top_k']} --seed={o['seed']}\n"

@@ -105,7 +105,7 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
                      f"with L0 gates ({_pruning_goal(prune_config)}, frozen at "
                      f"step {prune_config.gates.freeze_step}) in {pruned_dir}")
     pruned = loop.train_and_evaluate(stages.pruning, pruned_dir, watch=watch,
-                                      gate_flags=GATE_FLAGS)
+                                     gate_flags=GATE_FLAGS)
     watch.stop_if_asked(f"the pruning stage (in {pruned_dir})",
                         "go on with the speed comparison and the report")
 

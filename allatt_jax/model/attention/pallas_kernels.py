@@ -179,7 +179,7 @@ def _keep(g: Geometry, seeds_ref, which: int, h, b, i0, j0, cols, width):
   lo = (row * jnp.uint32(g.t) + i) * jnp.uint32(width) + j
   hi = jnp.zeros(shape, jnp.uint32) + (u32(h) + seeds_ref[HEAD_OFFSET])
   b0, b1 = xla_core._threefry2x32(seeds_ref[2 * which], seeds_ref[2 * which + 1],
-                                          hi, lo)
+                                  hi, lo)
   return (b0 ^ b1) >= jnp.uint32(int(g.rate * 2.0 ** 32))
 
 

@@ -56,7 +56,7 @@ class Part:
     if self.name == "xla":
       fn = functools.partial(_xla_forward, rate, score_dtype)
       return xla_core._over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                                pv, pw, bits)
+                                        pv, pw, bits)
     forward = (functools.partial(persistent_pallas.forward, rate=rate, tiles=self.tiles)
                if self.name == "pallas" else persistent_cudnn.forward)
     return _per_shard(forward, False, qp, pk, pv, pw, bits)
@@ -66,7 +66,7 @@ class Part:
     if self.name == "xla":
       fn = functools.partial(_xla_backward, rate, score_dtype)
       return xla_core._over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                                pv, pw, bits, top, norm, delta, dout)
+                                        pv, pw, bits, top, norm, delta, dout)
     if self.name == "pallas":
       backward = lambda qp, pk, pv, pw, bits, top, norm, delta, out, dout: (
           persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout, rate=rate,

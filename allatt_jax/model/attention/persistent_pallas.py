@@ -266,7 +266,7 @@ def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
   h, b, t, dh = qp.shape
   # Padding rows get a sum of 1 (their gradients are 0: their dout and δ are).
   q, pk_, pv_, w, bits_, top_, norm_, delta_, dout_ = _padded(g, qp, pk, pv, pw, bits, top,
-                                                               norm, delta, dout)
+                                                              norm, delta, dout)
   norm_ = norm_.at[:, g.m:].set(1.0)
   slot_args = [x for x in (q, pk_, pv_, w, bits_) if x is not None]
   rows, d, slots = g.tiles.rows, g.dh_pad, g.tiles.slots

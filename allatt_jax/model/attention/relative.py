@@ -167,7 +167,7 @@ class RelativeAttention(nn.Module):
         return split_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK, keys,
                                  pw, persistent=self.persistent_impl)
       return xla_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK,
-                                     keys, pw)
+                             keys, pw)
 
     runs = self._head_runs(h)
     out_HxBxTxDh = (core(*runs[0]) if len(runs) == 1
@@ -177,7 +177,7 @@ class RelativeAttention(nn.Module):
       # makes this collection mutable, so it never pays for the extra weights.
       self.sow("intermediates", "attention_probs",
                xla_core.attention_weights(qu, qv, qp, head_major(k), r_pad, pk,
-                                                 mask_TxK, pw=self._slot_weights(pw)))
+                                          mask_TxK, pw=self._slot_weights(pw)))
     out_BxTxHxDh = jnp.moveaxis(out_HxBxTxDh, 0, 2)
 
     if self._has_gates("logits", self.gate.heads):

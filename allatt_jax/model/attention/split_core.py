@@ -50,7 +50,7 @@ def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv
   """
   if pk is None:
     return xla_core.attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v,
-                                   r_pad, pk, pv, mask_TxK, keys_2x2, pw)
+                           r_pad, pk, pv, mask_TxK, keys_2x2, pw)
   part = persistent_cores.part(persistent, rate, pw is not None, qp.dtype)
   bits = (keep_bits.packed(keys_2x2[1], (*qp.shape[:3], pk.shape[1]), rate) if rate
           else None)
@@ -62,7 +62,7 @@ def _context_scores(qu, qv, k, r_pad, mask_TxK, score_dtype):
   """The context logits in float32, masked, as `xla_core._weights` scores them."""
   content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=score_dtype)
   position = xla_core.rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad,
-                                                   preferred_element_type=score_dtype))
+                                           preferred_element_type=score_dtype))
   return jnp.where(mask_TxK, content.astype(jnp.float32) + position.astype(jnp.float32),
                    _NEG_INF)
 
