@@ -1,6 +1,7 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
 a coordinator."""
+import functools
 import os
 import pathlib
 import random
@@ -18,6 +19,7 @@ from allatt_jax.training import assembly
 from allatt_jax.runs import run_files
 from allatt_jax.training import loop
 from allatt_jax.runs import workdir_checks
+from allatt_jax.model import transformer as model_lib
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -105,3 +107,17 @@ def assert_bit_identical(a, b):
     x, y = np.asarray(x), np.asarray(y)
     assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), (
         jax.tree_util.keystr(path))
+
+
+def stream_log_probs(config, attention_impl: str, tokens_BxT) -> tuple:
+  """The log-probabilities a model of `config` with `attention_impl` gives a stream's
+  two halves: at its start (no memory yet), then with the memory of the first."""
+  lm = model_lib.TransformerLM.from_config(config, attention_impl=attention_impl)
+  half = tokens_BxT.shape[1] // 2
+  memory = model_lib.init_memory(lm.cfg, tokens_BxT.shape[0], 5)
+  variables = jax.jit(lm.init)(jax.random.key(0), tokens_BxT[:, :half], tokens_BxT[:, :half],
+                               memory)
+  log_probs = jax.jit(functools.partial(lm.apply, method=lm.log_probs))
+  first, memory = log_probs(variables, tokens_BxT[:, :half], memory)
+  second, _ = log_probs(variables, tokens_BxT[:, half:], memory)
+  return first, second

@@ -197,16 +197,8 @@ def tiny_model(**model):
 def test_model_log_probs_match(kernels_run_here):
   config = tiny_model()
   tokens = np.random.default_rng(1).integers(0, 11, (2, 12))
-  results = {}
-  for impl in ("pallas", "xla"):
-    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
-    memory = model_lib.init_memory(lm.cfg, 2, 5)
-    variables = jax.jit(lm.init)(jax.random.key(0), tokens[:, :6], tokens[:, :6], memory)
-    log_probs = jax.jit(functools.partial(lm.apply, method=lm.log_probs))
-    first, memory = log_probs(variables, tokens[:, :6], memory)    # a stream's start
-    second, _ = log_probs(variables, tokens[:, 6:], memory)        # with memory
-    results[impl] = (first, second)
-  for got, expected in zip(results["pallas"], results["xla"]):
+  for got, expected in zip(helpers.stream_log_probs(config, "pallas", tokens),
+                           helpers.stream_log_probs(config, "xla", tokens)):
     np.testing.assert_allclose(got, expected, **TOLERANCE)
 
 

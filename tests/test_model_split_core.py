@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ from allatt_jax.model.attention import persistent_pallas
 from allatt_jax.config import run_config
 from allatt_jax.model.attention import split_core
 from allatt_jax.config.errors import ConfigError
+from allatt_jax.runs import checkpointing
 
 import helpers
 
@@ -226,16 +228,8 @@ def test_masks_follow_the_step_key_and_differ_across_steps_and_layers(monkeypatc
 def test_model_log_probs_match():
   config = tiny_model()
   tokens = np.random.default_rng(1).integers(0, 11, (2, 12))
-  results = {}
-  for impl in ("split", "xla"):
-    lm = model_lib.TransformerLM.from_config(config, attention_impl=impl)
-    memory = model_lib.init_memory(lm.cfg, 2, 5)
-    variables = jax.jit(lm.init)(jax.random.key(0), tokens[:, :6], tokens[:, :6], memory)
-    log_probs = jax.jit(functools.partial(lm.apply, method=lm.log_probs))
-    first, memory = log_probs(variables, tokens[:, :6], memory)    # a stream's start
-    second, _ = log_probs(variables, tokens[:, 6:], memory)        # with memory
-    results[impl] = (first, second)
-  for got, expected in zip(results["split"], results["xla"]):
+  for got, expected in zip(helpers.stream_log_probs(config, "split", tokens),
+                           helpers.stream_log_probs(config, "xla", tokens)):
     assert_close(got, expected)
 
 
@@ -313,6 +307,25 @@ def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
     assert_close(got, expected, jax.tree_util.keystr(path), tolerance=1e-5)
   again, _ = split_step()
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(updates)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path):
+  """The persistent masks follow the step's key: a run stopped after its first
+  checkpoint and resumed ends with the uninterrupted run's variables, bit for bit."""
+  config = helpers.tiny_run()
+  config.data.data_dir = str(tmp_path / "tfds")
+  config.model.update(dict(attention_impl="split", persistent_impl="xla", dropout_attn=0.2))
+  config.train.num_steps = 4
+  config.checkpoint.every_steps = 2
+  config.eval.update(dict(every_steps=0, batch_size=64))
+  workdir = tmp_path / "run"
+  helpers.train_run(config, workdir)
+  uninterrupted = checkpointing.read_model(workdir)[1]
+  shutil.rmtree(workdir / "checkpoints" / "4")    # as if it had died after step 2
+  helpers.train_run(config, workdir)
+  for a, b in zip(jax.tree.leaves(uninterrupted),
+                  jax.tree.leaves(checkpointing.read_model(workdir)[1])):
     np.testing.assert_array_equal(a, b)
 
 

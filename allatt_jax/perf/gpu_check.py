@@ -48,7 +48,7 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.model.attention import split_core
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARTS = ("xla", "pallas", "cudnn")
 RATES = (0.0, 0.2)
 # (H, B, T, S, N, dh): the benchmark's layer, and a dry run's.

@@ -97,15 +97,15 @@ class Geometry:
 
 # --- tile arithmetic (traced inside the kernels) -------------------------------------
 
-def _dot(a, b):      # a @ b
+def dot(a, b):      # a @ b
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _dot_t(a, b):    # a @ b.T
+def dot_t(a, b):    # a @ b.T
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
-def _t_dot(a, b):    # a.T @ b
+def t_dot(a, b):    # a.T @ b
   return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
@@ -151,7 +151,7 @@ def _unshift_rows(ds_RxR, scratch_ref, g: Geometry):
 def _context_logits(g, qu, qv, k, r_ref, scratch_ref, i0, j0):
   """(q + u)·k + (q + v)·r of queries i0.. against keys j0.., rel-shifted."""
   window = r_ref[pl.ds(g.window_start(i0, j0), 2 * g.rows), :]
-  return _dot_t(qu, k) + _shift_rows(_dot_t(qv, window), scratch_ref, g)
+  return dot_t(qu, k) + _shift_rows(dot_t(qv, window), scratch_ref, g)
 
 
 def _visible(lo, hi, j0, cols):
@@ -192,7 +192,7 @@ def _online_softmax_step(g, carry, s, visible, keep, v):
   p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
   l = l * correction + p.sum(axis=1)
   p = xla_core._dropped(p, keep, g.rate)
-  acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+  acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
   return m_next, l, acc
 
 
@@ -201,7 +201,7 @@ def _weights_and_grads(g, s, visible, lse, keep, dout, v, delta):
   written as p_dropped ⊙ dp - p ⊙ δ as in the XLA path."""
   p = jnp.where(visible, jnp.exp(s - lse[:, None]), 0.0)
   p_dropped = xla_core._dropped(p, keep, g.rate)
-  return p_dropped, p_dropped * _dot_t(dout, v) - p * delta[:, None]
+  return p_dropped, p_dropped * dot_t(dout, v) - p * delta[:, None]
 
 
 # --- kernels ------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def forward_kernel(g: Geometry, has_slots: bool, lo_ref, hi_ref, first_ref, last
 
     def slot_step(nb, carry):
       n0 = nb * g.slots
-      s = _dot_t(qp, pk_ref[pl.ds(n0, g.slots), :])
+      s = dot_t(qp, pk_ref[pl.ds(n0, g.slots), :])
       keep = _keep(g, seeds_ref, 1, h, b, i0, n0, g.slots, g.n)
       return _online_softmax_step(g, carry, s, _real_slots(g, n0), keep,
                                   pv_ref[pl.ds(n0, g.slots), :])
@@ -283,10 +283,10 @@ def query_grads_kernel(g: Geometry, has_slots: bool, lo_ref, hi_ref, first_ref,
                                delta)
     ds_lower, ds_upper = (x.astype(dtype) for x in _unshift_rows(ds, scratch_ref, g))
     start = g.window_start(i0, j0)
-    dqv = (dqv + _dot(ds_lower, r_ref[pl.ds(start, rows), :])
-           + _dot(ds_upper, r_ref[pl.ds(start + rows, rows), :]))
-    store_table_grads(jb, upper + _t_dot(ds_lower, qv))
-    return dqu + _dot(ds.astype(dtype), k), dqv, _t_dot(ds_upper, qv)
+    dqv = (dqv + dot(ds_lower, r_ref[pl.ds(start, rows), :])
+           + dot(ds_upper, r_ref[pl.ds(start + rows, rows), :]))
+    store_table_grads(jb, upper + t_dot(ds_lower, qv))
+    return dqu + dot(ds.astype(dtype), k), dqv, t_dot(ds_upper, qv)
 
   jax.lax.fori_loop(0, first, zero_fill, 0)
   dqu, dqv, upper = jax.lax.fori_loop(first, last + 1, context_step,
@@ -302,9 +302,9 @@ def query_grads_kernel(g: Geometry, has_slots: bool, lo_ref, hi_ref, first_ref,
       n0 = nb * g.slots
       pk = pk_ref[pl.ds(n0, g.slots), :]
       keep = _keep(g, seeds_ref, 1, h, b, i0, n0, g.slots, g.n)
-      _, ds = _weights_and_grads(g, _dot_t(qp, pk), _real_slots(g, n0), lse, keep, dout,
+      _, ds = _weights_and_grads(g, dot_t(qp, pk), _real_slots(g, n0), lse, keep, dout,
                                  pv_ref[pl.ds(n0, g.slots), :], delta)
-      return dqp + _dot(ds.astype(dtype), pk)
+      return dqp + dot(ds.astype(dtype), pk)
 
     dqp = jax.lax.fori_loop(0, g.n_blocks, slot_step, zero_block)
     dqp_ref[...] = dqp.astype(dqp_ref.dtype)
@@ -329,7 +329,7 @@ def context_kv_grads_kernel(g: Geometry, lo_ref, hi_ref, first_ref, last_ref, se
     visible = _visible(lo_ref[block], hi_ref[block], j0, rows)
     p_dropped, ds = _weights_and_grads(g, s, visible, lse_ref[block], keep, dout, v,
                                        delta_ref[block])
-    return (dk + _t_dot(ds.astype(dtype), qu), dv + _t_dot(p_dropped.astype(dtype), dout))
+    return (dk + t_dot(ds.astype(dtype), qu), dv + t_dot(p_dropped.astype(dtype), dout))
 
   zero = jnp.zeros((rows, g.dh_pad), _F32)
   dk, dv = jax.lax.fori_loop(first_ref[jb], last_ref[jb] + 1, query_step, (zero, zero))
@@ -353,9 +353,9 @@ def slot_grads_kernel(g: Geometry, seeds_ref, qp_ref, pk_ref, pv_ref, lse_ref, d
     block = pl.ds(i0, rows)
     qp, dout = qp_ref[bi, block, :], dout_ref[bi, block, :]
     keep = _keep(g, seeds_ref, 1, h, bb * g.batch_block + bi, i0, n0, g.slots, g.n)
-    p_dropped, ds = _weights_and_grads(g, _dot_t(qp, pk), visible, lse_ref[bi, block],
+    p_dropped, ds = _weights_and_grads(g, dot_t(qp, pk), visible, lse_ref[bi, block],
                                        keep, dout, pv, delta_ref[bi, block])
-    return (dpk + _t_dot(ds.astype(dtype), qp), dpv + _t_dot(p_dropped.astype(dtype), dout))
+    return (dpk + t_dot(ds.astype(dtype), qp), dpv + t_dot(p_dropped.astype(dtype), dout))
 
   zero = jnp.zeros((g.slots, g.dh_pad), _F32)
   dpk, dpv = jax.lax.fori_loop(0, g.batch_block * g.q_blocks, query_step, (zero, zero))
