@@ -20,6 +20,7 @@ from allatt_jax.runs import run_files
 from allatt_jax.training import loop
 from allatt_jax.runs import workdir_checks
 from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import run_config
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -121,3 +122,42 @@ def stream_log_probs(config, attention_impl: str, tokens_BxT) -> tuple:
   first, memory = log_probs(variables, tokens_BxT[:, :half], memory)
   second, _ = log_probs(variables, tokens_BxT[:, half:], memory)
   return first, second
+
+
+def kernel_test_model(**model):
+  """A 2-layer All-att run config (d 16, 4 heads of size 4), with dropout everywhere and
+  gradient accumulation, its model keys updated by `model` (heads per layer,
+  persistent slots): what the attention cores' tests train and score."""
+  config = config_base.base_config()
+  config.model.update(dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
+                           dropout=0.1, dropout_attn=0.3, dropout_emb=0.1))
+  config.model.update(model)
+  config.train.update(dict(batch_size=4, seq_len=6, mem_len=5, grad_accum_steps=2))
+  return run_config.RunConfig.of(config)
+
+
+def accumulated_step(config):
+  """One train step of a model of `config` (`kernel_test_model`: 2 accumulated
+  micro-batches, dropout) from a state with memory: a function giving (the update of
+  every variable, the step's metrics), the same state and key at every call."""
+  import optax   # pylint: disable=import-outside-toplevel
+  from allatt_jax.pruning import budget   # pylint: disable=import-outside-toplevel
+  from allatt_jax.training import optim   # pylint: disable=import-outside-toplevel
+  from allatt_jax.training import train_step   # pylint: disable=import-outside-toplevel
+  tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
+  lm = model_lib.TransformerLM.from_config(config)
+  penalty = budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
+  settings = train_step.StepConfig.from_config(config, optim.schedules(config))
+  state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
+                                    settings))(jax.random.key(0))
+  _, memory, _ = jax.jit(lm.apply)(state.variables, tokens[:, :6], tokens[:, 1:7],
+                                   state.memory)
+  step = jax.jit(functools.partial(train_step.train_step, lm=lm, optimizer=optax.sgd(1.0),
+                                   penalty=penalty, step_config=settings, sample_gates=False))
+
+  def run():
+    new_state, metrics = step(state.replace(memory=memory), tokens[:, 6:12], tokens[:, 7:13])
+    return jax.tree.map(lambda new, old: new - old, new_state.variables,
+                        state.variables), metrics
+
+  return run

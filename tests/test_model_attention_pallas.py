@@ -185,13 +185,7 @@ def test_trial_runs_while_a_model_traces():
 def tiny_model(**model):
   """An All-att model with its second layer pruned away and the first at 3 of 4 heads
   (head size 4, padded to 16 in the kernels), persistent slots and dropout."""
-  config = config_base.base_config()
-  config.model.update(dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
-                           heads_per_layer=(3, 0), num_persistent=9, dropout=0.1,
-                           dropout_attn=0.3, dropout_emb=0.1))
-  config.model.update(model)
-  config.train.update(dict(batch_size=4, seq_len=6, mem_len=5, grad_accum_steps=2))
-  return run_config.RunConfig.of(config)
+  return helpers.kernel_test_model(**{"heads_per_layer": (3, 0), "num_persistent": 9, **model})
 
 
 def test_model_log_probs_match(kernels_run_here):
@@ -232,27 +226,9 @@ def test_inference_paths_match(kernels_run_here):
 def test_train_step_updates_match(kernels_run_here):
   """One accumulated train step (2 micro-batches) with dropout from a state with
   memory: every parameter's update (minus its gradient) is the same."""
-  import optax   # pylint: disable=import-outside-toplevel
-  from allatt_jax.pruning import budget   # pylint: disable=import-outside-toplevel
-  from allatt_jax.training import optim
-  from allatt_jax.training import train_step
-  tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
   updates, metrics = {}, {}
   for impl in ("pallas", "xla"):
-    config = tiny_model(attention_impl=impl)
-    lm = model_lib.TransformerLM.from_config(config)
-    penalty = budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
-    settings = train_step.StepConfig.from_config(config, optim.schedules(config))
-    state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
-                                      settings))(jax.random.key(0))
-    _, memory, _ = jax.jit(lm.apply)(state.variables, tokens[:, :6], tokens[:, 1:7],
-                                     state.memory)
-    step = jax.jit(functools.partial(train_step.train_step, lm=lm, optimizer=optax.sgd(1.0),
-                                     penalty=penalty, step_config=settings,
-                                     sample_gates=False))
-    new_state, metrics[impl] = step(state.replace(memory=memory), tokens[:, 6:12],
-                                    tokens[:, 7:13])
-    updates[impl] = jax.tree.map(jnp.subtract, new_state.variables, state.variables)
+    updates[impl], metrics[impl] = helpers.accumulated_step(tiny_model(attention_impl=impl))()
   np.testing.assert_allclose(metrics["pallas"]["loss"], metrics["xla"]["loss"], **TOLERANCE)
   paths = jax.tree_util.tree_flatten_with_path(updates["xla"])[0]
   assert any("position_bias" in jax.tree_util.keystr(p) for p, _ in paths)

@@ -184,13 +184,7 @@ def assert_kept_fraction(keep, rate):
 def tiny_model(**model):
   """An All-att model with uneven heads (3 and 2 of 4, as after pruning), persistent
   slots, dropout and gradient accumulation."""
-  config = config_base.base_config()
-  config.model.update(dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
-                           heads_per_layer=(3, 2), num_persistent=40, dropout=0.1,
-                           dropout_attn=0.3, dropout_emb=0.1))
-  config.model.update(model)
-  config.train.update(dict(batch_size=4, seq_len=6, mem_len=5, grad_accum_steps=2))
-  return run_config.RunConfig.of(config)
+  return helpers.kernel_test_model(**{"heads_per_layer": (3, 2), "num_persistent": 40, **model})
 
 
 def test_masks_follow_the_step_key_and_differ_across_steps_and_layers(monkeypatch):
@@ -265,39 +259,15 @@ def test_model_with_closed_slot_groups_and_its_ragged_export_match():
     assert_close(got, expected)
 
 
-def accumulated_step(impl: str):
-  """One train step of 2 accumulated micro-batches with dropout from a state with
-  memory: a function giving (updates, metrics)."""
-  import optax   # pylint: disable=import-outside-toplevel
-  from allatt_jax.pruning import budget   # pylint: disable=import-outside-toplevel
-  from allatt_jax.training import optim
-  from allatt_jax.training import train_step
-  tokens = np.random.default_rng(2).integers(0, 11, (4, 13))
-  config = tiny_model(attention_impl=impl, persistent_impl="xla")
-  lm = model_lib.TransformerLM.from_config(config)
-  penalty = budget.Penalty.of(config.gates, lm.cfg.layer_heads, None)
-  settings = train_step.StepConfig.from_config(config, optim.schedules(config))
-  state = jax.jit(functools.partial(train_step.init_state, lm, optax.sgd(1.0), penalty,
-                                    settings))(jax.random.key(0))
-  _, memory, _ = jax.jit(lm.apply)(state.variables, tokens[:, :6], tokens[:, 1:7],
-                                   state.memory)
-  step = jax.jit(functools.partial(train_step.train_step, lm=lm, optimizer=optax.sgd(1.0),
-                                   penalty=penalty, step_config=settings, sample_gates=False))
-
-  def run():
-    new_state, metrics = step(state.replace(memory=memory), tokens[:, 6:12], tokens[:, 7:13])
-    return jax.tree.map(jnp.subtract, new_state.variables, state.variables), metrics
-
-  return run
-
-
 def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
   """Every parameter's update (minus its gradient) as with the XLA core, dropout
   included; the step again, from the same state and key (a resumed run's), is
   bit-identical."""
-  split_step = accumulated_step("split")
+  step_of = lambda impl: helpers.accumulated_step(
+      tiny_model(attention_impl=impl, persistent_impl="xla"))
+  split_step = step_of("split")
   updates, metrics = split_step()
-  expected_updates, expected_metrics = accumulated_step("xla")()
+  expected_updates, expected_metrics = step_of("xla")()
   assert_close(metrics["loss"], expected_metrics["loss"])
   paths = jax.tree_util.tree_flatten_with_path(expected_updates)[0]
   assert any("persistent_key" in jax.tree_util.keystr(p) for p, _ in paths)
