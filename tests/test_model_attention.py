@@ -17,7 +17,7 @@ def test_threefry_matches_jax_at_20_rounds():
   key = jnp.array([0x13198A2E, 0x03707344], jnp.uint32)
   count = jnp.arange(64, dtype=jnp.uint32) * jnp.uint32(2654435761)
   expected = jax.extend.random.threefry_2x32(key, count)
-  b0, b1 = xla_core._threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
+  b0, b1 = xla_core.threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
   np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
 
 
@@ -25,7 +25,7 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
   # The rounds dropout uses, on the consecutive counters a mask hashes.
   n = 1 << 16
   lo = jnp.arange(n, dtype=jnp.uint32)
-  b0, b1 = xla_core._threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
+  b0, b1 = xla_core.threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
   words = np.asarray(b0 ^ b1)
   bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
   np.testing.assert_allclose(bits.mean(0), 0.5, atol=0.01)   # ~5 sd of 1/sqrt(4n)
@@ -37,13 +37,13 @@ def test_dropout_hash_bits_are_balanced_and_uncorrelated():
 def test_keep_mask_rate_keys_and_head_offset():
   shape = (4, 3, 64, 96)
   keys = jnp.array([[1, 2], [3, 4]], jnp.uint32)
-  a = xla_core._keep_mask(keys[0], shape, 0.2, 0)
-  b = xla_core._keep_mask(keys[1], shape, 0.2, 0)
+  a = xla_core.keep_mask(keys[0], shape, 0.2, 0)
+  b = xla_core.keep_mask(keys[1], shape, 0.2, 0)
   assert abs(float(a.mean()) - 0.8) < 0.01
   assert 0.6 < float((a == b).mean()) < 0.7   # independent masks agree on 0.8² + 0.2²
   # Heads 2.. drawn as a block starting at head 2 get the same mask.
-  np.testing.assert_array_equal(a[2:], xla_core._keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
-  assert bool(xla_core._keep_mask(keys[0], shape, 0.0, 0).all())
+  np.testing.assert_array_equal(a[2:], xla_core.keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
+  assert bool(xla_core.keep_mask(keys[0], shape, 0.0, 0).all())
 
 
 def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):

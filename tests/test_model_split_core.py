@@ -134,8 +134,8 @@ def _float64_reference(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask, keys, pw):
                             -1)
   e = weights * jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
   p = e / e.sum(-1, keepdims=True)
-  keep = jnp.concatenate([xla_core._keep_mask(keys[0], ctx.shape, rate, 0),
-                          xla_core._keep_mask(keys[1], pers.shape, rate, 0)], -1)
+  keep = jnp.concatenate([xla_core.keep_mask(keys[0], ctx.shape, rate, 0),
+                          xla_core.keep_mask(keys[1], pers.shape, rate, 0)], -1)
   p = jnp.where(keep, p / (1 - rate), 0.0)
   kk = k.shape[2]
   return (jnp.einsum("hbtk,hbkd->hbtd", p[..., :kk], v)
@@ -169,9 +169,9 @@ def test_packed_keep_bits_are_the_xla_cores_masks(shape):
   words = keep_bits.packed(KEYS[1], shape, rate)
   assert words.shape == (*shape[:3], -(-shape[3] // 32)) and words.dtype == jnp.uint32
   keep = keep_bits.unpacked(words, shape[3])
-  np.testing.assert_array_equal(keep, xla_core._keep_mask(KEYS[1], shape, rate, 0))
+  np.testing.assert_array_equal(keep, xla_core.keep_mask(KEYS[1], shape, rate, 0))
   # A block of heads counts its heads from its first (the XLA core's head loop).
-  np.testing.assert_array_equal(keep[1:], xla_core._keep_mask(
+  np.testing.assert_array_equal(keep[1:], xla_core.keep_mask(
       KEYS[1], (shape[0] - 1, *shape[1:]), rate, 1))
 
 

@@ -166,7 +166,7 @@ def _real_slots(g: Geometry, n0):
 
 
 def _keep(g: Geometry, seeds_ref, which: int, h, b, i0, j0, cols, width):
-  """The XLA path's dropout mask of a tile (`xla_core._keep_mask`): Threefry
+  """The XLA path's dropout mask of a tile (`xla_core.keep_mask`): Threefry
   of (head, flat index (b·T + i)·width + j within the head) under keys `which` (0:
   context, 1: persistent), the head and batch row counted over the whole array."""
   if not g.rate:
@@ -178,8 +178,8 @@ def _keep(g: Geometry, seeds_ref, which: int, h, b, i0, j0, cols, width):
   row = u32(b) + seeds_ref[BATCH_OFFSET]
   lo = (row * jnp.uint32(g.t) + i) * jnp.uint32(width) + j
   hi = jnp.zeros(shape, jnp.uint32) + (u32(h) + seeds_ref[HEAD_OFFSET])
-  b0, b1 = xla_core._threefry2x32(seeds_ref[2 * which], seeds_ref[2 * which + 1],
-                                  hi, lo)
+  b0, b1 = xla_core.threefry2x32(seeds_ref[2 * which], seeds_ref[2 * which + 1],
+                                 hi, lo)
   return (b0 ^ b1) >= jnp.uint32(int(g.rate * 2.0 ** 32))
 
 
@@ -191,7 +191,7 @@ def _online_softmax_step(g, carry, s, visible, keep, v):
   correction = jnp.exp(m - m_next)
   p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
   l = l * correction + p.sum(axis=1)
-  p = xla_core._dropped(p, keep, g.rate)
+  p = xla_core.dropped(p, keep, g.rate)
   acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
   return m_next, l, acc
 
@@ -200,7 +200,7 @@ def _weights_and_grads(g, s, visible, lse, keep, dout, v, delta):
   """A tile's dropped weights and logit gradients p ⊙ (keep ⊙ dp / (1 - rate) - δ),
   written as p_dropped ⊙ dp - p ⊙ δ as in the XLA path."""
   p = jnp.where(visible, jnp.exp(s - lse[:, None]), 0.0)
-  p_dropped = xla_core._dropped(p, keep, g.rate)
+  p_dropped = xla_core.dropped(p, keep, g.rate)
   return p_dropped, p_dropped * dot_t(dout, v) - p * delta[:, None]
 
 

@@ -55,8 +55,8 @@ class Part:
   def forward(self, rate, head_block, score_dtype, qp, pk, pv, pw, bits):
     if self.name == "xla":
       fn = functools.partial(_xla_forward, rate, score_dtype)
-      return xla_core._over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                        pv, pw, bits)
+      return xla_core.over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
+                                       pv, pw, bits)
     forward = (functools.partial(persistent_pallas.forward, rate=rate, tiles=self.tiles)
                if self.name == "pallas" else persistent_cudnn.forward)
     return _per_shard(forward, False, qp, pk, pv, pw, bits)
@@ -65,8 +65,8 @@ class Part:
                out, dout):
     if self.name == "xla":
       fn = functools.partial(_xla_backward, rate, score_dtype)
-      return xla_core._over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                        pv, pw, bits, top, norm, delta, dout)
+      return xla_core.over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
+                                       pv, pw, bits, top, norm, delta, dout)
     if self.name == "pallas":
       backward = lambda qp, pk, pv, pw, bits, top, norm, delta, out, dout: (
           persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout, rate=rate,
@@ -91,11 +91,11 @@ def _xla_forward(rate, score_dtype, qp, pk, pv, pw, bits):
     top = s.max(-1, keepdims=True)
     e = jnp.exp(s - top)
   else:   # the shift is the largest open slot's logit; a closed one's exp is capped
-    w = xla_core._slot_axes(pw)
+    w = xla_core.slot_axes(pw)
     top = jnp.where(w > 0, s, _NEG_INF).max(-1, keepdims=True)
     e = jnp.exp(jnp.minimum(s - top, _MAX_EXPONENT)) * w
   keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
-  acc = jnp.einsum("hbtn,hnd->hbtd", xla_core._dropped(e, keep, rate).astype(pv.dtype),
+  acc = jnp.einsum("hbtn,hnd->hbtd", xla_core.dropped(e, keep, rate).astype(pv.dtype),
                    pv, preferred_element_type=jnp.float32)
   return acc, top[..., 0], e.sum(-1)
 
@@ -110,12 +110,12 @@ def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dou
        * (1.0 / norm[..., None]))
   dp = jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype)
   keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
-  q_dropped = xla_core._dropped(q, keep, rate)
+  q_dropped = xla_core.dropped(q, keep, rate)
   dlog_q = q_dropped * dp.astype(f32) - q * delta[..., None]
   dpw = None
   if pw is not None:   # the gradients of q_n's logit: w_n times those of p_n's
     dpw = dlog_q.sum((1, 2)).astype(pw.dtype)
-    w = xla_core._slot_axes(pw)
+    w = xla_core.slot_axes(pw)
     q_dropped, dlog_q = q_dropped * w, dlog_q * w
   pd, dlog = q_dropped.astype(dtype), dlog_q.astype(dtype)
   dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd).swapaxes(-1, -2)

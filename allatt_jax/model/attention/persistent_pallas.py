@@ -114,7 +114,7 @@ def _forward_kernel(g: _Geometry, *refs):
     correction = jnp.exp(m - m_next)
     e = jnp.exp(jnp.minimum(s - m_next[:, None], _MAX_EXPONENT)) * w
     l = l * correction + e.sum(axis=1)
-    e = xla_core._dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
+    e = xla_core.dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
     pv = pv_ref[pl.ds(n0, slots), :]
     return m_next, l, acc * correction[:, None] + pallas_kernels.dot(e.astype(pv.dtype), pv)
 
@@ -131,7 +131,7 @@ def _grads(g, q, pk, pv, keep, top, inv_norm, delta, dout):
   """A tile's dropped weights before the slot weights, and their logits' gradients."""
   q_n = (jnp.exp(jnp.minimum(pallas_kernels.dot_t(q, pk) - top[:, None], _MAX_EXPONENT))
          * inv_norm[:, None])
-  q_dropped = xla_core._dropped(q_n, keep, g.rate)
+  q_dropped = xla_core.dropped(q_n, keep, g.rate)
   return q_dropped, q_dropped * pallas_kernels.dot_t(dout, pv) - q_n * delta[:, None]
 
 

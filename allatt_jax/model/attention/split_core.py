@@ -75,8 +75,8 @@ def _context_forward(rate, score_dtype, keep_weights, mask_TxK, keys_2x2, first_
   top = s.max(-1, keepdims=True)
   e = jnp.exp(s - top)
   norm = e.sum(-1)
-  keep = xla_core._keep_masks(keys_2x2, e, None, rate, first_head)[0]
-  acc = jnp.einsum("hbtk,hbkd->hbtd", xla_core._dropped(e, keep, rate).astype(v.dtype),
+  keep = xla_core.keep_masks(keys_2x2, e, None, rate, first_head)[0]
+  acc = jnp.einsum("hbtk,hbkd->hbtd", xla_core.dropped(e, keep, rate).astype(v.dtype),
                    v, preferred_element_type=jnp.float32)
   p = (e * (1.0 / norm[..., None])).astype(score_dtype) if keep_weights else None
   return acc, top[..., 0], norm, p
@@ -95,7 +95,7 @@ def _context_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv,
     p = jnp.exp(s - top[..., None]) * (1.0 / norm[..., None])
   else:
     p = p_ctx.astype(jnp.float32) * share_ctx[..., None]
-  dqu, dqv, _, dk, dv, dr_pad, *_ = xla_core._block_backward(
+  dqu, dqv, _, dk, dv, dr_pad, *_ = xla_core.block_backward(
       rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, None, k, v, r_pad, None,
       None, None, p.astype(score_dtype), None, out, dout)
   return dqu, dqv, dk, dv, dr_pad
@@ -112,7 +112,7 @@ def _split_fwd(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_p
                mask_TxK, keys_2x2, bits, pw):
   context = functools.partial(_context_forward, rate, score_dtype, not remat, mask_TxK,
                               keys_2x2)
-  acc_ctx, top_ctx, norm_ctx, p_ctx = xla_core._over_head_blocks(
+  acc_ctx, top_ctx, norm_ctx, p_ctx = xla_core.over_head_blocks(
       context, head_block, qu, qv, k, v, r_pad)
   acc_pers, top_pers, norm_pers = part.forward(rate, head_block, score_dtype, qp, pk, pv, pw,
                                                bits)
@@ -133,7 +133,7 @@ def _split_bwd(rate, head_block, remat, score_dtype, part, residuals, dout):
   (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, bits, pw, p_ctx, share_ctx, top,
    norm, out) = residuals
   context = functools.partial(_context_backward, rate, score_dtype, mask_TxK, keys_2x2)
-  dqu, dqv, dk, dv, dr_pad = xla_core._over_head_blocks(
+  dqu, dqv, dk, dv, dr_pad = xla_core.over_head_blocks(
       context, head_block, qu, qv, k, v, r_pad, p_ctx, share_ctx, top, norm, out, dout)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   dqp, dpk, dpv, dpw = part.backward(rate, head_block, score_dtype, qp, pk, pv, pw, bits,

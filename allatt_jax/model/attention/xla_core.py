@@ -50,7 +50,7 @@ def _rel_unshift(g_BxHxTxK: jax.Array) -> jax.Array:
 _THREEFRY_ROUNDS = 13
 
 
-def _threefry2x32(k0, k1, x0, x1, rounds: int = _THREEFRY_ROUNDS):
+def threefry2x32(k0, k1, x0, x1, rounds: int = _THREEFRY_ROUNDS):
   """Threefry-2x32 (Salmon et al. 2011), the counter-based hash behind jax.random.
 
   Written out rather than through jax.random: on CPU, jax lowers threefry to a rolled
@@ -72,7 +72,7 @@ def _threefry2x32(k0, k1, x0, x1, rounds: int = _THREEFRY_ROUNDS):
   return x0, x1
 
 
-def _keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
+def keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
   """Bernoulli(1 - rate) dropout mask hashed from each element's position.
 
   The mask is a pure function of the key and of each element's (head, flat index
@@ -84,19 +84,19 @@ def _keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
   lo = jnp.zeros(shape, jnp.uint32)
   for axis in range(1, len(shape)):
     lo = lo * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-  b0, b1 = _threefry2x32(key_2[0], key_2[1], hi, lo)
+  b0, b1 = threefry2x32(key_2[0], key_2[1], hi, lo)
   return (b0 ^ b1) >= jnp.uint32(int(rate * 2.0 ** 32))
 
 
-def _dropped(p, keep, rate):
+def dropped(p, keep, rate):
   return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
 
 
-def _keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
+def keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
   if not rate:
     return None, None
-  return (_keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
-          None if p_pers is None else _keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
+  return (keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
+          None if p_pers is None else keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
 
 
 def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
@@ -119,7 +119,7 @@ def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
     if pw is None:
       top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
     else:
-      open_pers = jnp.where(_slot_axes(pw) > 0, pers_HxBxTxN, _NEG_INF)
+      open_pers = jnp.where(slot_axes(pw) > 0, pers_HxBxTxN, _NEG_INF)
       top = jnp.maximum(top, open_pers.max(-1, keepdims=True))
   e_ctx = jnp.exp(ctx_HxBxTxK - top)
   norm = e_ctx.sum(-1, keepdims=True)
@@ -130,13 +130,13 @@ def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
     else:
       # Only a closed slot can lie above the shift; capped, its w·exp is 0, not NaN.
       e_pers = jnp.exp(jnp.minimum(pers_HxBxTxN - top, _MAX_EXPONENT))
-      norm = norm + (e_pers * _slot_axes(pw)).sum(-1, keepdims=True)
+      norm = norm + (e_pers * slot_axes(pw)).sum(-1, keepdims=True)
   inv_norm = 1.0 / norm
   return ((e_ctx * inv_norm).astype(score_dtype),
           None if pk is None else (e_pers * inv_norm).astype(score_dtype))
 
 
-def _slot_axes(pw_HxN):
+def slot_axes(pw_HxN):
   """Slot weights (H, N) in float32, broadcast against (H, B, T, N)."""
   return pw_HxN[:, None, None, :].astype(jnp.float32)
 
@@ -145,7 +145,7 @@ def _slot_weighted(q_pers, pw, dtype):
   """The persistent weights p = w·q of weights `q_pers` before the slot weights."""
   if pw is None:
     return q_pers
-  return (q_pers.astype(jnp.float32) * _slot_axes(pw)).astype(dtype)
+  return (q_pers.astype(jnp.float32) * slot_axes(pw)).astype(dtype)
 
 
 def attention_weights(qu, qv, qp, k, r_pad, pk, mask_TxK, score_dtype=jnp.float32,
@@ -161,17 +161,17 @@ def _block_forward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp
   """Outputs and softmax weights of one block of heads (the persistent ones before
   the slot weights `pw`)."""
   p_ctx, q_pers = _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
+  keep_ctx, keep_pers = keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
   dtype = v.dtype
-  out = jnp.einsum("hbtk,hbkd->hbtd", _dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
+  out = jnp.einsum("hbtk,hbkd->hbtd", dropped(p_ctx, keep_ctx, rate).astype(dtype), v)
   if pv is not None:
     p_pers = _slot_weighted(q_pers, pw, score_dtype)
-    out += jnp.einsum("hbtn,hnd->hbtd", _dropped(p_pers, keep_pers, rate).astype(dtype), pv)
+    out += jnp.einsum("hbtn,hnd->hbtd", dropped(p_pers, keep_pers, rate).astype(dtype), pv)
   return out, p_ctx, q_pers
 
 
-def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
-                    r_pad, pk, pv, pw, p_ctx, q_pers, out, dout):
+def block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, qp, k, v,
+                   r_pad, pk, pv, pw, p_ctx, q_pers, out, dout):
   """Gradients of one block of heads' inputs (see `attend`).
 
   p_ctx and q_pers are the saved softmax weights (the persistent ones before the slot
@@ -185,7 +185,7 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
     qu, qv, qp, k, r_pad, pk, pw, dout = jax.lax.optimization_barrier(
         (qu, qv, qp, k, r_pad, pk, pw, dout))
     p_ctx, q_pers = _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype)
-  keep_ctx, keep_pers = _keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
+  keep_ctx, keep_pers = keep_masks(keys_2x2, p_ctx, q_pers, rate, first_head)
   # Σ_j p_j dp_j of the softmax backward equals Σ_d out_d dout_d (dropout included),
   # which avoids one more pass over the weights.
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1, keepdims=True)
@@ -196,7 +196,7 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
     Written as p_dropped ⊙ dp - p ⊙ δ, it reads the mask only through p_dropped, which
     the value gradient needs anyway (XLA:CPU still recomputes the hash in both fusions).
     """
-    p_dropped = _dropped(p, keep, rate)
+    p_dropped = dropped(p, keep, rate)
     dlogits = p_dropped.astype(f32) * dp.astype(f32) - p.astype(f32) * delta
     return p_dropped.astype(out_dtype), dlogits.astype(out_dtype)
 
@@ -220,8 +220,8 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
       # The gradients of q_n's logit: w_n times those of p_n's (see the module's note).
       qd_pers, dlog_q = weight_grads(q_pers, dp_pers, keep_pers, f32)
       dpw = dlog_q.sum((1, 2)).astype(pw.dtype)
-      pd_pers = (qd_pers * _slot_axes(pw)).astype(dtype)
-      dlog_pers = (dlog_q * _slot_axes(pw)).astype(dtype)
+      pd_pers = (qd_pers * slot_axes(pw)).astype(dtype)
+      dlog_pers = (dlog_q * slot_axes(pw)).astype(dtype)
     dpv = jnp.einsum("hbtd,hbtn->hdn", dout, pd_pers).swapaxes(-1, -2)
     dqp = jnp.einsum("hbtn,hnd->hbtd", dlog_pers, pk,
                      preferred_element_type=f32).astype(dtype)
@@ -229,7 +229,7 @@ def _block_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv, q
   return dqu.astype(dtype), dqv, dqp, dk, dv, dr_pad, dpk, dpv, dpw
 
 
-def _over_head_blocks(fn, block: int, *arrays_H):
+def over_head_blocks(fn, block: int, *arrays_H):
   """fn(first_head, *arrays) over blocks of `block` heads (axis 0), one after another.
 
   A loop keeps each block's (B, T, K + N) intermediates in cache, where one pass
@@ -290,21 +290,21 @@ def _attend_fwd(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, p
                 mask_TxK, keys_2x2, pw=None):
   block_fn = functools.partial(_block_forward, rate, score_dtype, mask_TxK, keys_2x2)
   if remat:   # Only the outputs leave the loop.
-    out = _over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
-                            v, r_pad, pk, pv, pw)
+    out = over_head_blocks(lambda *args: block_fn(*args)[0], head_block, qu, qv, qp, k,
+                           v, r_pad, pk, pv, pw)
     p_ctx = q_pers = None
   else:
-    out, p_ctx, q_pers = _over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
-                                           pk, pv, pw)
+    out, p_ctx, q_pers = over_head_blocks(block_fn, head_block, qu, qv, qp, k, v, r_pad,
+                                          pk, pv, pw)
   return out, (qu, qv, qp, k, v, r_pad, pk, pv, pw, mask_TxK, keys_2x2, p_ctx, q_pers, out)
 
 
 def _attend_bwd(rate, head_block, remat, score_dtype, residuals, dout):
   del remat   # The residuals say whether the weights were kept.
   *inputs, pw, mask_TxK, keys_2x2, p_ctx, q_pers, out = residuals
-  block_fn = functools.partial(_block_backward, rate, score_dtype, mask_TxK, keys_2x2)
-  *grads, dpw = _over_head_blocks(block_fn, head_block, *inputs, pw, p_ctx, q_pers, out,
-                                  dout)
+  block_fn = functools.partial(block_backward, rate, score_dtype, mask_TxK, keys_2x2)
+  *grads, dpw = over_head_blocks(block_fn, head_block, *inputs, pw, p_ctx, q_pers, out,
+                                 dout)
   return (*grads, None, None, dpw)
 
 
