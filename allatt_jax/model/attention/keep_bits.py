@@ -2,12 +2,12 @@
 step and packed 32 bits to a uint32 word, for the split core (split_core.py).
 
 The XLA core hashes every persistent weight in its forward pass and again in its
-backward pass (`xla_core.keep_mask`); the split core hashes each once, before
-both, and its persistent parts read the packed words (a 32nd of the (H, B, T, N)
-weights' elements) in every pass. The bits are `xla_core.keep_mask`'s under the persistent
-key: the same Threefry-2x32 of (head, flat index (b·T + t)·N + n within the head), so
-the split and XLA cores drop the same weights, and a resumed run draws the masks of
-the run it resumes.
+backward pass (`xla_core.keep_mask`); the split core hashes each once, before both,
+and its persistent parts read the packed words (a 32nd of the (H, B, T, N) weights'
+elements) in every pass. The bits are `xla_core.keep_mask`'s under the persistent key:
+the same Threefry-2x32 of (head, flat index (b·T + t)·N + n within the head), so the
+split and XLA cores drop the same weights, and a resumed run draws the masks of the
+run it resumes.
 """
 import jax
 import jax.numpy as jnp
