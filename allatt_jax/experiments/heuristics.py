@@ -1,7 +1,7 @@
 """Heuristic head pruners: a head mask from a trained model, by a per-head score.
 
 `prune_mask` turns a trained, ungated model into a boolean mask per layer (True =
-keep) with exactly the requested number of heads removed, for `prune.remove_heads`.
+keep) with exactly the requested number of heads removed, for `head_removal.remove_heads`.
 Scores (higher keeps a head), measured on training batches read with the memory
 carried (`stream_eval.read_stream`):
 
@@ -77,7 +77,7 @@ def masked_loss(lm: model_lib.TransformerLM, variables, xi, inputs_BxT, targets_
                 memory):
   """Mean NLL of a batch with head outputs scaled by ξ (one (H_l,) array per layer).
 
-  ξ = 1 is the model itself, ξ_h = 0 removes head h exactly as `prune.remove_heads`
+  ξ = 1 is the model itself, ξ_h = 0 removes head h exactly as `head_removal.remove_heads`
   does.
   Returns (loss, next memory).
   """

@@ -132,7 +132,7 @@ def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
 def _heads(cfg: model_lib.ModelConfig) -> dict:
   """The heads of each layer and their persistent slots: per layer, and per head in
   the model's order of heads, the indices `api.Model.prune_heads` takes (an export
-  numbers each layer's heads anew, most slots first: `prune.remove_heads`)."""
+  numbers each layer's heads anew, most slots first: `head_removal.remove_heads`)."""
   return {"heads_per_layer": list(cfg.layer_heads),
           "persistent_per_layer": cfg.layer_slots,
           "persistent_per_head": [list(cfg.head_slots(i)) for i in range(cfg.num_layers)]}

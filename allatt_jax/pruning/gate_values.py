@@ -5,7 +5,7 @@ deterministically (no I/O).
 With `gates.persistent_group` = G, a head's N persistent slots form N/G groups (group
 g: slots g·G .. (g+1)·G − 1), each gated (`.../attention/persistent_logits`, (H_i, N/G);
 with `gates.heads`, heads keep `.../logits`). A slot is kept where its group's
-deterministic gate is open and its head's is. The head surgery (`prune.remove_heads`),
+deterministic gate is open and its head's is. The head surgery (`head_removal.remove_heads`),
 the budget's rule at the freeze (`freeze`) and the training log all read the
 gates through `read`, so each decision is made by one rule, once.
 """

@@ -125,7 +125,7 @@ def _save_and_evaluate(directory, config: run_config.RunConfig,
 def renumbering_note(cfg: model_lib.ModelConfig,
                      pruned_cfg: model_lib.ModelConfig) -> str:
   """What a user of the export `pruned_cfg` of `cfg` should know of its heads'
-  numbers (`prune.remove_heads` orders them), or '' where they are the same: each
+  numbers (`head_removal.remove_heads` orders them), or '' where they are the same: each
   layer's heads are numbered anew, and the indices the API takes count them so."""
   if pruned_cfg.layer_heads == cfg.layer_heads and pruned_cfg.persistent_slots is None:
     return ""

@@ -101,7 +101,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "persistent_sparsity": (
               1.0 - sum(p["persistent_per_layer"]) / sum(b["persistent_per_layer"])
               if sum(b["persistent_per_layer"]) else 0.0),
-          # A fixed λ, or the budget asked for (a fraction's figure: the resolver's),
+          # A fixed λ, or the budget asked for (a fraction's figure: `assembly.checked_config`'s),
           # what it decided at the freeze and, of a size, the unpruned model's and the
           # cost met.
           "lambda": None if key else prune_config.gates.lam,

@@ -70,7 +70,7 @@ def check_config(config: run_config.RunConfig,
   _check_lengths(config)
   _check_persistent_groups(config)
   config = _checked_budget(config)
-  _checked_mesh(config, num_devices)
+  _check_mesh(config, num_devices)
   return config
 
 
@@ -387,10 +387,10 @@ def _check_lengths(config):
           "and eval), or use model.rel_pos='sinusoidal'.")
 
 
-def _checked_mesh(config, num_devices: int) -> tuple[int, int]:
-  """The mesh's (data, model) sizes, once the model's widths divide over its 'model'
-  axis and each batch a step splits over its 'data' axis: the train batch, each
-  micro-batch of gradient accumulation and the eval batch. With several processes
+def _check_mesh(config, num_devices: int) -> None:
+  """The model's widths divide over the mesh's 'model' axis, and each batch a step
+  splits over its 'data' axis: the train batch, each micro-batch of gradient
+  accumulation and the eval batch. With several processes
   each reads a contiguous share of every batch, whole whenever the batch divides by
   `data`."""
   data, model = sharding.mesh_shape(config.mesh, num_devices)
@@ -414,7 +414,7 @@ def _checked_mesh(config, num_devices: int) -> tuple[int, int]:
              (f"config.eval.batch_size={e.batch_size}", e.batch_size)]
   bad = [name for name, rows in batches if rows % data]
   if not bad:
-    return data, model
+    return
   processes = (f", {jax.process_count()} processes each reading its share"
                if jax.process_count() > 1 else "")
   up = lambda n, k: -(-n // k) * k

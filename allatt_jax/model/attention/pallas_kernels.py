@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from allatt_jax.model.attention import xla_core
 
-_NEG_INF = -1e30   # as the XLA path's: finite, so that exp(masked - max) is exactly 0
 _F32 = jnp.float32
 # The seeds array: the context and persistent dropout keys (two words each), then the
 # first head and batch row of this shard (nonzero inside a shard_map).
@@ -186,7 +185,7 @@ def _keep(g: Geometry, seeds_ref, which: int, h, b, i0, j0, cols, width):
 def _online_softmax_step(g, carry, s, visible, keep, v):
   """One tile of the forward pass's online softmax and weighted sum."""
   m, l, acc = carry
-  s = jnp.where(visible, s, _NEG_INF)
+  s = jnp.where(visible, s, xla_core.NEG_INF)
   m_next = jnp.maximum(m, s.max(axis=1))
   correction = jnp.exp(m - m_next)
   p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)

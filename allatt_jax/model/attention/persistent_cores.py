@@ -38,8 +38,6 @@ from allatt_jax.model.attention import persistent_pallas
 from allatt_jax.config.errors import ConfigError
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
-_NEG_INF = -1e30        # the XLA core's: finite, so that exp(masked - max) is exactly 0
-_MAX_EXPONENT = 80.0    # the XLA core's cap of a closed slot's exponent
 # Seconds each candidate of 'auto' may take to compile, check and time.
 TRIAL_SECONDS = 60.0
 
@@ -92,8 +90,8 @@ def _xla_forward(rate, score_dtype, qp, pk, pv, pw, bits):
     e = jnp.exp(s - top)
   else:   # the shift is the largest open slot's logit; a closed one's exp is capped
     w = xla_core.slot_axes(pw)
-    top = jnp.where(w > 0, s, _NEG_INF).max(-1, keepdims=True)
-    e = jnp.exp(jnp.minimum(s - top, _MAX_EXPONENT)) * w
+    top = jnp.where(w > 0, s, xla_core.NEG_INF).max(-1, keepdims=True)
+    e = jnp.exp(jnp.minimum(s - top, xla_core.MAX_EXPONENT)) * w
   keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
   acc = jnp.einsum("hbtn,hnd->hbtd", xla_core.dropped(e, keep, rate).astype(pv.dtype),
                    pv, preferred_element_type=jnp.float32)
@@ -106,7 +104,7 @@ def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dou
   # (which would keep them from forward to backward) nor runs before it is needed.
   qp, pk, pv, pw, dout = jax.lax.optimization_barrier((qp, pk, pv, pw, dout))
   exponent = _scores(qp, pk, score_dtype) - top[..., None]
-  q = (jnp.exp(exponent if pw is None else jnp.minimum(exponent, _MAX_EXPONENT))
+  q = (jnp.exp(exponent if pw is None else jnp.minimum(exponent, xla_core.MAX_EXPONENT))
        * (1.0 / norm[..., None]))
   dp = jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype)
   keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])

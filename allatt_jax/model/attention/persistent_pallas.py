@@ -32,8 +32,6 @@ from allatt_jax.model.attention import keep_bits
 from allatt_jax.model.attention import pallas_kernels
 
 _F32 = jnp.float32
-_NEG_INF = -1e30
-_MAX_EXPONENT = 80.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +108,9 @@ def _forward_kernel(g: _Geometry, *refs):
     n0 = nb * slots
     s = pallas_kernels.dot_t(q, pk_ref[pl.ds(n0, slots), :])
     w = w_ref[pl.ds(n0, slots)][None, :]
-    m_next = jnp.maximum(m, jnp.where(w > 0, s, _NEG_INF).max(axis=1))
+    m_next = jnp.maximum(m, jnp.where(w > 0, s, xla_core.NEG_INF).max(axis=1))
     correction = jnp.exp(m - m_next)
-    e = jnp.exp(jnp.minimum(s - m_next[:, None], _MAX_EXPONENT)) * w
+    e = jnp.exp(jnp.minimum(s - m_next[:, None], xla_core.MAX_EXPONENT)) * w
     l = l * correction + e.sum(axis=1)
     e = xla_core.dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
     pv = pv_ref[pl.ds(n0, slots), :]
@@ -129,7 +127,7 @@ def _forward_kernel(g: _Geometry, *refs):
 
 def _grads(g, q, pk, pv, keep, top, inv_norm, delta, dout):
   """A tile's dropped weights before the slot weights, and their logits' gradients."""
-  q_n = (jnp.exp(jnp.minimum(pallas_kernels.dot_t(q, pk) - top[:, None], _MAX_EXPONENT))
+  q_n = (jnp.exp(jnp.minimum(pallas_kernels.dot_t(q, pk) - top[:, None], xla_core.MAX_EXPONENT))
          * inv_norm[:, None])
   q_dropped = xla_core.dropped(q_n, keep, g.rate)
   return q_dropped, q_dropped * pallas_kernels.dot_t(dout, pv) - q_n * delta[:, None]

@@ -35,8 +35,6 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import keep_bits
 from allatt_jax.model.attention import persistent_cores
 
-_NEG_INF = -1e30   # the XLA core's: finite, so that exp(masked - max) is exactly 0
-
 
 def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
            keys_2x2, pw=None, *, persistent: str = "auto"):
@@ -64,7 +62,7 @@ def _context_scores(qu, qv, k, r_pad, mask_TxK, score_dtype):
   position = xla_core.rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad,
                                            preferred_element_type=score_dtype))
   return jnp.where(mask_TxK, content.astype(jnp.float32) + position.astype(jnp.float32),
-                   _NEG_INF)
+                   xla_core.NEG_INF)
 
 
 def _context_forward(rate, score_dtype, keep_weights, mask_TxK, keys_2x2, first_head, qu,

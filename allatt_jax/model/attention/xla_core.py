@@ -17,9 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -1e30
+# A masked logit: finite, so that exp(masked - max) is exactly 0 (never inf - inf).
+NEG_INF = -1e30
 # The largest exponent of a closed slot's exp (float32 overflows above ~88.7).
-_MAX_EXPONENT = 80.0
+MAX_EXPONENT = 80.0
 
 
 def rel_shift(x_BxHxTxK1: jax.Array) -> jax.Array:
@@ -111,7 +112,7 @@ def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
   content = jnp.einsum("hbtd,hbkd->hbtk", qu, k, preferred_element_type=score_dtype)
   position = rel_shift(jnp.einsum("hbtd,hkd->hbtk", qv, r_pad,
                                   preferred_element_type=score_dtype))
-  ctx_HxBxTxK = jnp.where(mask_TxK, content.astype(f32) + position.astype(f32), _NEG_INF)
+  ctx_HxBxTxK = jnp.where(mask_TxK, content.astype(f32) + position.astype(f32), NEG_INF)
   top = ctx_HxBxTxK.max(-1, keepdims=True)
   if pk is not None:
     pers_HxBxTxN = jnp.einsum("hbtd,hnd->hbtn", qp, pk,
@@ -119,7 +120,7 @@ def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
     if pw is None:
       top = jnp.maximum(top, pers_HxBxTxN.max(-1, keepdims=True))
     else:
-      open_pers = jnp.where(slot_axes(pw) > 0, pers_HxBxTxN, _NEG_INF)
+      open_pers = jnp.where(slot_axes(pw) > 0, pers_HxBxTxN, NEG_INF)
       top = jnp.maximum(top, open_pers.max(-1, keepdims=True))
   e_ctx = jnp.exp(ctx_HxBxTxK - top)
   norm = e_ctx.sum(-1, keepdims=True)
@@ -129,7 +130,7 @@ def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
       norm = norm + e_pers.sum(-1, keepdims=True)
     else:
       # Only a closed slot can lie above the shift; capped, its w·exp is 0, not NaN.
-      e_pers = jnp.exp(jnp.minimum(pers_HxBxTxN - top, _MAX_EXPONENT))
+      e_pers = jnp.exp(jnp.minimum(pers_HxBxTxN - top, MAX_EXPONENT))
       norm = norm + (e_pers * slot_axes(pw)).sum(-1, keepdims=True)
   inv_norm = 1.0 / norm
   return ((e_ctx * inv_norm).astype(score_dtype),
