@@ -34,6 +34,7 @@ def get_config(arg=None):
       rounds=5,                    # variants alternate within a round; medians reported
       heads_kept=(1.0, 0.75, 0.5, 0.25),
       matmul_size=2048,            # n of the n x n x n matmul taken as the peak
+      gated_steps=True,            # also the gated and the distilling train steps
   ))
   if args.tiny:
     c.model.update(dict(d_model=32, num_heads=4, num_persistent=16))

@@ -25,7 +25,7 @@ def get_config(arg=None):
   # --config.benchmark.rounds=... and the like can override them.
   c.benchmark = ml_collections.ConfigDict(dict(
       train_steps=5, eval_segments=5, rounds=3, heads_kept=(1.0, 0.75, 0.5, 0.25),
-      matmul_size=8192,
+      matmul_size=8192, gated_steps=True,
       # Timed in the same rounds, as a ratio to the config: the implementation before
       # the output layer and the attention core were rewritten for accelerators (a scan
       # of 8,192-row vocabulary blocks with every position through every tail cluster,

@@ -538,6 +538,26 @@ def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
   assert "| `layer:split-xla:0.2` | ok |" in text and "| `benchmark` | timeout |" in text
 
 
+def test_gpu_check_times_no_part_that_failed_its_trial_or_is_refused():
+  """A part's trial runs right before its layers; a part that stalled or disagreed in
+  its trial at a rate is not timed at that rate, nor cuDNN's with dropout."""
+  pieces = gpu_check._pieces(dry=False)
+  for part in gpu_check.PARTS:
+    for rate in gpu_check.RATES:
+      assert pieces.index(f"part:{part}:{rate}") < pieces.index(f"layer:split-{part}:{rate}")
+  assert pieces.index("layer:split-xla:0.2") < pieces.index("layer:xla:0.0")
+  results = {"part:pallas:0.2": {"status": "timeout"},
+             "part:pallas:0.0": {"status": "ok", "agrees": False},
+             "part:xla:0.2": {"status": "ok", "agrees": True}}
+  assert "(timeout)" in gpu_check._skip_reason("layer:split-pallas:0.2", results)
+  assert "did not pass" in gpu_check._skip_reason("alone:pallas", results)
+  assert "did not pass" in gpu_check._skip_reason("layer:split-xla:0.0", results)
+  for piece in ("layer:split-xla:0.2", "layer:xla:0.2", "part:pallas:0.0", "versions"):
+    assert gpu_check._skip_reason(piece, results) is None
+  assert gpu_check._skip_reason("part:cudnn:0.2", {}) == persistent_cores.refusal(
+      "cudnn", 0.2, False)
+
+
 def test_gpu_check_layer_pieces_need_no_command_packages():
   """The accelerator image lacks ml_collections, clu and TFDS: a layer piece runs
   without them (and without optax, orbax and etils)."""
@@ -561,4 +581,7 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
   report = json.loads(next(tmp_path.glob("gpu_check_*[0-9].json")).read_text())
   assert {r["status"] for r in report["pieces"].values()} == {"ok"}
   assert set(report["pieces"]["benchmark"]["train"]) == {"xla", "split"}
+  benchmark = json.loads(next(tmp_path.glob("gpu_check_*_benchmark.json")).read_text())
+  assert set(benchmark["train"]) == {"baseline", "flops_per_token"}   # gated_steps=False
+  assert "variant split: train" in next(tmp_path.glob("gpu_check_*_benchmark.log")).read_text()
   assert gpu_check.BEGIN in (tmp_path / "performance.md").read_text()

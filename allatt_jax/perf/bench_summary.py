@@ -10,6 +10,8 @@ def summary(report: dict) -> str:
            f"({report['platform']}, load {env['load_average_before'][0]:.1f} before, "
            f"{env['load_average_after'][0]:.1f} after)"]
   for name in ("baseline", "gated", "distill"):
+    if name not in t:   # the plan's gated_steps=False
+      continue
     r = t[name]
     lines.append(f"train {name:8s} {r['tokens_per_s']:9.0f} tokens/s  {r['step_s']:.3f} s/step"
                  f"  {r['model_gflops_per_s']:.0f} GFLOP/s = "
@@ -18,9 +20,10 @@ def summary(report: dict) -> str:
                  f"compile {r['compile_s']:.1f} s")
   lines += _proxy(t["baseline"]["proxy"])
   lines += step_profile.summary(t["baseline"]["profile"]) if "profile" in t["baseline"] else []
-  lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
-  lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} time, "
-               f"XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
+  if "gated_overhead" in t:
+    lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
+    lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} "
+                 f"time, XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
   for r in report["inference"]:
     lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
                  f"MACs x{r['mac_ratio']:.2f} (bytes x{r['proxy_bytes_ratio']:.2f})  "

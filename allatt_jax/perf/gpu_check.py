@@ -5,8 +5,10 @@ that a stalled compile costs that piece's seconds and the rest go on.
   python -m allatt_jax.perf.gpu_check              # on a GPU, within --budget (525 s)
   python -m allatt_jax.perf.gpu_check --dry-run    # on a CPU: the XLA parts at tiny shapes
 
-Pieces, in order (each prints one JSON line; the layer pieces need jax and the
-package's model code only, not the benchmark's ml_collections):
+Pieces, each rate's layers first, a part's trial right before its layers (each piece
+prints one JSON line; the layer pieces need jax and the package's model code only, not
+the benchmark's ml_collections). A part that fails its trial at a rate, or stalls, is
+not timed at that rate; cuDNN's is not with dropout (persistent_cores.refusal):
 
   versions          jax, jaxlib, the device, CUDA and cuDNN
   part:NAME:RATE    persistent part NAME (xla, pallas, cudnn) on a small bf16 problem at
@@ -20,7 +22,8 @@ package's model code only, not the benchmark's ml_collections):
                     dropout), forward and backward from its log-sum-exp
   benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile:
                     the config (the XLA core), the fastest 'split' at dropout 0.2 and
-                    `before`, in the same rounds
+                    `before`, in the same rounds, with at least BENCHMARK_S seconds;
+                    its JSON and log beside the report's
 
 Writes the report as JSON (--json; default docs/bench/gpu_check_DATE.json) and its
 table between the gpu_check markers of docs/performance.md (--doc); a dry run writes
@@ -54,8 +57,10 @@ RATES = (0.0, 0.2)
 # (H, B, T, S, N, dh): the benchmark's layer, and a dry run's.
 LAYER = dict(gpu=(8, 96, 192, 192, 2048, 64), dry=(2, 2, 8, 8, 64, 16))
 SMALL = dict(gpu=dict(h=2, b=8, t=128, n=512, dh=64), dry=dict(h=2, b=2, t=8, n=64, dh=16))
-# Seconds each kind of piece may take; the benchmark gets what is left of the budget.
-LIMITS = dict(versions=60, part=75, layer=90, alone=75)
+# Seconds each kind of piece may take; the benchmark gets what is left of the budget,
+# at least BENCHMARK_S (its six compiles of the WikiText-103 model take most of it).
+LIMITS = dict(versions=45, part=60, layer=60, alone=45)
+BENCHMARK_S = 300
 BEGIN, END = "<!-- gpu_check: begin -->", "<!-- gpu_check: end -->"
 
 
@@ -179,12 +184,15 @@ def run_piece(piece: str, dry: bool) -> dict:
   raise ValueError(f"unknown piece {piece!r}")
 
 
-def _spawn(command, limit: float, env=None) -> dict:
-  """A command under `timeout`: its last JSON line of output, or how it failed."""
+def _spawn(command, limit: float, env=None, log: pathlib.Path | None = None) -> dict:
+  """A command under `timeout`: its last JSON line of output, or how it failed (its
+  whole output also in `log`, if given)."""
   start = time.perf_counter()
   done = subprocess.run(["timeout", "-k", "5", f"{max(limit, 1):.0f}", *command], cwd=ROOT,
                         capture_output=True, text=True, env=env, check=False)
   seconds = time.perf_counter() - start
+  if log:
+    log.write_text(done.stdout + done.stderr)
   if done.returncode in (124, 137):
     return {"status": "timeout", "seconds": seconds, "limit_s": limit}
   if done.returncode:
@@ -195,11 +203,40 @@ def _spawn(command, limit: float, env=None) -> dict:
   return {"status": "ok", **result, "seconds": seconds}
 
 
+def _part_of(piece: str) -> str | None:
+  """The persistent part a piece runs (None: the XLA core alone, or no part)."""
+  kind, *args = piece.split(":")
+  if kind == "versions" or args[0] == "xla" and kind == "layer":
+    return None
+  return args[0].removeprefix("split-")
+
+
 def _pieces(dry: bool) -> list[str]:
+  """The pieces in the order they run: the training rate's layer timings first (what
+  the split core is for), then each part's trial right before the layers that run it."""
   parts = ("xla",) if dry else PARTS
-  pieces = ["versions"] + [f"part:{p}:{r}" for p in parts for r in RATES]
-  pieces += [f"layer:{c}:{r}" for r in RATES for c in ("xla", *(f"split-{p}" for p in parts))]
+  pieces = ["versions"]
+  for rate in (0.2, 0.0):
+    pieces += [f"layer:xla:{rate}"]
+    for part in parts:
+      pieces += [f"part:{part}:{rate}", f"layer:split-{part}:{rate}"]
   return pieces + [f"alone:{p}" for p in parts]
+
+
+def _skip_reason(piece: str, results: dict) -> str | None:
+  """Why a piece is not run: its part refuses this rate, or failed its trial at it."""
+  kind, *args = piece.split(":")
+  part = _part_of(piece)
+  if part is None:
+    return None
+  rate = 0.0 if kind == "alone" else float(args[1])
+  refused = persistent_cores.refusal(part, rate, False)
+  if refused or kind == "part":
+    return refused
+  trial = results.get(f"part:{part}:{rate}", {})
+  if trial.get("status") == "ok" and trial.get("agrees"):
+    return None
+  return f"the part's trial at attention dropout {rate} did not pass ({trial.get('status')})"
 
 
 def _best_split(results: dict, dry: bool) -> str:
@@ -209,15 +246,20 @@ def _best_split(results: dict, dry: bool) -> str:
   return min(ok, key=ok.get) if ok else "xla"
 
 
-def _benchmark(best: str, dry: bool, out: pathlib.Path, limit: float) -> dict:
+def _benchmark(best: str, dry: bool, out: pathlib.Path, log: pathlib.Path,
+               limit: float) -> dict:
+  """The benchmark's baseline step (the XLA core), the split core with part `best` and
+  `before`, in the same rounds: the gated and distilling steps and the pruned models
+  are left to the benchmark itself, for their compiles would not fit in the budget."""
   if dry:
     config = ["--config=configs/bench_cpu.py:tiny",
               f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"]
   else:
     config = ["--config=configs/bench_gpu.py", f"--variant=split:model.persistent_impl={best}",
               "--config.benchmark.heads_kept=(1.0,)", "--config.benchmark.rounds=2"]
+  config.append("--config.benchmark.gated_steps=False")
   result = _spawn([sys.executable, "-m", "allatt_jax.benchmark", *config, "--profile",
-                   f"--out={out}"], limit)
+                   f"--out={out}"], limit, log=log)
   if result["status"] != "ok" or not out.exists():
     return result
   report = json.loads(out.read_text())
@@ -275,25 +317,24 @@ def check(dry: bool, budget: float, json_path: pathlib.Path, doc: pathlib.Path) 
   left = lambda: budget - (time.perf_counter() - start)
   # Pieces start faster without jax taking most of the GPU's memory at once.
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  reserve = min(BENCHMARK_S, budget / 2)
   results = {}
   for piece in _pieces(dry):
-    kind, *args = piece.split(":")
-    refused = (persistent_cores.refusal(args[0].removeprefix("split-"), float(args[1]), False)
-               if kind in ("part", "layer") else None)
-    limit = min(LIMITS[kind], left() - 60)   # a minute kept for the benchmark
-    if refused:
-      results[piece] = {"status": "refused", "why": refused}
-      continue
-    if limit < 10:
+    skip = _skip_reason(piece, results)
+    limit = min(LIMITS[piece.split(":")[0]], left() - reserve)
+    if skip:
+      results[piece] = {"status": "skipped", "why": skip}
+    elif limit < 10:
       results[piece] = {"status": "skipped", "why": "the budget is spent"}
-      continue
-    command = [sys.executable, "-m", "allatt_jax.perf.gpu_check", f"--piece={piece}"]
-    results[piece] = _spawn(command + (["--dry-run"] if dry else []), limit, env)
+    else:
+      command = [sys.executable, "-m", "allatt_jax.perf.gpu_check", f"--piece={piece}"]
+      results[piece] = _spawn(command + (["--dry-run"] if dry else []), limit, env)
     print(f"{piece}: {json.dumps(results[piece])}", flush=True)
   best = _best_split(results, dry)
-  benchmark_json = json_path.with_name(json_path.stem + "_benchmark.json")
-  results["benchmark"] = (_benchmark(best, dry, benchmark_json, left() - 5) if left() > 30
-                          else {"status": "skipped", "why": "the budget is spent"})
+  stem = json_path.with_name(json_path.stem + "_benchmark")
+  results["benchmark"] = (
+      _benchmark(best, dry, stem.with_suffix(".json"), stem.with_suffix(".log"), left() - 5)
+      if left() > 30 else {"status": "skipped", "why": "the budget is spent"})
   print(f"benchmark: {json.dumps(results['benchmark'])}", flush=True)
   report = {"date": datetime.date.today().isoformat(), "dry_run": dry, "budget_s": budget,
             "seconds": time.perf_counter() - start, "pieces": results}

@@ -45,6 +45,7 @@ class BenchmarkPlan:
   matmul_size: int = 2048          # n of the n x n x n matmul taken as the peak
   profile: bool = False            # trace baseline steps after the rounds (step_profile)
   profile_steps: int = 3           # steps per trace
+  gated_steps: bool = True         # also time the gated and the distilling train steps
   # name -> {section: {key: value}}: configs timed beside this one (config_variants.py)
   variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
       default_factory=lambda: types.MappingProxyType({}))
@@ -289,9 +290,10 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   train, e = config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
-  train_steps = {"baseline": TrainStep(config, gated=False),
-                 "gated": TrainStep(config, gated=True),
-                 "distill": TrainStep(config, gated=True, distill=True)}
+  train_steps = {"baseline": TrainStep(config, gated=False)}
+  if plan.gated_steps:
+    train_steps.update(gated=TrainStep(config, gated=True),
+                       distill=TrainStep(config, gated=True, distill=True))
   model = random_model(config)
   models = [Inference(config, model, f, plan.eval_segments) for f in plan.heads_kept]
   # Each variant's baseline step and its evaluation with all heads.
@@ -327,13 +329,14 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
                         | ({"profile": profiles[step]} if step in profiles else {}))
   train_report = {name: entry(step) for name, step in train_steps.items()}
   train_report["flops_per_token"] = train_report["baseline"]["model_flops_per_token"]
-  train_report["gated_overhead"] = (train_report["gated"]["step_s"]
-                                    / train_report["baseline"]["step_s"] - 1)
-  distilled, gated = train_report["distill"], train_report["gated"]
-  train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
-  train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
-  if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
-    train_report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
+  if plan.gated_steps:
+    distilled, gated = train_report["distill"], train_report["gated"]
+    train_report["gated_overhead"] = gated["step_s"] / train_report["baseline"]["step_s"] - 1
+    train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
+    train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
+    if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
+      train_report["distill_temp_ratio"] = (distilled["xla_temp_bytes"]
+                                            / gated["xla_temp_bytes"])
 
   full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
   inference = []
