@@ -248,7 +248,7 @@ def test_slot_weighted_layers_keep_their_weights_on_a_gpus_cores(monkeypatch, im
   # so 'pallas' picks them for every layer they can serve, and 'auto' is the split core.
   # The whole-core kernels ignore slot weights: closed slots must never reach them.
   monkeypatch.setattr(core_choice, "_why_not_here", lambda: None)
-  monkeypatch.setattr(core_choice, "use_split", lambda choice: choice in ("split", "auto"))
+  monkeypatch.setattr(core_choice, "use_split", lambda choice, rate: choice in ("split", "auto"))
   assert core_choice.use_kernel("pallas")
   gate = run_config.GatesSection(hard=True, persistent_group=2)
   make_cfg = lambda impl: model_lib.ModelConfig(

@@ -118,7 +118,8 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
           before.attention_impl) == (8192, 0.0, "float32", "xla")
   split = variants["split"].model
   assert (split.attention_impl, split.persistent_impl) == ("split", "auto")
-  assert assembly.checked_config(paper).model.attention_impl == "xla"
+  # With dropout, as it trains, "auto" is the XLA core on every device (core_choice).
+  assert assembly.checked_config(paper).model.attention_impl == "auto"
   assembly.checked_config(gpu)   # its checks pass as it ships
 
 

@@ -75,13 +75,14 @@ class ModelSection(_Section):
   # The attention core (ours; numerically the same model either way): 'xla' (XLA ops,
   # xla_core.py), 'pallas' (fused GPU kernels, pallas_core.py; an error
   # where they cannot run), 'split' (split_core.py: the context part in XLA, the
-  # persistent part by persistent_impl, merged by their log-sum-exps) or 'auto'
-  # ('split' on a GPU, 'xla' elsewhere). 'xla' by default: on an H200 with jax 0.11.2
-  # the kernels' backward pass with dropout did not compile in 80 s, and without
-  # dropout they ran a layer's forward and backward at 0.73x the XLA core's speed, in
-  # 1/6 of its memory; 'split' has no GPU figures yet. head_block and remat apply to
-  # the XLA and split cores.
-  attention_impl: str = "xla"
+  # persistent part by persistent_impl, merged by their log-sum-exps) or 'auto' (by
+  # default: the split core on a GPU where a layer has no attention dropout, the XLA
+  # core otherwise). On an H200 (jax 0.11.2) the benchmark's layer ran forward and
+  # backward 1.67x as fast split as in the XLA core without dropout (cuDNN's persistent
+  # part), and 0.78x with dropout 0.2; the kernels ran at 0.73x without dropout and
+  # their backward pass with dropout did not compile in 80 s. head_block and remat
+  # apply to the XLA and split cores.
+  attention_impl: str = "auto"
   # The split core's persistent part (ours; persistent_cores.py): 'xla', 'pallas'
   # (flash kernels, GPU), 'cudnn' (the vendor's fused attention, GPU, bf16/fp16; no
   # attention dropout, no persistent groups) or 'auto' (on a GPU the fastest that passes

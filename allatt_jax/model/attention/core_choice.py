@@ -2,7 +2,8 @@
 default, `xla_core`), 'pallas' (the fused kernels, `pallas_core`, where
 they compile and agree with XLA on a trial problem, checked once per process on a
 GPU), 'split' (`split_core`: the context part in XLA, the persistent part as
-`model.persistent_impl` picks) or 'auto' ('split' on a GPU, XLA elsewhere).
+`model.persistent_impl` picks) or 'auto' ('split' on a GPU without attention dropout,
+XLA otherwise: `use_split`).
 """
 import functools
 
@@ -38,10 +39,14 @@ def use_kernel(impl: str) -> bool:
   return why_not is None
 
 
-def use_split(impl: str) -> bool:
-  """Whether a layer with `model.attention_impl=impl` runs the split core: 'split',
-  and 'auto' on a GPU (elsewhere 'auto' is the XLA core, as it computed before)."""
-  return impl == "split" or (impl == "auto" and jax.default_backend() == "gpu")
+def use_split(impl: str, rate: float) -> bool:
+  """Whether a layer with `model.attention_impl=impl` and attention dropout `rate` runs
+  the split core: 'split', and 'auto' on a GPU where the layer has no attention
+  dropout (evaluation, scoring, sampling, dropout-free training). On an H200 the split
+  core ran the benchmark's layer 1.67x as fast as the XLA core without dropout (its
+  persistent part through cuDNN), and at 0.78x with dropout 0.2 (docs/performance.md),
+  so with dropout 'auto' is the XLA core; elsewhere it is the XLA core as before."""
+  return impl == "split" or (impl == "auto" and not rate and jax.default_backend() == "gpu")
 
 
 def check_runs_here(impl: str) -> None:

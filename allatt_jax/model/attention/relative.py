@@ -163,7 +163,7 @@ class RelativeAttention(nn.Module):
         # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
         return pallas_core.attend(rate, *args, mask_TxK, keys)
       block = xla_core.divisor_at_most(last - first, self.head_block or h)
-      if core_choice.use_split(self.attention_impl):
+      if core_choice.use_split(self.attention_impl, rate):
         return split_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK, keys,
                                  pw, persistent=self.persistent_impl)
       return xla_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK,
