@@ -15,6 +15,7 @@ import time
 import types
 from typing import Any
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -277,6 +278,16 @@ def _train_entry(step: TrainStep, usages, first_steps, plan: BenchmarkPlan,
       "proxy": hlo_counts.step_proxy(step.compiled, step.tokens_per_step)}
 
 
+def _ready(what: str, build):
+  """build(), logged with its seconds as it finishes: on a GPU the compiles take most
+  of a benchmark's minutes, and a run stopped at a time limit shows how far it got."""
+  start = time.perf_counter()
+  built = build()
+  logging.info("benchmark: %s ready in %.1f s (compile %.1f s)", what,
+               time.perf_counter() - start, built.compile_s)
+  return built
+
+
 def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   """The benchmark report of `config`'s model, timed as `plan` says (see the module
   docstring), with its variants' (config_variants.py) beside it.
@@ -290,15 +301,20 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   train, e = config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
-  train_steps = {"baseline": TrainStep(config, gated=False)}
+  train_steps = {"baseline": _ready("train step", lambda: TrainStep(config, gated=False))}
   if plan.gated_steps:
-    train_steps.update(gated=TrainStep(config, gated=True),
-                       distill=TrainStep(config, gated=True, distill=True))
+    train_steps.update(
+        gated=_ready("gated train step", lambda: TrainStep(config, gated=True)),
+        distill=_ready("distilling train step",
+                       lambda: TrainStep(config, gated=True, distill=True)))
   model = random_model(config)
-  models = [Inference(config, model, f, plan.eval_segments) for f in plan.heads_kept]
+  models = [_ready(f"evaluation, {f:.0%} of the heads",
+                   lambda f=f: Inference(config, model, f, plan.eval_segments))
+            for f in plan.heads_kept]
   # Each variant's baseline step and its evaluation with all heads.
-  variants = {name: (TrainStep(c, gated=False),
-                     Inference(c, random_model(c), 1.0, plan.eval_segments))
+  variants = {name: (_ready(f"variant {name}: train step", lambda c=c: TrainStep(c, gated=False)),
+                     _ready(f"variant {name}: evaluation", lambda c=c: Inference(
+                         c, random_model(c), 1.0, plan.eval_segments)))
               for name, c in variant_configs.items()}
   steps = [*train_steps.values(), *(step for step, _ in variants.values())]
   evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
@@ -308,6 +324,7 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   # `first_step_in_round_s`), which back-to-back training steps never do.
   peaks, usages, first_steps = [], {s: [] for s in steps}, {s: [] for s in steps}
   for i in range(plan.rounds):
+    logging.info("benchmark: round %d of %d", i + 1, plan.rounds)
     order = lambda items: items[::-1] if i % 2 else items   # none goes first every round
     peaks.append(matmul.gflops())
     for step in order(steps):
@@ -318,6 +335,8 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
       model.seconds.append(model.run())
 
   # Traced after the rounds, so that tracing slows none of them.
+  if plan.profile:
+    logging.info("benchmark: tracing %d steps of each step profiled", plan.profile_steps)
   profiled = (train_steps["baseline"], *(step for step, _ in variants.values()))
   profiles = {step: step_profile.profile(step.run, step.compiled.as_text(),
                                          plan.profile_steps)
