@@ -21,7 +21,7 @@ not timed at that rate; cuDNN's is not with dropout (persistent_cores.refusal):
                     B·T = 18,432 queries against 2,048 shared slots, dh=64, bf16, no
                     dropout), forward and backward from its log-sum-exp
   benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile:
-                    the config (the XLA core), the fastest 'split' at dropout 0.2 and
+                    the config (at dropout 0.2 the XLA core), the fastest split at 0.2 and
                     `before`, in the same rounds, with at least BENCHMARK_S seconds;
                     its JSON and log beside the report's
 
