@@ -10,10 +10,7 @@ docs/performance.md has its figures on an H200. Arguments: wt103_base.py's.
 Its variant `before` times, in the same rounds, the code before the output layer and
 the attention were rewritten for accelerators; its variant `split`, the split attention
 core (split_core.py) with the persistent part that `persistent_impl='auto'` picks
-(launch/gpu_check.sh times it with the part its layer timings found fastest). The fused
-attention kernels are not timed by default: their backward pass with dropout does not
-compile in minutes on an H200 (docs/performance.md); without attention dropout,
-`--variant=pallas:model.attention_impl=pallas,model.dropout_attn=0.0`.
+(launch/gpu_check.sh times it with the part its layer timings found fastest).
 """
 import ml_collections
 

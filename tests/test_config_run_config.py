@@ -1,11 +1,15 @@
 """The run config's one schema: its defaults, and the one reader of a run's keys."""
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from allatt_jax.config import config_base
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.runs import run_files
+from allatt_jax.training import config_checks
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.config.run_config import RunConfig
@@ -49,3 +53,23 @@ def test_a_saved_config_with_an_unknown_key_is_refused_naming_the_file(tmp_path)
   del saved["model"]["num_head"], saved["distill"]
   (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(saved))
   assert run_files.load_config(tmp_path) == RunConfig()   # a section it predates: defaults
+
+
+def test_a_saved_model_of_the_removed_whole_core_kernels_reads_as_the_xla_core(tmp_path):
+  """A run or export saved with attention_impl='pallas' (the fused kernels, since
+  removed, computed the XLA core's numbers) loads, passes the checks of a run started
+  from it, and computes."""
+  config = config_base.base_config()
+  config.model.update(dict(vocab_size=11, num_persistent=4))
+  saved = RunConfig.of(config).to_dict()
+  saved["model"]["attention_impl"] = "pallas"
+  (tmp_path / run_files.CONFIG_FILE).write_text(json.dumps(saved))
+  loaded = run_files.load_config(tmp_path)
+  assert loaded == RunConfig.from_dict({**saved, "model": {**saved["model"],
+                                                           "attention_impl": "xla"}})
+  config_checks.check_config(loaded, 1)
+  lm = model_lib.TransformerLM.from_config(loaded)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  memory = model_lib.init_memory(lm.cfg, 1, 3)
+  variables = jax.jit(lm.init)(jax.random.key(0), tokens, tokens, memory)
+  assert np.all(np.isfinite(jax.jit(lm.apply)(variables, tokens, tokens, memory)[0]))

@@ -1,4 +1,5 @@
-"""Attention core: the hand-written backward pass, the loop over heads, the dropout hash."""
+"""Attention core: the hand-written backward pass, the loop over heads, the dropout hash,
+the choice of core."""
 import functools
 import flax.linen as nn
 import jax
@@ -10,7 +11,10 @@ from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import core_choice
 from allatt_jax.model import transformer as model_lib
+from allatt_jax.config import config_base
 from allatt_jax.config import run_config
+from allatt_jax.training import assembly
+from allatt_jax.config.errors import ConfigError
 
 
 def test_threefry_matches_jax_at_20_rounds():
@@ -239,17 +243,11 @@ def test_bf16_scores_take_their_max_exp_and_sum_in_float32():
     assert all(v.aval.dtype == jnp.float32 for v in eqn.outvars), eqn
 
 
-# --- 4. A group budget that keeps a head must pay for its layer too.
-
-
-@pytest.mark.parametrize("impl", ["pallas", "auto"])
-def test_slot_weighted_layers_keep_their_weights_on_a_gpus_cores(monkeypatch, impl):
-  # As on a GPU: the whole-core kernels count as runnable (Pallas' interpreter on CPU),
-  # so 'pallas' picks them for every layer they can serve, and 'auto' is the split core.
-  # The whole-core kernels ignore slot weights: closed slots must never reach them.
-  monkeypatch.setattr(core_choice, "_why_not_here", lambda: None)
+def test_slot_weighted_layers_keep_their_weights_on_a_gpus_cores(monkeypatch):
+  # As on a GPU: 'auto' is the split core, whose persistent part weights the slots
+  # (cuDNN's cannot, and is refused for them: test_model_split_core.py); closed slots
+  # must take no mass there either.
   monkeypatch.setattr(core_choice, "use_split", lambda choice, rate: choice in ("split", "auto"))
-  assert core_choice.use_kernel("pallas")
   gate = run_config.GatesSection(hard=True, persistent_group=2)
   make_cfg = lambda impl: model_lib.ModelConfig(
       kind="allatt", vocab_size=11, num_layers=2, d_model=16, num_heads=2, num_persistent=8,
@@ -278,8 +276,32 @@ def test_slot_weighted_layers_keep_their_weights_on_a_gpus_cores(monkeypatch, im
     return np.asarray(jax.jit(lm.apply)(variables, inputs, targets, memory)[0])
 
   expected = nll(xla_cfg, variables)
-  np.testing.assert_allclose(nll(make_cfg(impl), variables), expected, rtol=1e-5,
+  np.testing.assert_allclose(nll(make_cfg("auto"), variables), expected, rtol=1e-5,
                              atol=1e-5)
   # The closed slots matter: open, they change every position's NLL.
   all_open = {**variables, "gates": jax.tree.map(jnp.abs, gates)}
   assert np.all(np.abs(nll(xla_cfg, all_open) - expected) > 1e-3)
+
+
+def test_the_choice_of_core_and_the_removed_whole_core_kernels():
+  config = config_base.base_config()
+  config.model.vocab_size = 11
+  check = lambda: assembly.checked_config(config)   # a command's first step
+  for impl in core_choice.IMPLS:
+    config.model.attention_impl = impl
+    check()
+  # Asked for by a command (a config file or flag written for them): refused by name,
+  # in one line with the fix, before anything compiles.
+  config.model.attention_impl = "pallas"
+  with pytest.raises(ConfigError, match=r"^config\.model\.attention_impl='pallas' \(the "
+                     r"whole-core fused kernels\) was removed: .*0\.73x.*did not compile; "
+                     r"use --config\.model\.attention_impl=auto .*=split or =xla\.$") as error:
+    check()
+  assert "\n" not in str(error.value)
+  config.model.attention_impl = "triton"
+  with pytest.raises(ConfigError, match=r"attention_impl='triton' is unknown; choose one of "
+                     r"'auto', 'xla', 'split'\."):
+    check()
+  # A model built past the checks with a choice that is not one: refused at its trace.
+  with pytest.raises(ConfigError, match="attention_impl='pallas' is unknown"):
+    core_choice.use_split("pallas", 0.0)

@@ -380,14 +380,10 @@ def test_bad_group_configs_are_refused_with_the_fix(gates, model, match):
     config_checks.check_config(run_config.RunConfig.of(config), 1)
 
 
-def test_the_fused_kernels_are_refused_and_auto_runs_the_xla_core():
+def test_a_group_config_passes_its_checks_with_the_default_core():
   config = _group_config(lam=0.1)
-  config.model.attention_impl = "auto"
-  config_checks.check_config(run_config.RunConfig.of(config), 1)   # 'auto' is fine
-  message = config_checks._check_persistent_groups
-  config.model.attention_impl = "pallas"
-  with pytest.raises(ConfigError, match=r"cannot weight persistent slots.*attention_impl=auto"):
-    message(run_config.RunConfig.of(config))
+  assert config.model.attention_impl == "auto"   # the XLA or split core: both weight slots
+  config_checks.check_config(run_config.RunConfig.of(config), 1)
 
 
 def test_a_config_saved_before_group_gates_reads_them_off():

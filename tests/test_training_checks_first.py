@@ -296,6 +296,3 @@ def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_
   # The budget it names passes.
   config.gates.target_params = one_head
   config_checks.check_config(run_config.RunConfig.of(config), 1)
-
-
-# --- 5. attention_impl='auto' never hands closed slots to the fused kernels.

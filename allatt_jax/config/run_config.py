@@ -73,15 +73,15 @@ class ModelSection(_Section):
   # third more attention matmuls (the logits) and one more softmax per layer.
   remat: bool = False
   # The attention core (ours; numerically the same model either way): 'xla' (XLA ops,
-  # xla_core.py), 'pallas' (fused GPU kernels, pallas_core.py; an error
-  # where they cannot run), 'split' (split_core.py: the context part in XLA, the
-  # persistent part by persistent_impl, merged by their log-sum-exps) or 'auto' (by
-  # default: the split core on a GPU where a layer has no attention dropout, the XLA
-  # core otherwise). On an H200 (jax 0.11.2) the benchmark's layer ran forward and
-  # backward 1.67x as fast split as in the XLA core without dropout (cuDNN's persistent
-  # part), and 0.78x with dropout 0.2; the kernels ran at 0.73x without dropout and
-  # their backward pass with dropout did not compile in 80 s. head_block and remat
-  # apply to the XLA and split cores.
+  # xla_core.py), 'split' (split_core.py: the context part in XLA, the persistent part
+  # by persistent_impl, merged by their log-sum-exps) or 'auto' (by default: the split
+  # core on a GPU where a layer has no attention dropout, the XLA core otherwise). On
+  # an H200 (jax 0.11.2) the benchmark's layer ran forward and backward 1.67x as fast
+  # split as in the XLA core without dropout (cuDNN's persistent part), and 0.78x with
+  # dropout 0.2. The whole core as fused Pallas kernels ('pallas') was removed: it ran
+  # at 0.73x without dropout and its backward pass with dropout did not compile in
+  # 80 s; a saved config naming it reads as 'xla'. head_block and remat apply to both
+  # cores.
   attention_impl: str = "auto"
   # The split core's persistent part (ours; persistent_cores.py): 'xla', 'pallas'
   # (flash kernels, GPU), 'cudnn' (the vendor's fused attention, GPU, bf16/fp16; no

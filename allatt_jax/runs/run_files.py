@@ -88,6 +88,10 @@ _BEFORE_RECIPE_KEYS = {
     "train": dict(optimizer="optax_lamb", lamb_eps=1e-6, lamb_max_weight_norm=None,
                   weight_decay_exclude=()),
 }
+# Choices removed since runs were saved with them, and the choice that computes the
+# same model: the whole-core fused attention kernels computed the XLA core's numbers
+# (a command's own config naming them is refused: config_checks).
+_REMOVED_CHOICES = {("model", "attention_impl"): {"pallas": "xla"}}
 
 
 def load_config(directory) -> run_config.RunConfig:
@@ -112,6 +116,10 @@ def load_config(directory) -> run_config.RunConfig:
         saved[section].setdefault(key, value)
   if "gates" in saved:   # a budget's target once warmed up with λ's schedule
     saved["gates"].setdefault("budget_warmup_steps", saved["gates"].get("l0_warmup_steps"))
+  for (section, key), replaced in _REMOVED_CHOICES.items():
+    values = saved.get(section, {})
+    if values.get(key) in replaced:
+      values[key] = replaced[values[key]]
   # Any other key it lacks (a setting that changes no trained model, such as where
   # the data lies) takes today's default.
   try:

@@ -1,2 +1,2 @@
-"""Relative multi-head attention with persistent slots, and its cores (XLA, fused Pallas
-kernels) and the choice between them."""
+"""Relative multi-head attention with persistent slots, and its cores (XLA, split) and
+the choice between them."""

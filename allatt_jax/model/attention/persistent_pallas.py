@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import keep_bits
-from allatt_jax.model.attention import pallas_kernels
 
 _F32 = jnp.float32
 
@@ -81,6 +80,20 @@ class _Geometry:
     return xla_core.divisor_at_most(self.q_tiles, self.tiles.chunks)
 
 
+# Tile products, accumulated in float32 whatever the tiles' dtype.
+
+def _dot(a, b):      # a @ b
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_t(a, b):    # a @ b.T
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _t_dot(a, b):    # a.T @ b
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
 def _keep(g: _Geometry, bits_ref, row0, word0):
   """The keep mask of a tile: rows row0.. of the block's bits, slots from word word0."""
   if not g.rate:
@@ -106,7 +119,7 @@ def _forward_kernel(g: _Geometry, *refs):
   def step(nb, carry):
     m, l, acc = carry
     n0 = nb * slots
-    s = pallas_kernels.dot_t(q, pk_ref[pl.ds(n0, slots), :])
+    s = _dot_t(q, pk_ref[pl.ds(n0, slots), :])
     w = w_ref[pl.ds(n0, slots)][None, :]
     m_next = jnp.maximum(m, jnp.where(w > 0, s, xla_core.NEG_INF).max(axis=1))
     correction = jnp.exp(m - m_next)
@@ -114,7 +127,7 @@ def _forward_kernel(g: _Geometry, *refs):
     l = l * correction + e.sum(axis=1)
     e = xla_core.dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
     pv = pv_ref[pl.ds(n0, slots), :]
-    return m_next, l, acc * correction[:, None] + pallas_kernels.dot(e.astype(pv.dtype), pv)
+    return m_next, l, acc * correction[:, None] + _dot(e.astype(pv.dtype), pv)
 
   rows = g.tiles.rows
   m, l, acc = jax.lax.fori_loop(0, g.n_tiles, step, (
@@ -127,10 +140,10 @@ def _forward_kernel(g: _Geometry, *refs):
 
 def _grads(g, q, pk, pv, keep, top, inv_norm, delta, dout):
   """A tile's dropped weights before the slot weights, and their logits' gradients."""
-  q_n = (jnp.exp(jnp.minimum(pallas_kernels.dot_t(q, pk) - top[:, None], xla_core.MAX_EXPONENT))
+  q_n = (jnp.exp(jnp.minimum(_dot_t(q, pk) - top[:, None], xla_core.MAX_EXPONENT))
          * inv_norm[:, None])
   q_dropped = xla_core.dropped(q_n, keep, g.rate)
-  return q_dropped, q_dropped * pallas_kernels.dot_t(dout, pv) - q_n * delta[:, None]
+  return q_dropped, q_dropped * _dot_t(dout, pv) - q_n * delta[:, None]
 
 
 def _query_grads_kernel(g: _Geometry, *refs):
@@ -147,7 +160,7 @@ def _query_grads_kernel(g: _Geometry, *refs):
     _, dlog_q = _grads(g, q, pk, pv_ref[pl.ds(n0, slots), :], keep, top, inv_norm, delta,
                        dout)
     ds = dlog_q * w_ref[pl.ds(n0, slots)][None, :]
-    return dq + pallas_kernels.dot(ds.astype(pk.dtype), pk)
+    return dq + _dot(ds.astype(pk.dtype), pk)
 
   dq = jax.lax.fori_loop(0, g.n_tiles, step, jnp.zeros((g.tiles.rows, g.dh_pad), _F32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -165,8 +178,8 @@ def _slot_grads_kernel(g: _Geometry, *refs):
     q, dout = q_ref[block, :], dout_ref[block, :]
     q_dropped, dlog_q = _grads(g, q, pk, pv, _keep(g, bits_ref, i * rows, 0), top_ref[block],
                                1.0 / norm_ref[block], delta_ref[block], dout)
-    return (dpk + pallas_kernels.t_dot((dlog_q * w).astype(dtype), q),
-            dpv + pallas_kernels.t_dot((q_dropped * w).astype(dtype), dout),
+    return (dpk + _t_dot((dlog_q * w).astype(dtype), q),
+            dpv + _t_dot((q_dropped * w).astype(dtype), dout),
             dpw + dlog_q.sum(axis=0))
 
   slots = g.tiles.slots

@@ -7,9 +7,8 @@ softmax, Sukhbaatar et al. 2019) and Transformer-XL's (N = 0), scored as Dai et 
   score(i, n) = q_i·p^K_n                                     for persistent slot n
 
 u biases the context term only, as the official code (`persistent_content_bias`: (q_i +
-u)·p^K_n). Keys are [memory (S), segment (T)], K = S + T. The core is
-xla_core.py (XLA), pallas_core.py or split_core.py, as core_choice.py
-chooses.
+u)·p^K_n). Keys are [memory (S), segment (T)], K = S + T. The core is xla_core.py
+(XLA) or split_core.py, as core_choice.py chooses.
 """
 import math
 
@@ -19,7 +18,6 @@ import jax.numpy as jnp
 
 from allatt_jax.model.attention import core_choice
 from allatt_jax.model.attention import xla_core
-from allatt_jax.model.attention import pallas_core
 from allatt_jax.model import gates as gates_lib
 from allatt_jax.config import run_config
 from allatt_jax.model.attention import split_core
@@ -96,7 +94,7 @@ class RelativeAttention(nn.Module):
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
   score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
-  attention_impl: str = "xla"      # the core: 'xla', 'pallas', 'split' or 'auto'
+  attention_impl: str = "xla"      # the core: 'xla', 'split' or 'auto'
   persistent_impl: str = "auto"    # the split core's persistent part (persistent_cores)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
@@ -159,9 +157,6 @@ class RelativeAttention(nn.Module):
               heads(head_major(v)), heads(r_pad), slot_vectors(pk), slot_vectors(pv))
       # Each run of heads draws its own dropout masks (the hash counts heads from 0).
       keys = keys_2x2 if keys_2x2 is None or not first else keys_2x2 + jnp.uint32(first)
-      if pw is None and core_choice.use_kernel(self.attention_impl):
-        # The kernel keeps scores and weights on chip: score_dtype has nothing to store.
-        return pallas_core.attend(rate, *args, mask_TxK, keys)
       block = xla_core.divisor_at_most(last - first, self.head_block or h)
       if core_choice.use_split(self.attention_impl, rate):
         return split_core.attend(rate, block, self.remat, score_dtype, *args, mask_TxK, keys,
