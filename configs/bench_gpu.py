@@ -3,9 +3,12 @@ r"""The performance benchmark on one accelerator: the paper's WikiText-103 model
 configs/wt103_base.py as it trains (16 layers, d=512, H=8, N=2048, T = S = 192, batch
 96, the 267,735-type adaptive softmax, bf16 compute), timed in 3 rounds against an
 8192³ matmul: a 2048³ one runs in tens of microseconds on a GPU, too short to time.
-docs/performance.md has its figures on an H200. Arguments: wt103_base.py's.
+docs/performance.md has its figures on an H200. Arguments: `tiny` (wt103_base.py's),
+and `lease`: what one 10-minute command on a lent GPU can time (2 rounds, all heads and
+half, no gated steps, the variant `before` alone).
 
   python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile --out=/tmp/bench_gpu.json
+  python -m allatt_jax.benchmark --config=configs/bench_gpu.py:lease --profile
 
 Its variant `before` times, in the same rounds, the code before the output layer and
 the attention were rewritten for accelerators; its variant `split`, the split attention
@@ -18,18 +21,27 @@ from allatt_jax.config import config_base
 
 
 def get_config(arg=None):
-  c = config_base.load_sibling(__file__, "wt103_base.py", arg)
+  args = config_base.parse_arg(arg, tiny=False, lease=False)
+  c = config_base.load_sibling(__file__, "wt103_base.py", "tiny" if args.tiny else None)
+  variants = dict(
+      # The implementation before the output layer and the attention core were
+      # rewritten for accelerators (a scan of 8,192-row vocabulary blocks with every
+      # position through every tail cluster, float32 attention scores; `--profile`
+      # adds its breakdown).
+      before=dict(model=dict(vocab_block=8192, tail_capacity=0.0, score_dtype="float32",
+                             attention_impl="xla")),
+      # The context part in XLA, the persistent part merged by its log-sum-exp.
+      split=dict(model=dict(attention_impl="split", persistent_impl="auto")))
   # --config.benchmark.rounds=... and the like can override them.
   c.benchmark = ml_collections.ConfigDict(dict(
       train_steps=5, eval_segments=5, rounds=3, heads_kept=(1.0, 0.75, 0.5, 0.25),
       matmul_size=8192, gated_steps=True,
-      # Timed in the same rounds, as a ratio to the config: the implementation before
-      # the output layer and the attention core were rewritten for accelerators (a scan
-      # of 8,192-row vocabulary blocks with every position through every tail cluster,
-      # float32 attention scores; `--profile` adds its breakdown).
-      variants=dict(
-          before=dict(model=dict(vocab_block=8192, tail_capacity=0.0,
-                                 score_dtype="float32", attention_impl="xla")),
-          # The context part in XLA, the persistent part merged by its log-sum-exp.
-          split=dict(model=dict(attention_impl="split", persistent_impl="auto")))))
+      # Timed in the same rounds, as a ratio to the config.
+      variants=variants))
+  if args.lease:
+    # What one 10-minute command on a lent GPU can time: on an H200 each train step
+    # and evaluation of the 16 layers takes 35 to 60 s to compile and set up, and
+    # the whole plan has eleven of them.
+    c.benchmark.update(dict(rounds=2, heads_kept=(1.0, 0.5), gated_steps=False))
+    c.benchmark.variants = ml_collections.ConfigDict(dict(before=variants["before"]))
   return c

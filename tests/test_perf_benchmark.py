@@ -121,6 +121,12 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   # With dropout, as it trains, "auto" is the XLA core on every device (core_choice).
   assert assembly.checked_config(paper).model.attention_impl == "auto"
   assembly.checked_config(gpu)   # its checks pass as it ships
+  # What a 10-minute command on a lent GPU can time: the model as it trains, fewer steps.
+  lease = config_base.load(ROOT / "configs" / "bench_gpu.py", "lease")
+  assert lease.model == gpu.model and lease.train == gpu.train
+  assert timing.BenchmarkPlan.from_dict(lease.benchmark) == timing.BenchmarkPlan(
+      rounds=2, matmul_size=8192, heads_kept=(1.0, 0.5), gated_steps=False,
+      variants={"before": plan.variants["before"]})
 
 
 @pytest.mark.slow   # trains a few steps in a process

@@ -20,10 +20,11 @@ not timed at that rate; cuDNN's is not with dropout (persistent_cores.refusal):
   alone:NAME        a persistent part alone at its shape in that layer (8 heads of
                     B·T = 18,432 queries against 2,048 shared slots, dh=64, bf16, no
                     dropout), forward and backward from its log-sum-exp
-  benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py --profile:
-                    the config (at dropout 0.2 the XLA core), the fastest split at 0.2 and
-                    `before`, in the same rounds, with at least BENCHMARK_S seconds;
-                    its JSON and log beside the report's
+  benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py:lease
+                    --profile: the config (at dropout 0.2 the XLA core) and `before`,
+                    and the fastest split at 0.2 where its layer beat the XLA core's,
+                    in the same rounds, with at least BENCHMARK_S seconds; its JSON and
+                    log beside the report's
 
 Writes the report as JSON (--json; default docs/bench/gpu_check_DATE.json) and its
 table between the gpu_check markers of docs/performance.md (--doc); a dry run writes
@@ -58,7 +59,7 @@ RATES = (0.0, 0.2)
 LAYER = dict(gpu=(8, 96, 192, 192, 2048, 64), dry=(2, 2, 8, 8, 64, 16))
 SMALL = dict(gpu=dict(h=2, b=8, t=128, n=512, dh=64), dry=dict(h=2, b=2, t=8, n=64, dh=16))
 # Seconds each kind of piece may take; the benchmark gets what is left of the budget,
-# at least BENCHMARK_S (its six compiles of the WikiText-103 model take most of it).
+# at least BENCHMARK_S (its compiles of the WikiText-103 model take most of it).
 LIMITS = dict(versions=45, part=60, layer=60, alone=45)
 BENCHMARK_S = 300
 BEGIN, END = "<!-- gpu_check: begin -->", "<!-- gpu_check: end -->"
@@ -246,19 +247,26 @@ def _best_split(results: dict, dry: bool) -> str:
   return min(ok, key=ok.get) if ok else "xla"
 
 
-def _benchmark(best: str, dry: bool, out: pathlib.Path, log: pathlib.Path,
-               limit: float) -> dict:
-  """The benchmark's baseline step (the XLA core), the split core with part `best` and
-  `before`, in the same rounds: the gated and distilling steps and the pruned models
-  are left to the benchmark itself, for their compiles would not fit in the budget."""
+def _benchmark_flags(results: dict, dry: bool) -> list[str]:
+  """The benchmark's config: on a GPU `configs/bench_gpu.py:lease` (the config and
+  `before`), with the split core's fastest part at dropout 0.2 as a variant where its
+  layer beat the XLA core's there (a train step that runs the split core is worth
+  its minutes only then); a dry run always times the split core."""
+  best = _best_split(results, dry)
+  split = [f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"]
   if dry:
-    config = ["--config=configs/bench_cpu.py:tiny",
-              f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"]
-  else:
-    config = ["--config=configs/bench_gpu.py", f"--variant=split:model.persistent_impl={best}",
-              "--config.benchmark.heads_kept=(1.0,)", "--config.benchmark.rounds=2"]
-  config.append("--config.benchmark.gated_steps=False")
-  result = _spawn([sys.executable, "-m", "allatt_jax.benchmark", *config, "--profile",
+    return ["--config=configs/bench_cpu.py:tiny", "--config.benchmark.gated_steps=False",
+            *split]
+  ms = lambda piece: results.get(piece, {}).get("ms", float("inf"))
+  pays = ms(f"layer:split-{best}:0.2") < ms("layer:xla:0.2")
+  return ["--config=configs/bench_gpu.py:lease", *(split if pays else [])]
+
+
+def _benchmark(flags: list[str], out: pathlib.Path, log: pathlib.Path,
+               limit: float) -> dict:
+  """The benchmark with `flags` (`_benchmark_flags`) and --profile: the config's
+  train step and its variants' in the same rounds."""
+  result = _spawn([sys.executable, "-m", "allatt_jax.benchmark", *flags, "--profile",
                    f"--out={out}"], limit, log=log)
   if result["status"] != "ok" or not out.exists():
     return result
@@ -268,8 +276,8 @@ def _benchmark(best: str, dry: bool, out: pathlib.Path, log: pathlib.Path,
   for name, variant in report.get("variants", {}).items():
     summary[name] = {"tokens_per_s": variant["train"]["tokens_per_s"],
                      "ratio": variant["train_tokens_per_s_ratio"]}
-  return {"status": "ok", "seconds": result["seconds"], "persistent_impl": best,
-          "train": summary, "report": str(out)}
+  return {"status": "ok", "seconds": result["seconds"], "flags": flags, "train": summary,
+          "report": str(out)}
 
 
 def table(report: dict) -> str:
@@ -330,10 +338,10 @@ def check(dry: bool, budget: float, json_path: pathlib.Path, doc: pathlib.Path) 
       command = [sys.executable, "-m", "allatt_jax.perf.gpu_check", f"--piece={piece}"]
       results[piece] = _spawn(command + (["--dry-run"] if dry else []), limit, env)
     print(f"{piece}: {json.dumps(results[piece])}", flush=True)
-  best = _best_split(results, dry)
   stem = json_path.with_name(json_path.stem + "_benchmark")
   results["benchmark"] = (
-      _benchmark(best, dry, stem.with_suffix(".json"), stem.with_suffix(".log"), left() - 5)
+      _benchmark(_benchmark_flags(results, dry), stem.with_suffix(".json"),
+                 stem.with_suffix(".log"), left() - 5)
       if left() > 30 else {"status": "skipped", "why": "the budget is spent"})
   print(f"benchmark: {json.dumps(results['benchmark'])}", flush=True)
   report = {"date": datetime.date.today().isoformat(), "dry_run": dry, "budget_s": budget,
