@@ -429,7 +429,10 @@ def test_choices_and_refusals(monkeypatch):
   monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
   with pytest.raises(ConfigError, match="dropout cannot follow the step's key"):
     check()
-  config.model.dropout_attn = 0.0
+  # 'auto' runs the split core only where a layer has no dropout: evaluation, here.
+  config.model.attention_impl = "auto"
+  check()
+  config.model.attention_impl, config.model.dropout_attn = "split", 0.0
   check()
   config.model.persistent_impl = "flash"
   with pytest.raises(ConfigError, match=r"persistent_impl='flash' is unknown"):

@@ -205,10 +205,12 @@ def check_config(attention_impl: str, impl: str, dropout_attn: float, dtype: str
                  weighted: bool) -> None:
   """Raises ConfigError if a model with these settings asks for a persistent part
   that cannot run here, or must not run (`refusal`); the split core runs where
-  `attention_impl` is 'split', or 'auto' on a GPU."""
+  `attention_impl` is 'split', or 'auto' on a GPU for the layers without attention
+  dropout (so there cuDNN's part may serve a model trained with dropout)."""
   if attention_impl not in ("split", "auto") or impl in ("auto", "xla"):
     return
-  why_not = refusal(impl, dropout_attn, weighted) or why_not_here(impl, dtype)
+  rate = 0.0 if attention_impl == "auto" else dropout_attn
+  why_not = refusal(impl, rate, weighted) or why_not_here(impl, dtype)
   if why_not:
     raise ConfigError(f"config.model.persistent_impl={impl!r} asks for the persistent "
                       f"part's {impl} implementation, but {why_not}. Use "
