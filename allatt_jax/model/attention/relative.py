@@ -94,7 +94,7 @@ class RelativeAttention(nn.Module):
   head_block: int = 0              # heads per step of the core's loop; 0 = all at once
   remat: bool = False              # recompute the softmax weights in the backward pass
   score_dtype: str = "compute"     # scores and weights in memory: 'compute' (dtype), 'float32'
-  attention_impl: str = "xla"      # the core: 'xla', 'split' or 'auto'
+  attention_impl: str = "auto"     # the core: 'auto', 'xla' or 'split' (core_choice)
   persistent_impl: str = "auto"    # the split core's persistent part (persistent_cores)
   persistent_content_bias: bool = False   # persistent logits (q + u)·P_K instead of q·P_K
   out_bias: bool = True            # W_O has a bias (per layer: it survives pruning)
