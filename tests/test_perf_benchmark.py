@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from allatt_jax.perf import config_variants
@@ -69,6 +71,32 @@ def test_a_variant_is_the_config_with_its_overrides(tiny_run):
   assert two.train == tiny_run.train and two.eval == tiny_run.eval
   assert cut.model.heads_per_layer == (2, 4) and cut.train.batch_size == 4
   assert cut.model.head_block == tiny_run.model.head_block
+
+
+def test_a_variant_that_holds_what_the_config_holds_starts_from_a_copy_of_its_state(
+    tiny_run, monkeypatch):
+  """Its initialiser is not compiled: the baseline's state is copied, where every
+  leaf's shape, dtype and sharding agree; a variant of other shapes initialises."""
+  variants = config_variants.resolve(tiny_run, {
+      "two": {"model": {"head_block": 2, "remat": False}},
+      "cut": {"model": {"heads_per_layer": [2, 4]}}})
+  base = timing.TrainStep(tiny_run, gated=False)
+  initialised, copied = [], []
+  new_state = assembly.RunSetup.new_state
+  monkeypatch.setattr(assembly.RunSetup, "new_state",
+                      lambda self: initialised.append(1) or new_state(self))
+  monkeypatch.setattr(timing.TrainStep, "run",   # the state as the step gets it
+                      lambda self, n: copied.append(jax.tree.map(np.array, self._state)))
+  base_state = jax.tree.map(np.array, base._state)
+  same = timing.TrainStep(variants["two"], gated=False, like=base)
+  assert not initialised
+  jax.tree.map(np.testing.assert_array_equal, copied[0], base_state)
+  assert not any(a is b for a, b in zip(jax.tree.leaves(base._state),
+                                        jax.tree.leaves(same._state)))
+  other = timing.TrainStep(variants["cut"], gated=False, like=base)
+  assert initialised == [1]
+  assert [x.shape for x in jax.tree.leaves(other._state)] != [
+      x.shape for x in jax.tree.leaves(base._state)]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -122,7 +122,11 @@ class TrainStep:
   """The real jitted train step on a fresh state, fed one fixed random batch."""
 
   def __init__(self, config: run_config.RunConfig, *, gated: bool,
-               distill: bool = False):
+               distill: bool = False, like: "TrainStep | None" = None):
+    """`like`: a step whose state this one copies where their states have the same
+    shapes, dtypes and shardings (a variant that changes how the model computes, not
+    what it holds), which skips compiling the initialiser: on a GPU a large model's
+    takes seconds to tens of seconds."""
     if not distill:
       distill_keys = dict(weight=0.0, hidden_weight=0.0)
     else:
@@ -137,7 +141,10 @@ class TrainStep:
     setup = assembly.run_setup(config)
     mesh = setup.mesh
     self.lm = setup.lm
-    self._state = setup.new_state()
+    self._layout = _layout(setup)
+    self._state = (jax.tree.map(jnp.copy, like._state)
+                   if like is not None and like._layout == self._layout
+                   else setup.new_state())
     batch = sharding.batch_sharding(mesh)
     train = config.train
     tokens = vocab_logsumexp.zipf_tokens(np.random.default_rng(0), config.model.vocab_size,
@@ -171,6 +178,14 @@ class TrainStep:
   def temp_bytes(self) -> int | None:
     analysis = self._compiled.memory_analysis()
     return getattr(analysis, "temp_size_in_bytes", None)
+
+
+def _layout(setup: assembly.RunSetup):
+  """What a state must match to stand in for the setup's: each leaf's shape, dtype
+  and sharding, in the tree's structure."""
+  leaves, structure = jax.tree.flatten(setup.abstract_state)
+  return structure, tuple((x.shape, x.dtype) for x in leaves), tuple(
+      jax.tree.leaves(setup.state_sharding))
 
 
 def random_model(config: run_config.RunConfig, seed: int = 0):
@@ -312,7 +327,8 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
                    lambda f=f: Inference(config, model, f, plan.eval_segments))
             for f in plan.heads_kept]
   # Each variant's baseline step and its evaluation with all heads.
-  variants = {name: (_ready(f"variant {name}: train step", lambda c=c: TrainStep(c, gated=False)),
+  variants = {name: (_ready(f"variant {name}: train step",
+                           lambda c=c: TrainStep(c, gated=False, like=train_steps["baseline"])),
                      _ready(f"variant {name}: evaluation", lambda c=c: Inference(
                          c, random_model(c), 1.0, plan.eval_segments)))
               for name, c in variant_configs.items()}
