@@ -159,23 +159,24 @@ def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
     assembly.checked_pipeline(demo("prune_gates", target_macs=0.01))
 
 
-def test_a_fraction_is_read_from_the_flag_and_checked_as_its_figure(tmp_path):
-  result = subprocess.run(
+def _tiny_demo(workdir, *flags):
+  """`python -m allatt_jax.main` on the tiny demo with `flags`, as a user runs it."""
+  return subprocess.run(
       [sys.executable, "-m", "allatt_jax.main", "--config=configs/demo.py:tiny",
-       f"--workdir={tmp_path / 'run'}", f"{GATES}.target_params=0.001"],
+       f"--workdir={workdir}", *flags],
       capture_output=True, text=True, cwd=ROOT, timeout=120,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_a_fraction_is_read_from_the_flag_and_checked_as_its_figure(tmp_path):
+  result = _tiny_demo(tmp_path / "run", f"{GATES}.target_params=0.001")
   assert result.returncode == 2, result.stderr
   assert (f"error: {GATES[2:]}.target_params=0.001 (0.001 of the unpruned model's "
           "12,608: 12) is below the 64 non-embedding parameters") in result.stderr
 
 
 def test_a_pipeline_with_a_bad_pruning_key_stops_before_the_baseline(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "-m", "allatt_jax.main", "--config=configs/demo.py:tiny",
-       f"--workdir={tmp_path / 'run'}", f"{GATES}.target_sparsity=1.2"],
-      capture_output=True, text=True, cwd=ROOT, timeout=120,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  result = _tiny_demo(tmp_path / "run", f"{GATES}.target_sparsity=1.2")
   assert result.returncode == 2, result.stderr
   errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
   assert len(errors) == 1 and f"{GATES}.target_sparsity=0.875" in errors[0], result.stderr

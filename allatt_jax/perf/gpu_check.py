@@ -207,7 +207,7 @@ def _spawn(command, limit: float, env=None, log: pathlib.Path | None = None) -> 
 def _part_of(piece: str) -> str | None:
   """The persistent part a piece runs (None: the XLA core alone, or no part)."""
   kind, *args = piece.split(":")
-  if kind == "versions" or args[0] == "xla" and kind == "layer":
+  if kind == "versions" or (kind == "layer" and args[0] == "xla"):
     return None
   return args[0].removeprefix("split-")
 
