@@ -5,7 +5,8 @@ r"""Throughput of a config's model: train steps, pruned models' inference, matmu
     --variant=two_heads_a_step:model.head_block=2
 
 Prints a summary and the JSON report; the config's `benchmark` section sets steps,
-rounds and head fractions. `--profile` adds where the baseline step's time goes;
+rounds and head fractions. `--out` holds the report of the rounds done so far after
+each round (`rounds_done`), so a run stopped at a time limit keeps its figures. `--profile` adds where the baseline step's time goes;
 `--variant=NAME:section.key=value,...` times the config with overrides beside it.
 """
 from collections.abc import Sequence
@@ -14,16 +15,18 @@ import json
 
 from absl import flags
 
-from allatt_jax.perf import bench_summary
+from allatt_jax.perf import bench_report
 from allatt_jax.perf import config_variants
 from allatt_jax.config import cli
+from allatt_jax.runs import run_files
 from allatt_jax.training import assembly
 from allatt_jax.perf import timing
 
 _CONFIG = cli.DEFINE_config(
     "config", "Config of the model to time; its `benchmark` section (if any) sets "
     "steps, rounds and head fractions (configs/bench_cpu.py).")
-_OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file.")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON report to this file (the "
+                           "rounds done so far after each round, then the whole).")
 _PROFILE = flags.DEFINE_boolean(
     "profile", False, "Also trace the baseline train steps and report where their time "
     "goes (the config's benchmark.profile).")
@@ -38,13 +41,16 @@ def main(argv: Sequence[str]) -> None:
   plan = dataclasses.replace(
       plan, profile=plan.profile or _PROFILE.value,
       variants=config_variants.from_flags(_VARIANT.value, plan.variants))
-  report = timing.measure(
-      assembly.checked_config(_CONFIG.value), plan)
-  print(bench_summary.summary(report))
+  report = timing.measure(assembly.checked_config(_CONFIG.value), plan, on_round=_write)
+  _write(report)
+  print(bench_report.summary(report))
   print(json.dumps(report, indent=2))
+
+
+def _write(report: dict) -> None:
+  """The report to --out, atomically: it is rewritten after every round."""
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(report, f, indent=2)
+    run_files.write_json(_OUT.value, report)
 
 
 def run(argv=None) -> None:

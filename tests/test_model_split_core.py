@@ -575,6 +575,30 @@ def test_gpu_check_times_the_split_train_step_only_where_its_layer_beat_the_xla_
       "--variant=split:model.attention_impl=split,model.persistent_impl=xla")
 
 
+def test_gpu_check_keeps_the_rounds_of_a_benchmark_stopped_at_its_limit(tmp_path,
+                                                                       monkeypatch):
+  out = tmp_path / "benchmark.json"
+  out.write_text("{}")   # an earlier check's report: never taken for this one's
+  stopped = {"status": "timeout", "seconds": 301.0, "limit_s": 300.0}
+  monkeypatch.setattr(gpu_check, "_spawn", lambda *args, **kwargs: stopped)
+  assert gpu_check._benchmark(["--config=c"], out, tmp_path / "b.log", 300) == stopped
+  report = {"rounds_done": 1, "train": {"baseline": {"tokens_per_s": 300e3}},
+            "variants": {"before": {"train": {"tokens_per_s": 100e3},
+                                    "train_tokens_per_s_ratio": 1 / 3}}}
+  def stopped_after_a_round(*args, **kwargs):
+    out.write_text(json.dumps(report))
+    return stopped
+  monkeypatch.setattr(gpu_check, "_spawn", stopped_after_a_round)
+  result = gpu_check._benchmark(["--config=c"], out, tmp_path / "b.log", 300)
+  assert result == {**stopped, "flags": ["--config=c"], "rounds_done": 1, "report": str(out),
+                    "train": {"xla": {"tokens_per_s": 300e3, "ratio": 1.0},
+                              "before": {"tokens_per_s": 100e3, "ratio": 1 / 3}}}
+  row = next(line for line in gpu_check.table({
+      "date": "d", "dry_run": False, "seconds": 1.0,
+      "pieces": {"benchmark": result}}).splitlines() if "`benchmark`" in line)
+  assert "| timeout |" in row and "1 rounds: xla: 300,000 tokens/s (x1.00)" in row
+
+
 def test_gpu_check_layer_pieces_need_no_command_packages():
   """The accelerator image lacks ml_collections, clu and TFDS: a layer piece runs
   without them (and without optax, orbax and etils)."""

@@ -99,6 +99,20 @@ def test_a_variant_that_holds_what_the_config_holds_starts_from_a_copy_of_its_st
       x.shape for x in jax.tree.leaves(base._state)]
 
 
+def test_each_round_hands_over_the_report_of_the_rounds_so_far(tiny_run):
+  """A benchmark stopped at a time limit keeps the rounds it finished: the report
+  after round i holds i rounds, and the last is the returned report (no profile)."""
+  plan = timing.BenchmarkPlan(train_steps=1, eval_segments=1, rounds=2, heads_kept=(1.0,),
+                              matmul_size=64, gated_steps=False)
+  reports = []
+  final = timing.measure(tiny_run, plan, on_round=reports.append)
+  assert [r["rounds_done"] for r in reports] == [1, 2]
+  assert [len(r["train"]["baseline"]["step_s_rounds"]) for r in reports] == [1, 2]
+  assert [len(r["matmul"]["gflops_per_s_rounds"]) for r in reports] == [1, 2]
+  assert reports[0]["inference"][0]["tokens_per_s"] > 0
+  assert reports[-1] == final
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"model": {"head_blocks": 2}},
      r"^Variant 'v': the config has no model\.head_blocks; did you mean model\.head_block\? "
@@ -165,6 +179,7 @@ def test_benchmark_cli_writes_a_complete_report(tmp_path):
                          "--variant=two_heads:model.head_block=2,model.remat=False"],
                         cwd=ROOT, check=True, capture_output=True, text=True)
   report = json.loads(out.read_text())
+  assert report["rounds_done"] == 1   # bench_cpu.py:tiny's rounds, all done
   for name in ("baseline", "gated", "distill"):
     step = report["train"][name]
     assert step["tokens_per_s"] > 0 and step["compile_s"] > 0

@@ -265,10 +265,12 @@ def _benchmark_flags(results: dict, dry: bool) -> list[str]:
 def _benchmark(flags: list[str], out: pathlib.Path, log: pathlib.Path,
                limit: float) -> dict:
   """The benchmark with `flags` (`_benchmark_flags`) and --profile: the config's
-  train step and its variants' in the same rounds."""
+  train step and its variants' in the same rounds. One stopped at its limit still
+  gives the rounds it finished (the benchmark rewrites its report after each)."""
+  out.unlink(missing_ok=True)
   result = _spawn([sys.executable, "-m", "allatt_jax.benchmark", *flags, "--profile",
                    f"--out={out}"], limit, log=log)
-  if result["status"] != "ok" or not out.exists():
+  if not out.exists():
     return result
   report = json.loads(out.read_text())
   train = report["train"]["baseline"]
@@ -276,7 +278,7 @@ def _benchmark(flags: list[str], out: pathlib.Path, log: pathlib.Path,
   for name, variant in report.get("variants", {}).items():
     summary[name] = {"tokens_per_s": variant["train"]["tokens_per_s"],
                      "ratio": variant["train_tokens_per_s_ratio"]}
-  return {"status": "ok", "seconds": result["seconds"], "flags": flags, "train": summary,
+  return {**result, "flags": flags, "rounds_done": report["rounds_done"], "train": summary,
           "report": str(out)}
 
 
@@ -299,9 +301,10 @@ def table(report: dict) -> str:
       note = f"{r['tflop_per_s']:.1f} TFLOP/s"
     elif r.get("temp_bytes") is not None:
       note = f"XLA temporaries {r['temp_bytes'] / 2**20:,.0f} MiB"
-    elif name == "benchmark" and r.get("status") == "ok":
-      note = ", ".join(f"{k}: {x['tokens_per_s']:,.0f} tokens/s (x{x['ratio']:.2f})"
-                       for k, x in r["train"].items())
+    elif name == "benchmark" and "train" in r:
+      note = f"{r['rounds_done']} rounds: " + ", ".join(
+          f"{k}: {x['tokens_per_s']:,.0f} tokens/s (x{x['ratio']:.2f})"
+          for k, x in r["train"].items())
     number = lambda key: f"{r[key]:.2f}" if isinstance(r.get(key), float) else ""
     lines.append(f"| `{name}` | {r.get('status', '?')} | {number('compile_s')} | "
                  f"{number('ms')} | {note.replace('|', '/')} |")

@@ -6,8 +6,9 @@ matmul peak.
 heads against the ideal 1 / MAC ratio, and one matmul in the compute dtype (the peak),
 in interleaved rounds (medians). Parameters and tokens are random: throughputs only.
 """
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 import dataclasses
+import functools
 import os
 import resource
 import statistics
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from allatt_jax.perf import bench_report
 from allatt_jax.perf import config_variants
-from allatt_jax.pruning import cost_model
 from allatt_jax.perf import hlo_counts
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
@@ -65,10 +66,6 @@ class BenchmarkPlan:
 # The distillation the benchmark times for configs that do not turn it on: both terms,
 # so the teacher's whole cost shows.
 DISTILL = dict(weight=0.5, temperature=1.0, hidden_weight=0.1)
-
-
-def _median(values):
-  return float(statistics.median(values))
 
 
 def _timed(fn):
@@ -179,6 +176,12 @@ class TrainStep:
     analysis = self._compiled.memory_analysis()
     return getattr(analysis, "temp_size_in_bytes", None)
 
+  @functools.cached_property
+  def proxy(self) -> dict:
+    """The compiled step's proxy figures (`hlo_counts.step_proxy`), walked once: a
+    report is built after every round."""
+    return hlo_counts.step_proxy(self._compiled, self.tokens_per_step)
+
 
 def _layout(setup: assembly.RunSetup):
   """What a state must match to stand in for the setup's: each leaf's shape, dtype
@@ -251,46 +254,14 @@ class Inference:
   def figures(self) -> dict:
     """Tokens/s (median of the timed rounds), compile time, and the compiled step's
     XLA temporaries and proxy figures (`hlo_counts.step_proxy`)."""
+    return {"tokens_per_s": self.tokens_per_segment / statistics.median(self.seconds[1:]),
+            "compile_s": self.compile_s, **self._compiled_figures}
+
+  @functools.cached_property
+  def _compiled_figures(self) -> dict:
     compiled = self._evaluator.compiled_step(self._variables)   # compiled already
-    return {"tokens_per_s": self.tokens_per_segment / _median(self.seconds[1:]),
-            "compile_s": self.compile_s,
-            "xla_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
+    return {"xla_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
             "proxy": hlo_counts.step_proxy(compiled, self.tokens_per_segment)}
-
-
-def _rss_peak_bytes() -> int:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
-
-
-def _device_memory() -> dict | None:
-  stats = jax.devices()[0].memory_stats()
-  if not stats:
-    return None
-  return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
-
-
-def _train_entry(step: TrainStep, usages, first_steps, plan: BenchmarkPlan,
-                 peaks: tuple[float, float]) -> dict:
-  """A train step's figures: medians of its rounds, model GFLOP/s against the matmul
-  `peaks` (per wall and per CPU second), and its compiled form's proxy figures."""
-  train, cfg = step.config.train, step.lm.cfg
-  flops_per_token = 6 * cost_model.macs_per_token(
-      cfg, train.seq_len, train.mem_len, train.batch_size)["macs_per_token"]
-  per_step = lambda attr: _median(getattr(u, attr) / plan.train_steps for u in usages)
-  seconds, cpu_seconds = per_step("wall"), per_step("cpu")
-  gflops = flops_per_token * step.tokens_per_step / seconds / 1e9
-  gflop_per_cpu_s = flops_per_token * step.tokens_per_step / cpu_seconds / 1e9
-  return {
-      "step_s": seconds, "tokens_per_s": step.tokens_per_step / seconds,
-      "compile_s": step.compile_s, "first_step_in_round_s": _median(first_steps),
-      "model_flops_per_token": flops_per_token,
-      "model_gflops_per_s": gflops, "fraction_of_matmul_peak": gflops / peaks[0],
-      "cpu_s_per_step": cpu_seconds,
-      "fraction_of_matmul_peak_per_cpu_s": gflop_per_cpu_s / peaks[1],
-      "minor_page_faults_per_step": per_step("faults"),
-      "step_s_rounds": [u.wall / plan.train_steps for u in usages],
-      "xla_temp_bytes": step.temp_bytes(),
-      "proxy": hlo_counts.step_proxy(step.compiled, step.tokens_per_step)}
 
 
 def _ready(what: str, build):
@@ -303,9 +274,13 @@ def _ready(what: str, build):
   return built
 
 
-def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
-  """The benchmark report of `config`'s model, timed as `plan` says (see the module
-  docstring), with its variants' (config_variants.py) beside it.
+def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
+            on_round: Callable[[dict], None] = lambda report: None) -> dict:
+  """The benchmark report of `config`'s model (bench_report.py), timed as `plan` says
+  (see the module docstring), with its variants' (config_variants.py) beside it.
+
+  `on_round` is handed the report of the rounds so far after each round, so that a
+  benchmark stopped at a time limit keeps what it measured.
 
   Raises:
     ConfigError: a variant overrides a key the config lacks, or fails the config's
@@ -313,7 +288,6 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   """
   config = assembly.with_vocab_size(config)
   variant_configs = config_variants.resolve(config, plan.variants)
-  train, e = config.train, config.eval
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
   train_steps = {"baseline": _ready("train step", lambda: TrainStep(config, gated=False))}
@@ -338,79 +312,24 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan) -> dict:
   # Each step's first step in a round runs untimed: after another executable has
   # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
   # `first_step_in_round_s`), which back-to-back training steps never do.
-  peaks, usages, first_steps = [], {s: [] for s in steps}, {s: [] for s in steps}
+  timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before)
   for i in range(plan.rounds):
     logging.info("benchmark: round %d of %d", i + 1, plan.rounds)
     order = lambda items: items[::-1] if i % 2 else items   # none goes first every round
-    peaks.append(matmul.gflops())
+    timed.peaks.append(matmul.gflops())
     for step in order(steps):
-      first_steps[step].append(step.run(1).wall)
-      usages[step].append(step.run(plan.train_steps))
+      timed.first_steps[step].append(step.run(1).wall)
+      timed.usages[step].append(step.run(plan.train_steps))
     for model in order(evaluations):
       model.warm()
       model.seconds.append(model.run())
+    on_round(bench_report.build(timed))
 
   # Traced after the rounds, so that tracing slows none of them.
   if plan.profile:
     logging.info("benchmark: tracing %d steps of each step profiled", plan.profile_steps)
-  profiled = (train_steps["baseline"], *(step for step, _ in variants.values()))
-  profiles = {step: step_profile.profile(step.run, step.compiled.as_text(),
-                                         plan.profile_steps)
-              for step in (profiled if plan.profile else ())}
-  cfg = train_steps["baseline"].lm.cfg
-  peak, peak_cpu = (_median(p[i] for p in peaks) for i in (0, 1))
-  entry = lambda step: (_train_entry(step, usages[step], first_steps[step], plan,
-                                     (peak, peak_cpu))
-                        | ({"profile": profiles[step]} if step in profiles else {}))
-  train_report = {name: entry(step) for name, step in train_steps.items()}
-  train_report["flops_per_token"] = train_report["baseline"]["model_flops_per_token"]
-  if plan.gated_steps:
-    distilled, gated = train_report["distill"], train_report["gated"]
-    train_report["gated_overhead"] = gated["step_s"] / train_report["baseline"]["step_s"] - 1
-    train_report["distill_settings"] = train_steps["distill"].config.distill.to_dict()
-    train_report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
-    if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
-      train_report["distill_temp_ratio"] = (distilled["xla_temp_bytes"]
-                                            / gated["xla_temp_bytes"])
-
-  full_macs = cost_model.macs_per_token(cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token"]
-  inference = []
-  for model in models:
-    macs = cost_model.macs_per_token(model.cfg, e.seq_len, e.mem_len, e.batch_size)
-    figures = model.figures()
-    first = inference[0] if inference else figures   # the first fraction's, all heads
-    mac_ratio = macs["macs_per_token"] / full_macs
-    speedup = figures["tokens_per_s"] / first["tokens_per_s"]
-    inference.append({
-        "heads_kept": model.heads_kept, "heads_per_layer": list(model.cfg.layer_heads),
-        **figures, "macs_per_token": macs["macs_per_token"], "mac_ratio": mac_ratio,
-        "proxy_bytes_ratio": figures["proxy"]["bytes"] / first["proxy"]["bytes"],
-        "speedup": speedup, "ideal_speedup": 1 / mac_ratio,
-        "speedup_fraction_of_ideal": speedup * mac_ratio})
-  full = next((r for r in inference if r["heads_kept"] == 1.0), None)
-  variant_report = {
-      name: config_variants.entry(plan.variants[name], entry(step), evaluation.figures(),
-                                  train_report["baseline"], full)
-      for name, (step, evaluation) in variants.items()}
-
-  return {
-      "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
-      "num_devices": jax.device_count(), "jax_version": jax.__version__,
-      "model": {"kind": cfg.kind, "num_layers": cfg.num_layers, "d_model": cfg.d_model,
-                "num_heads": cfg.num_heads, "num_persistent": cfg.num_persistent,
-                "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
-                "head_block": cfg.head_block, "remat": cfg.remat,
-                "batch_size": train.batch_size, "seq_len": train.seq_len,
-                "mem_len": train.mem_len},
-      "matmul": {"n": plan.matmul_size, "dtype": config.model.dtype, "gflops_per_s": peak,
-                 "gflop_per_cpu_s": peak_cpu,
-                 "gflops_per_s_rounds": [p[0] for p in peaks]},
-      "train": train_report,
-      "inference": inference,
-      "variants": variant_report,
-      "memory": {"peak_rss_bytes": _rss_peak_bytes(), "device": _device_memory()},
-      "environment": {"load_average_before": load_before,
-                      "load_average_after": os.getloadavg(),
-                      "cpu_count": os.cpu_count(),
-                      **{k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "XLA_FLAGS")}},
-  }
+    profiled = (train_steps["baseline"], *(step for step, _ in variants.values()))
+    timed.profiles.update({step: step_profile.profile(step.run, step.compiled.as_text(),
+                                                      plan.profile_steps)
+                           for step in profiled})
+  return bench_report.build(timed)
