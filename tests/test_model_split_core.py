@@ -299,17 +299,20 @@ def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path)
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("rate, closed", [(0.0, None), (0.3, "groups")])
-def test_pallas_part_matches_the_xla_part(rate, closed, monkeypatch):
+@pytest.mark.parametrize("rate, closed, tiles", [
+    (0.0, None, SMALL_TILES), (0.3, "groups", SMALL_TILES),
+    (0.3, None, persistent_pallas.Tiles(rows=8, slots=64, chunks=2))])
+def test_pallas_part_matches_the_xla_part(rate, closed, tiles, monkeypatch):
   """In Pallas' interpreter, several tiles in every direction (15 query rows in tiles
-  of 8, 70 slots in tiles of 32, 2 chunks); alone and inside the split core. 3e-6:
+  of 8, 70 slots in tiles of 32 or 64: one or two words of keep bits a row, 2 chunks);
+  alone and inside the split core. 3e-6:
   sums over slot tiles round otherwise (observed 2e-6 at one element of dqp, where
   large terms cancel; there the Pallas and XLA parts are 1.2e-6 and 0.8e-6 from a
   float64 reference)."""
   args, mask, dout = core_inputs(t=5, n=70, dh=12, closed=closed)
   qp, pk, pv, pw = args[2], args[6], args[7], args[8]
   bits = keep_bits.packed(KEYS[1], (*qp.shape[:3], pk.shape[1]), rate) if rate else None
-  part = persistent_cores.Part("pallas", SMALL_TILES)
+  part = persistent_cores.Part("pallas", tiles)
   run = lambda p: jax.jit(functools.partial(persistent_cores.outputs_and_grads, p, rate,
                                             jnp.float32))(qp, pk, pv, pw, bits, dout)
   for name, got, expected in zip(("out", "lse", "dqp", "dpk", "dpv", "dpw"), run(part),
@@ -326,13 +329,14 @@ def test_pallas_part_matches_the_xla_part(rate, closed, monkeypatch):
   assert_all_close(got, expected, tolerance=3e-6)
 
 
-def test_pallas_part_lowers_for_the_gpu():
-  """The Triton lowering accepts the three kernels (tiles, the keep bits' gathers) in
-  bf16 with dropout and slot weights; compiling them needs a GPU."""
+@pytest.mark.parametrize("slots", [32, 64])
+def test_pallas_part_lowers_for_the_gpu(slots):
+  """The Triton lowering accepts the three kernels (tiles, one or two columns of keep
+  bits a tile) in bf16 with dropout and slot weights; compiling them needs a GPU."""
   rate = 0.2
   qp, pk, pv, pw, bits, dout = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2,
                                                               b=2, t=24, n=70, dh=12)
-  kernels = dict(rate=rate, tiles=persistent_pallas.Tiles(rows=16, slots=32, chunks=2),
+  kernels = dict(rate=rate, tiles=persistent_pallas.Tiles(rows=16, slots=slots, chunks=2),
                  interpret=False)
 
   def forward_and_backward(qp, pk, pv, pw, bits, dout):
