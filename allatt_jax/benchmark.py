@@ -6,7 +6,8 @@ r"""Throughput of a config's model: train steps, pruned models' inference, matmu
 
 Prints a summary and the JSON report; the config's `benchmark` section sets steps,
 rounds and head fractions. `--out` holds the report of the rounds done so far after
-each round (`rounds_done`), so a run stopped at a time limit keeps its figures. `--profile` adds where the baseline step's time goes;
+each round (`rounds_done`), so a run stopped at a time limit keeps its figures.
+`--profile` adds where the baseline step's time goes;
 `--variant=NAME:section.key=value,...` times the config with overrides beside it.
 """
 from collections.abc import Sequence

@@ -306,13 +306,13 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
                      _ready(f"variant {name}: evaluation", lambda c=c: Inference(
                          c, random_model(c), 1.0, plan.eval_segments)))
               for name, c in variant_configs.items()}
-  steps = [*train_steps.values(), *(step for step, _ in variants.values())]
+  timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before)
+  steps = list(timed.usages)   # the config's train steps, then the variants'
   evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
 
   # Each step's first step in a round runs untimed: after another executable has
   # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
   # `first_step_in_round_s`), which back-to-back training steps never do.
-  timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before)
   for i in range(plan.rounds):
     logging.info("benchmark: round %d of %d", i + 1, plan.rounds)
     order = lambda items: items[::-1] if i % 2 else items   # none goes first every round

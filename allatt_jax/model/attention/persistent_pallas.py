@@ -14,10 +14,10 @@ tile of `rows` queries by `slots` slots at a time, none keeping a (rows, N) arra
   shares summed by XLA.
 
 Dropout reads the packed keep bits (keep_bits.py): a tile's words, a column of rows
-each, are broadcast over their 32 slots and shifted, so the kernels hash nothing. Slot weights are a
-slot's factor on its exponential (0: closed, also for the padding slots); a closed
-slot's exponent is capped at 80 as in the XLA core. Off the GPU the kernels run in
-Pallas' interpreter.
+each, are broadcast over their 32 slots and shifted, so the kernels hash nothing.
+Slot weights are a slot's factor on its exponential (0: closed, also for the padding
+slots); a closed slot's exponent is capped at 80 as in the XLA core. Off the GPU the
+kernels run in Pallas' interpreter.
 """
 import dataclasses
 import functools
