@@ -35,6 +35,7 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
 from allatt_jax.perf import gpu_check
+from allatt_jax.perf import gpu_pieces
 from allatt_jax.model.attention import keep_bits
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.model.attention import persistent_cores
@@ -329,15 +330,17 @@ def test_pallas_part_matches_the_xla_part(rate, closed, tiles, monkeypatch):
   assert_all_close(got, expected, tolerance=3e-6)
 
 
-@pytest.mark.parametrize("slots", [32, 64])
-def test_pallas_part_lowers_for_the_gpu(slots):
-  """The Triton lowering accepts the three kernels (tiles, one or two columns of keep
-  bits a tile) in bf16 with dropout and slot weights; compiling them needs a GPU."""
+@pytest.mark.parametrize("tiles", [persistent_pallas.Tiles(rows=16, slots=32, chunks=2),
+                                   persistent_pallas.Tiles(rows=16, slots=64, chunks=2),
+                                   *gpu_pieces.TILE_CANDIDATES], ids=str)
+def test_pallas_part_lowers_for_the_gpu(tiles):
+  """The Triton lowering accepts the three kernels (one to four columns of keep bits a
+  tile; the device check's tiles) in bf16 with dropout and slot weights, with the
+  tiles' warps and pipeline stages; compiling them needs a GPU."""
   rate = 0.2
   qp, pk, pv, pw, bits, dout = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2,
                                                               b=2, t=24, n=70, dh=12)
-  kernels = dict(rate=rate, tiles=persistent_pallas.Tiles(rows=16, slots=slots, chunks=2),
-                 interpret=False)
+  kernels = dict(rate=rate, tiles=tiles, interpret=False)
 
   def forward_and_backward(qp, pk, pv, pw, bits, dout):
     acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, bits, **kernels)
@@ -351,8 +354,10 @@ def test_pallas_part_lowers_for_the_gpu(slots):
   except ModuleNotFoundError as e:   # a jaxlib without the Triton dialect
     pytest.skip(str(e))
   text = lowered.as_text()
-  for name in ("forward", "query_grads", "slot_grads"):
-    assert f"allatt_persistent_{name}" in text
+  for name, warps in (("forward", tiles.warps), ("query_grads", tiles.warps),
+                      ("slot_grads", tiles.slot_warps)):
+    assert (f'name = "allatt_persistent_{name}", num_stages = {tiles.stages} : i32, '
+            f'num_warps = {warps} : i32}}') in text
   assert text.count("__gpu$xla.gpu.triton") == 3
 
 
@@ -527,12 +532,12 @@ def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
   for piece in ("versions", "part:pallas:0.2", "part:cudnn:0.0", "layer:xla:0.2",
                 "layer:split-pallas:0.2", "layer:split-cudnn:0.0", "alone:cudnn"):
     assert piece in pieces
-  results = {piece: gpu_check.run_piece(piece, dry=True) for piece in gpu_check._pieces(True)}
+  results = {piece: gpu_pieces.run_piece(piece, dry=True) for piece in gpu_check._pieces(True)}
   assert results["versions"]["backend"] == "cpu"
   for piece, result in results.items():
     assert result.get("status", "ok") == "ok", (piece, result)
   assert results["part:xla:0.2"]["agrees"] and results["layer:split-xla:0.2"]["ms"] > 0
-  assert gpu_check.run_piece("layer:split-pallas:0.0", dry=True) == {
+  assert gpu_pieces.run_piece("layer:split-pallas:0.0", dry=True) == {
       "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32)}
   assert gpu_check._best_split(results, dry=True) == "xla"
   report = {"date": "2026-11-27", "dry_run": True, "seconds": 1.0,
@@ -546,12 +551,37 @@ def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
   assert "| `layer:split-xla:0.2` | ok |" in text and "| `benchmark` | timeout |" in text
 
 
+def test_gpu_check_times_the_pallas_part_on_each_tiles_and_keeps_what_a_stall_leaves():
+  """The tiles piece (a dry run: the first two tiles, in Pallas' interpreter) hands
+  over its figures after each tiles; a piece stopped at its limit keeps its last
+  line, and the table names the fastest tiles."""
+  reports = []
+  result = gpu_pieces.run_piece("tiles:pallas:0.2", dry=True, report=reports.append)
+  names = [str(t) for t in gpu_pieces.TILE_CANDIDATES[:2]]
+  assert [list(r["tiles"]) for r in reports] == [names[:1], names] and reports[-1] == result
+  ms = {name: result["tiles"][name]["ms"] for name in names}
+  assert result["best"] == min(ms, key=ms.get) and result["ms"] == ms[result["best"]]
+  assert result["speedup"] == pytest.approx(ms[names[0]] / ms[result["best"]])
+  assert "tiles:pallas:0.2" in gpu_check._pieces(dry=False)
+  assert "did not pass" in gpu_check._skip_reason("tiles:pallas:0.2", {})
+
+  stalls = ("import json, time; print(json.dumps({'tiles': {'a': {}}, 'best': 'a'}), "
+            "flush=True); time.sleep(60)")
+  stopped = gpu_check._spawn([sys.executable, "-c", stalls], limit=3)
+  assert stopped["status"] == "timeout" and stopped["best"] == "a", stopped
+  row = next(line for line in gpu_check.table({
+      "date": "d", "dry_run": True, "seconds": 1.0,
+      "pieces": {"tiles:pallas:0.2": {**result, "status": "timeout"}}}).splitlines()
+      if "`tiles:pallas:0.2`" in line)
+  assert "| timeout |" in row and f"fastest of 2 tiles: {result['best']}," in row
+
+
 def test_gpu_check_times_no_part_that_failed_its_trial_or_is_refused():
   """A part's trial runs right before its layers; a part that stalled or disagreed in
   its trial at a rate is not timed at that rate, nor cuDNN's with dropout."""
   pieces = gpu_check._pieces(dry=False)
-  for part in gpu_check.PARTS:
-    for rate in gpu_check.RATES:
+  for part in gpu_pieces.PARTS:
+    for rate in gpu_pieces.RATES:
       assert pieces.index(f"part:{part}:{rate}") < pieces.index(f"layer:split-{part}:{rate}")
   assert pieces.index("layer:split-xla:0.2") < pieces.index("layer:xla:0.0")
   results = {"part:pallas:0.2": {"status": "timeout"},
@@ -610,11 +640,11 @@ def test_gpu_check_layer_pieces_need_no_command_packages():
              "etils")
   script = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"
             "from allatt_jax.perf import gpu_check\n"
-            "print(gpu_check.run_piece('layer:split-xla:0.2', dry=True)['status'])")
+            "gpu_check.main(['--piece=layer:split-xla:0.2', '--dry-run'])")
   done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                         text=True, timeout=120, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.strip().splitlines()[-1] == "ok"
+  assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "ok"
 
 
 @pytest.mark.slow   # the CPU benchmark of configs/bench_cpu.py:tiny: a minute

@@ -5,21 +5,11 @@ that a stalled compile costs that piece's seconds and the rest go on.
   python -m allatt_jax.perf.gpu_check              # on a GPU, within --budget (525 s)
   python -m allatt_jax.perf.gpu_check --dry-run    # on a CPU: the XLA parts at tiny shapes
 
-Pieces, each rate's layers first, a part's trial right before its layers (each piece
-prints one JSON line; the layer pieces need jax and the package's model code only, not
-the benchmark's ml_collections). A part that fails its trial at a rate, or stalls, is
-not timed at that rate; cuDNN's is not with dropout (persistent_cores.refusal):
+Pieces (gpu_pieces.py), each rate's layers first, a part's trial right before its
+layers, each printing its result as a JSON line. A part that fails its trial at a
+rate, or stalls, is not timed at that rate; cuDNN's is not with dropout
+(persistent_cores.refusal). Then, in a process of its own:
 
-  versions          jax, jaxlib, the device, CUDA and cuDNN
-  part:NAME:RATE    persistent part NAME (xla, pallas, cudnn) on a small bf16 problem at
-                    attention dropout RATE: compile seconds, and its largest difference
-                    to the XLA part, of each result's largest value (agrees: within 5%)
-  layer:CORE:RATE   one layer's attention core forward and backward at the benchmark's
-                    shape (H=8, B=96, T=S=192, N=2048, dh=64, bf16): 'xla' and each
-                    'split-NAME' (median of 10 calls, compile seconds, XLA temporaries)
-  alone:NAME        a persistent part alone at its shape in that layer (8 heads of
-                    B·T = 18,432 queries against 2,048 shared slots, dh=64, bf16, no
-                    dropout), forward and backward from its log-sum-exp
   benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py:lease
                     --profile: the config (at dropout 0.2 the XLA core) and `before`,
                     and the fastest split at 0.2 where its layer beat the XLA core's,
@@ -32,175 +22,42 @@ both under --out_dir (default: a new temporary directory).
 """
 import argparse
 import datetime
-import functools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import jaxlib
-import numpy as np
-
-from allatt_jax.model.attention import relative
-from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import persistent_cores
-from allatt_jax.model.attention import split_core
+from allatt_jax.perf import gpu_pieces
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PARTS = ("xla", "pallas", "cudnn")
-RATES = (0.0, 0.2)
-# (H, B, T, S, N, dh): the benchmark's layer, and a dry run's.
-LAYER = dict(gpu=(8, 96, 192, 192, 2048, 64), dry=(2, 2, 8, 8, 64, 16))
-SMALL = dict(gpu=dict(h=2, b=8, t=128, n=512, dh=64), dry=dict(h=2, b=2, t=8, n=64, dh=16))
 # Seconds each kind of piece may take; the benchmark gets what is left of the budget,
 # at least BENCHMARK_S (its compiles of the WikiText-103 model take most of it).
-LIMITS = dict(versions=45, part=60, layer=60, alone=45)
+LIMITS = dict(versions=45, part=60, layer=60, alone=45, tiles=60)
 BENCHMARK_S = 300
 BEGIN, END = "<!-- gpu_check: begin -->", "<!-- gpu_check: end -->"
 
 
-def _dtype(dry: bool):
-  return jnp.float32 if dry else jnp.bfloat16
-
-
-def _timed(fn, args, calls: int = 10) -> dict:
-  """Compile seconds, XLA temporaries and median milliseconds of `calls` calls of jit(fn)."""
-  start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
-  compile_s = time.perf_counter() - start
-  try:
-    temp = compiled.memory_analysis().temp_size_in_bytes
-  except Exception:  # pylint: disable=broad-except  # not every backend reports it
-    temp = None
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return {"compile_s": compile_s, "ms": 1e3 * statistics.median(times), "temp_bytes": temp}
-
-
-def _unavailable(name: str, rate: float, dtype) -> str | None:
-  return (persistent_cores.refusal(name, rate, False)
-          or persistent_cores.why_not_here(name, dtype))
-
-
-def _versions(dry: bool) -> dict:
-  result = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "backend": jax.default_backend(),
-            "device": jax.devices()[0].device_kind, "dry_run": dry}
-  try:
-    from jax._src.lib import cuda_versions   # pylint: disable=import-outside-toplevel
-    for name in ("cuda_runtime_get_version", "cudnn_get_version", "cuda_driver_get_version"):
-      if cuda_versions is not None and hasattr(cuda_versions, name):
-        result[name.removesuffix("_get_version")] = getattr(cuda_versions, name)()
-  except Exception as e:  # pylint: disable=broad-except  # reported, not fatal
-    result["cuda_versions_error"] = f"{type(e).__name__}: {e}"
-  return result
-
-
-def _part(name: str, rate: float, dry: bool) -> dict:
-  dtype = _dtype(dry)
-  why_not = _unavailable(name, rate, dtype)
-  if why_not:
-    return {"status": "unavailable", "why": why_not}
-  args = persistent_cores.trial_problem(jnp.dtype(dtype), rate, False,
-                                        **SMALL["dry" if dry else "gpu"])
-  run = lambda part: functools.partial(persistent_cores.outputs_and_grads,
-                                       persistent_cores.PARTS[part], rate, jnp.float32)
-  start = time.perf_counter()
-  got = jax.jit(run(name)).lower(*args).compile()(*args)
-  compile_s = time.perf_counter() - start
-  expected = jax.jit(run("xla"))(*args)
-  differences = {
-      key: float(np.abs(np.asarray(g, np.float32) - np.asarray(e, np.float32)).max()
-                 / max(float(np.abs(np.asarray(e, np.float32)).max()), 1e-30))
-      for key, g, e in zip(("out", "lse", "dqp", "dpk", "dpv"), got, expected)}
-  return {"status": "ok", "compile_s": compile_s, "max_difference": differences,
-          "agrees": max(differences.values()) <= 0.05}
-
-
-def _layer(core: str, rate: float, dry: bool) -> dict:
-  dtype = _dtype(dry)
-  if core != "xla":
-    why_not = _unavailable(core.removeprefix("split-"), rate, dtype)
-    if why_not:
-      return {"status": "unavailable", "why": why_not}
-  h, b, t, s, n, dh = LAYER["dry" if dry else "gpu"]
-  k = s + t
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-  args = (normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, k, dh),
-          normal(h, b, k, dh), jnp.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
-          normal(h, n, dh), normal(h, n, dh))
-  mask = relative.attention_mask(t, s, jnp.int32(s), True)
-  keys = jnp.array([[1, 2], [3, 4]], jnp.uint32) if rate else None
-  dout = normal(h, b, t, dh)
-  # As configs/bench_gpu.py runs it: all heads at once, no remat, scores in bf16.
-  attend = (functools.partial(xla_core.attend, rate, h, False, dtype) if core == "xla"
-            else functools.partial(split_core.attend, rate, h, False, dtype,
-                                   persistent=core.removeprefix("split-")))
-
-  def forward_and_backward(*args):
-    out, vjp = jax.vjp(lambda *a: attend(*a, mask, keys), *args)
-    return out, vjp(dout)
-
-  return {"status": "ok", **_timed(forward_and_backward, args)}
-
-
-def _alone(name: str, dry: bool) -> dict:
-  dtype = _dtype(dry)
-  why_not = _unavailable(name, 0.0, dtype)
-  if why_not:
-    return {"status": "unavailable", "why": why_not}
-  h, b, t, _, n, dh = LAYER["dry" if dry else "gpu"]
-  args = [jnp.asarray(x) if x is not None else None for x in
-          persistent_cores.trial_problem(np.dtype(jnp.dtype(dtype)), 0.0, False, h=h, b=b, t=t,
-                                         n=n, dh=dh)]
-  result = _timed(functools.partial(persistent_cores.outputs_and_grads,
-                                    persistent_cores.PARTS[name], 0.0, dtype), args)
-  # Flash attention's count: 4·M·N·dh forward, 2.5 times that backward.
-  result["tflop_per_s"] = 14 * h * b * t * n * dh / (result["ms"] * 1e-3) / 1e12
-  return {"status": "ok", **result}
-
-
-def run_piece(piece: str, dry: bool) -> dict:
-  """One piece's result (this process runs it)."""
-  kind, *args = piece.split(":")
-  if kind == "versions":
-    return _versions(dry)
-  if kind == "part":
-    return _part(args[0], float(args[1]), dry)
-  if kind == "layer":
-    return _layer(args[0], float(args[1]), dry)
-  if kind == "alone":
-    return _alone(args[0], dry)
-  raise ValueError(f"unknown piece {piece!r}")
-
-
 def _spawn(command, limit: float, env=None, log: pathlib.Path | None = None) -> dict:
   """A command under `timeout`: its last JSON line of output, or how it failed (its
-  whole output also in `log`, if given)."""
+  whole output also in `log`, if given); one stopped at its limit keeps its last JSON
+  line under its status 'timeout'."""
   start = time.perf_counter()
   done = subprocess.run(["timeout", "-k", "5", f"{max(limit, 1):.0f}", *command], cwd=ROOT,
                         capture_output=True, text=True, env=env, check=False)
   seconds = time.perf_counter() - start
   if log:
     log.write_text(done.stdout + done.stderr)
+  lines = done.stdout.strip().splitlines()
+  result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
   if done.returncode in (124, 137):
-    return {"status": "timeout", "seconds": seconds, "limit_s": limit}
+    return {**result, "status": "timeout", "seconds": seconds, "limit_s": limit}
   if done.returncode:
     tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
     return {"status": "failed", "seconds": seconds, "error": " | ".join(tail)}
-  lines = done.stdout.strip().splitlines()
-  result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
   return {"status": "ok", **result, "seconds": seconds}
 
 
@@ -215,13 +72,13 @@ def _part_of(piece: str) -> str | None:
 def _pieces(dry: bool) -> list[str]:
   """The pieces in the order they run: the training rate's layer timings first (what
   the split core is for), then each part's trial right before the layers that run it."""
-  parts = ("xla",) if dry else PARTS
+  parts = ("xla",) if dry else gpu_pieces.PARTS
   pieces = ["versions"]
   for rate in (0.2, 0.0):
     pieces += [f"layer:xla:{rate}"]
     for part in parts:
       pieces += [f"part:{part}:{rate}", f"layer:split-{part}:{rate}"]
-  return pieces + [f"alone:{p}" for p in parts]
+  return pieces + [f"alone:{p}" for p in parts] + ([] if dry else ["tiles:pallas:0.2"])
 
 
 def _skip_reason(piece: str, results: dict) -> str | None:
@@ -230,7 +87,7 @@ def _skip_reason(piece: str, results: dict) -> str | None:
   part = _part_of(piece)
   if part is None:
     return None
-  rate = 0.0 if kind == "alone" else float(args[1])
+  rate = 0.0 if kind == "alone" else float(args[-1])
   refused = persistent_cores.refusal(part, rate, False)
   if refused or kind == "part":
     return refused
@@ -242,7 +99,8 @@ def _skip_reason(piece: str, results: dict) -> str | None:
 
 def _best_split(results: dict, dry: bool) -> str:
   """The persistent part of the fastest split core at dropout 0.2 (training's)."""
-  timed = {p: results.get(f"layer:split-{p}:0.2", {}) for p in (("xla",) if dry else PARTS)}
+  parts = ("xla",) if dry else gpu_pieces.PARTS
+  timed = {p: results.get(f"layer:split-{p}:0.2", {}) for p in parts}
   ok = {p: r["ms"] for p, r in timed.items() if r.get("status") == "ok" and "ms" in r}
   return min(ok, key=ok.get) if ok else "xla"
 
@@ -297,6 +155,10 @@ def table(report: dict) -> str:
     if "max_difference" in r:
       note = (f"agrees with XLA: {r['agrees']} (largest difference "
               f"{max(r['max_difference'].values()):.1e})")
+    elif "tiles" in r and r.get("best"):
+      note = (f"fastest of {len(r['tiles'])} tiles: {r['best']}, "
+              f"{r['tiles'][r['best']]['tflop_per_s']:.1f} TFLOP/s"
+              + (f", {r['speedup']:.2f}x the default" if r.get("speedup") else ""))
     elif "tflop_per_s" in r:
       note = f"{r['tflop_per_s']:.1f} TFLOP/s"
     elif r.get("temp_bytes") is not None:
@@ -367,7 +229,8 @@ def main(argv=None) -> None:
   parser.add_argument("--piece", help=argparse.SUPPRESS)   # one piece, in this process
   args = parser.parse_args(argv)
   if args.piece:
-    print(json.dumps(run_piece(args.piece, args.dry_run)))
+    report = lambda result: print(json.dumps(result), flush=True)
+    report(gpu_pieces.run_piece(args.piece, args.dry_run, report))
     return
   date = datetime.date.today().isoformat()
   if args.dry_run:

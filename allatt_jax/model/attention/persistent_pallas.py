@@ -35,11 +35,21 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """`rows` queries by `slots` slots per tile (`slots` whole words of keep bits), and
-  at most `chunks` programs along the queries for each slot tile's gradients."""
+  """`rows` queries by `slots` slots per tile (`slots` whole words of keep bits), at
+  most `chunks` programs along the queries for each slot tile's gradients; `warps` per
+  program of the forward and query-gradient kernels, `slot_warps` of the
+  slot-gradient kernel, and `stages` of Triton's software pipeline. The defaults are
+  untuned: launch/gpu_check.sh times others beside them."""
   rows: int = 64
   slots: int = 64
   chunks: int = 4
+  warps: int = 4
+  slot_warps: int = 8
+  stages: int = 2
+
+  def __str__(self):
+    return (f"{self.rows}x{self.slots} warps {self.warps}/{self.slot_warps} "
+            f"stages {self.stages}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,15 +209,15 @@ def _slot_grads_kernel(g: _Geometry, *refs):
     dpw_ref[0][...] = dpw
 
 
-def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warps=4):
-  """A pallas_call of one kernel, 2 pipeline stages. Untuned; at 64 x 64 tiles, head
+def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warps):
+  """A pallas_call of one kernel with `warps` per program. At the default tiles, head
   size 64, bf16 with dropout, ptxas (Triton 3.9, sm_90a) gives the forward and query
   gradient kernels 128 and 175 registers at 4 warps, the slot gradients' 232 at 8
   warps (at 4: 255 and spills); see docs/performance.md."""
   return pl.pallas_call(
       functools.partial(kernel, g), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=g.interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2))
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=g.tiles.stages))
 
 
 def _geometry(qp, pk, pw, rate, tiles, interpret) -> _Geometry:
@@ -261,7 +271,7 @@ def forward(qp, pk, pv, pw, bits, *, rate, tiles: Tiles | None = None,
       _forward_kernel, g, (h, g.q_tiles), _row_specs(g, bits is not None),
       [pl.BlockSpec((None, rows, g.dh_pad), lambda h, i: (h, i, 0)), stats, stats],
       [jax.ShapeDtypeStruct((h, g.m_pad, g.dh_pad), _F32), stats_shape, stats_shape],
-      "allatt_persistent_forward")(*args)
+      "allatt_persistent_forward", g.tiles.warps)(*args)
   rows_of = lambda x: x[:, :g.m].reshape(h, b, t, *x.shape[2:])
   return rows_of(acc[..., :dh]), rows_of(top), rows_of(norm)
 
@@ -282,7 +292,8 @@ def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
   queries = pl.BlockSpec((None, rows, d), lambda h, i: (h, i, 0))
   dq = _call(_query_grads_kernel, g, (h, g.q_tiles),
              _row_specs(g, bits is not None) + [stats] * 3 + [queries], queries,
-             jax.ShapeDtypeStruct(q.shape, qp.dtype), "allatt_persistent_query_grads")(
+             jax.ShapeDtypeStruct(q.shape, qp.dtype), "allatt_persistent_query_grads",
+             g.tiles.warps)(
                  *slot_args, top_, norm_, delta_, dout_)
 
   # Grid (head, slot tile, chunk): each program a slot tile against a chunk of queries.
@@ -304,7 +315,8 @@ def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
   dpk, dpv, *dpw = _call(
       _slot_grads_kernel, g, (h, g.n_tiles, g.chunks),
       in_specs + [chunk_stats] * 3 + [chunk_rows], out_specs, out_shape,
-      "allatt_persistent_slot_grads", warps=8)(*slot_args, top_, norm_, delta_, dout_)
+      "allatt_persistent_slot_grads", g.tiles.slot_warps)(*slot_args, top_, norm_, delta_,
+                                                           dout_)
   slots_of = lambda x: x.sum(1)[:, :g.n]
   return (dq[:, :g.m, :dh].reshape(h, b, t, dh), slots_of(dpk)[..., :dh].astype(pk.dtype),
           slots_of(dpv)[..., :dh].astype(pv.dtype),
