@@ -149,6 +149,8 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   gpu = config_base.load(ROOT / "configs" / "bench_gpu.py")
   paper = config_base.load(ROOT / "configs" / "wt103_base.py")
   assert gpu.model == paper.model and gpu.train == paper.train and gpu.mesh == paper.mesh
+  # Inference at the training batch, where the GPU is busy; the rest as it evaluates.
+  assert gpu.eval.to_dict() == {**paper.eval.to_dict(), "batch_size": paper.train.batch_size}
   plan = timing.BenchmarkPlan.from_dict(gpu.benchmark)
   assert dataclasses.replace(plan, variants={}) == timing.BenchmarkPlan(
       rounds=3, matmul_size=8192, variants={})
@@ -165,7 +167,7 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   assembly.checked_config(gpu)   # its checks pass as it ships
   # What a 10-minute command on a lent GPU can time: the model as it trains, fewer steps.
   lease = config_base.load(ROOT / "configs" / "bench_gpu.py", "lease")
-  assert lease.model == gpu.model and lease.train == gpu.train
+  assert lease.model == gpu.model and lease.train == gpu.train and lease.eval == gpu.eval
   assert timing.BenchmarkPlan.from_dict(lease.benchmark) == timing.BenchmarkPlan(
       rounds=2, matmul_size=8192, heads_kept=(1.0, 0.5), gated_steps=False,
       variants={"before": plan.variants["before"]})
