@@ -40,7 +40,7 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection(_Section):
-  """`model`: the architecture (model.ModelConfig adds what a run derives)."""
+  """`model`: the architecture (transformer.ModelConfig adds what a run derives)."""
   kind: str = "allatt"                 # 'allatt' or 'txl'
   vocab_size: int = 0                  # 0: the dataset's; a set value must equal it
   num_layers: int = 2

@@ -61,8 +61,8 @@ def remove_heads(cfg: model_lib.ModelConfig, variables,
   and those `slots` names; a closed group takes no attention mass, so removing it
   changes no output. Where the heads of a layer then keep different numbers of slots,
   they are ordered by that number (most first) and each layer's arrays hold the
-  largest (`model.ModelConfig.persistent_slots`; attention.py computes each head with
-  its own slots only).
+  largest (`transformer.ModelConfig.persistent_slots`; attention/relative.py computes
+  each head with its own slots only).
 
   Args:
     cfg: the model's config, gated or not.

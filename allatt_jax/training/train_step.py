@@ -69,7 +69,7 @@ def init_state(lm: model_lib.TransformerLM, optimizer, penalty: budget.Penalty,
   """A fresh state; `boxed` keeps logical-axis metadata (for eval_shape only).
 
   A teacher starts as a copy of the fresh params; a run replaces both with its
-  `init_from` model's (train.py).
+  `init_from` model's (assembly.RunSetup.new_state).
   """
   batch = step_config.batch_size
   tokens_BxT = jnp.zeros((batch, step_config.seq_len), jnp.int32)

@@ -20,7 +20,7 @@ gradients (as flash, blockwise and ring attention do): the weights are exp(s −
 and ∂L/∂s = p·(keep·dp/(1 − rate) − δ) in both parts. The pair rather than one lse:
 exp(s − lse) errs by |lse| ulps, which made the split core's float32 gradients three
 times further from a float64 reference than the XLA core's; with the pair they are
-closer (tests/test_split_core.py).
+closer (tests/test_model_split_core.py).
 
 Dropout: the context's mask is the XLA core's (hashed in each pass, a sixth of the
 scores); the persistent one is hashed once, packed 32 to a word (keep_bits.py) and
