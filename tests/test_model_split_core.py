@@ -609,6 +609,19 @@ def test_gpu_check_times_the_split_train_step_only_where_its_layer_beat_the_xla_
       "--variant=split:model.attention_impl=split,model.persistent_impl=xla")
 
 
+def test_gpu_check_without_a_gpu_stops_after_its_first_piece(tmp_path, capsys):
+  """Not a dry run on a CPU: the GPU-sized pieces would spend the whole budget; it
+  stops with what to do once the versions piece finds no GPU, and writes nothing."""
+  doc = tmp_path / "performance.md"
+  doc.write_text("# Performance\n")
+  with pytest.raises(SystemExit, match=r"^gpu_check: jax runs on cpu here, not on a GPU, .* "
+                     r"On a CPU run `launch/gpu_check.sh --dry-run`"):
+    gpu_check.check(False, 30.0, tmp_path / "report.json", doc)
+  assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["versions"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["performance.md"]
+  assert doc.read_text() == "# Performance\n"
+
+
 def test_gpu_check_keeps_the_rounds_of_a_benchmark_stopped_at_its_limit(tmp_path,
                                                                        monkeypatch):
   out = tmp_path / "benchmark.json"

@@ -185,7 +185,12 @@ def write_table(doc: pathlib.Path, text: str) -> None:
 
 
 def check(dry: bool, budget: float, json_path: pathlib.Path, doc: pathlib.Path) -> dict:
-  """Runs every piece in its own process within `budget` seconds; writes the report."""
+  """Runs every piece in its own process within `budget` seconds; writes the report.
+
+  Raises:
+    SystemExit: not a dry run, and the first piece found no GPU (before anything
+      else runs or is written: the GPU's shapes would take the whole budget on a CPU).
+  """
   start = time.perf_counter()
   left = lambda: budget - (time.perf_counter() - start)
   # Pieces start faster without jax taking most of the GPU's memory at once.
@@ -203,6 +208,14 @@ def check(dry: bool, budget: float, json_path: pathlib.Path, doc: pathlib.Path) 
       command = [sys.executable, "-m", "allatt_jax.perf.gpu_check", f"--piece={piece}"]
       results[piece] = _spawn(command + (["--dry-run"] if dry else []), limit, env)
     print(f"{piece}: {json.dumps(results[piece])}", flush=True)
+    found = results[piece]
+    if piece == "versions" and not dry and found.get("backend") != "gpu":
+      where = (f"jax runs on {found['backend']}" if found.get("backend") else
+               f"jax did not start ({found.get('status')}: {found.get('error', '')})")
+      raise SystemExit(
+          f"gpu_check: {where} here, not on a GPU, so the check stops before its "
+          "GPU-sized pieces. On a CPU run `launch/gpu_check.sh --dry-run`; on a GPU "
+          "machine, install jax with CUDA (pip install -e .[cuda]).")
   stem = json_path.with_name(json_path.stem + "_benchmark")
   results["benchmark"] = (
       _benchmark(_benchmark_flags(results, dry), stem.with_suffix(".json"),
