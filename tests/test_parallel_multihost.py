@@ -1,4 +1,5 @@
-"""A 2-process run on one machine (gloo collectives) agrees with a 1-process run.
+"""A 2-process run on one machine (gloo collectives) agrees with a 1-process run, and
+fails as a whole, at once, when one process fails alone.
 
 Both processes run `python -m allatt_jax.main` with --coordinator_address,
 --num_processes and --process_id, as on two hosts: 3 steps, then a restart that
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 import helpers
+from allatt_jax.config import cli
 from allatt_jax.runs import checkpointing
 from allatt_jax import data as data_lib
 
@@ -51,53 +53,109 @@ def get_config(arg=None):
 _LOSS_LINE = re.compile(r"\] \[(\d+)\] .*\bloss=([-+.\deE]+)")
 
 
+# A command whose process 1 of 2 fails (a bug) after both have saved a checkpoint and
+# run a collective, while process 0 goes on to its next collective.
+FAILING_ALONE = '''
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from allatt_jax.config import cli
+from allatt_jax.parallel import distributed
+from allatt_jax.runs import checkpointing
+
+
+def main(argv):
+  del argv
+  distributed.initialize(distributed.settings_from())
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  rows = jax.make_array_from_callback(
+      (4, 2), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+      lambda index: np.arange(8.0).reshape(4, 2)[index])
+  multihost_utils.process_allgather(rows, tiled=True)
+  with checkpointing.RunCheckpoints(WORKDIR) as checkpoints:
+    checkpoints.save(1, {"rows": rows}, {"position": 0})
+    if jax.process_index() == 1:
+      raise RuntimeError("process 1 fails alone")
+    multihost_utils.process_allgather(rows, tiled=True)
+
+
+cli.run(main)
+'''
+
+
 def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=None,
             devices=1):
   """Starts one `allatt_jax.main` process; output goes to a log file next to workdir."""
   # --verbosity=1: every process's metric lines (clu's logging writer), which
   # _LOSS_LINE reads.
-  args = [sys.executable, "-m", "allatt_jax.main", f"--config={config_file}",
+  args = ["-m", "allatt_jax.main", f"--config={config_file}",
           f"--workdir={workdir}", f"--config.data.data_dir={data_dir}",
           f"--config.train.num_steps={num_steps}", "--verbosity=1"]
   if process_id is not None:
     args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={process_id}", "--config.mesh.data=2", "--config.mesh.model=2"]
+  return _start(args, pathlib.Path(f"{workdir}.{num_steps}.{process_id}.log"), devices)
+
+
+def _start(args, log: pathlib.Path, devices: int, **environ):
+  """Starts `python ARGS` with `devices` CPU devices and `environ`; output to `log`."""
   # PYTHONFAULTHANDLER: a process that hangs writes its threads' stacks to its log
   # when _wait stops it with SIGABRT.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
          "PYTHONFAULTHANDLER": "1",
-         "XLA_FLAGS": helpers.xla_flags(cpu_devices=devices)}
-  log = pathlib.Path(f"{workdir}.{num_steps}.{process_id}.log")
+         "XLA_FLAGS": helpers.xla_flags(cpu_devices=devices), **environ}
   with open(log, "w") as out:
-    process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, *args], env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
   return process, log
 
 
-def _wait(launched, timeout=300) -> list[str]:
+def _wait(launched, timeout=300, *, succeed=True) -> list[str]:
   """Waits for all processes; returns their logs.
 
-  Fails as soon as one process fails (the others may wait for it in a collective
-  forever), with its log; after `timeout` seconds, with every log, each ending in
-  its process's stacks.
+  `succeed`: fails as soon as one process fails (the others may wait for it in a
+  collective forever), with its log. After `timeout` seconds, fails with what each
+  process was doing (`_hang_summary`).
   """
   deadline = time.monotonic() + timeout
   try:
     while any(process.poll() is None for process, _ in launched):
       for process, log in launched:
-        assert process.poll() in (None, 0), log.read_text()[-6000:]
+        assert not succeed or process.poll() in (None, 0), log.read_text()[-6000:]
       if time.monotonic() > deadline:
         for process, _ in launched:
           process.send_signal(signal.SIGABRT)
           process.wait(timeout=30)
         pytest.fail(f"processes still running after {timeout} s:\n" + "\n".join(
-            f"--- {log.name}\n{log.read_text()[-8000:]}" for _, log in launched))
+            f"--- {log.name} (whole log: {log})\n{_hang_summary(log.read_text())}"
+            for _, log in launched))
       time.sleep(0.2)
     for process, log in launched:
-      assert process.returncode == 0, log.read_text()[-6000:]
+      assert not succeed or process.returncode == 0, log.read_text()[-6000:]
   finally:
     for process, _ in launched:
       process.kill()
   return [log.read_text() for _, log in launched]
+
+
+# Log lines of JAX compiling and orbax writing: the bulk of a --verbosity=1 log, and
+# never the reason a process waits.
+_CHATTER = re.compile(r" (cache_key|lru_cache|compiler|compilation_cache|dispatch|pxla|"
+                      r"mlir|type_handlers|xla_bridge)\.py:\d+\]")
+
+
+def _hang_summary(log: str, lines: int = 12) -> str:
+  """What one process of a hung run was doing, short enough to survive a CI log's
+  truncation: its last log lines that are not chatter, then the stacks
+  faulthandler wrote at SIGABRT (the main thread's, and any thread in orbax or
+  allatt_jax), without the idle threads of thread pools."""
+  text, _, dump = log.partition("Fatal Python error: Aborted")
+  kept = [line[:300] for line in text.splitlines() if line and not _CHATTER.search(line)]
+  threads = [block for block in dump.split("\n\n")
+             if block.startswith("Current thread")
+             or ("Thread 0x" in block and re.search(r"orbax|allatt_jax", block))]
+  return "\n".join(kept[-lines:] + ["stacks at SIGABRT:"] + threads)
 
 
 def _losses(log: str) -> dict[int, str]:
@@ -165,3 +223,21 @@ def test_only_process_zero_writes_files(runs):
   history = (multi / "gate_history.jsonl").read_text().splitlines()
   assert len(history) == 6
   assert sorted(checkpointing.RunCheckpoints(multi, read_only=True).manager.all_steps()) == [3, 6]
+
+
+def test_a_process_failing_alone_ends_the_run_at_once(tmp_path):
+  """Its error is printed, and neither process waits for the other (JAX's shutdown
+  barrier would hold the failed one for 5 minutes, and the other would wait in its
+  collective as long)."""
+  script = tmp_path / "failing_alone.py"
+  script.write_text(FAILING_ALONE.replace("WORKDIR", repr(str(tmp_path / "run"))))
+  address = f"127.0.0.1:{helpers.free_port()}"
+  start = time.monotonic()
+  launched = [_start([str(script)], tmp_path / f"{i}.log", 1, JAX_COORDINATOR_ADDRESS=address,
+                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
+  waiting, failed = _wait(launched, timeout=120, succeed=False)
+  assert time.monotonic() - start < 90
+  assert [process.returncode for process, _ in launched] == [1, 1]
+  assert "RuntimeError: process 1 fails alone" in failed and cli.BUG_REPORT in failed
+  # Process 0's collective failed as process 1 left; it says so, as a failure.
+  assert "process 1 fails alone" not in waiting and cli.BUG_REPORT in waiting

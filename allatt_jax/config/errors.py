@@ -6,6 +6,7 @@ traceback (`cli.run`).
 """
 import contextlib
 import sys
+from typing import Callable, NoReturn
 
 
 class AllattError(Exception):
@@ -58,21 +59,23 @@ INTERRUPTED_OUTSIDE_TRAINING = (
 
 
 @contextlib.contextmanager
-def reported_to_user():
+def reported_to_user(exit_failed: Callable[[int], NoReturn] = sys.exit):
   """Turns an AllattError into its message on stderr and exit status 2, no traceback.
 
   A preempted or interrupted run prints its message and exits with its status. Ctrl-C
   where no run listens for it (before training starts, or in a multi-process run)
-  prints one line instead of a KeyboardInterrupt traceback.
+  prints one line instead of a KeyboardInterrupt traceback. `exit_failed` ends the
+  process after an error or such a Ctrl-C; a preempted run, which stops at the same
+  point in every process, exits normally.
   """
   try:
     yield
   except AllattError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    exit_failed(2)
   except Preempted as e:
     print(e, file=sys.stderr)
     sys.exit(e.exit_status)
   except KeyboardInterrupt:
     print(INTERRUPTED_OUTSIDE_TRAINING, file=sys.stderr)
-    sys.exit(INTERRUPTED_EXIT_STATUS)
+    exit_failed(INTERRUPTED_EXIT_STATUS)
