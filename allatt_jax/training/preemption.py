@@ -53,7 +53,7 @@ class PreemptionWatch:
   which owns SIGTERM; whichever host receives it, the sync point is reached at the
   same safe point on every host, so all stop together. A Python handler would replace
   JAX's, so none is set, for SIGINT neither: one host stopping alone would leave the
-  others waiting in a collective, so there Ctrl-C ends a process as Python does.
+  others waiting in a collective, so there Ctrl-C ends a process at once (`cli`).
   Every process asks at the same safe points, in the same order; the count of them is
   the sync manager's step counter, which must only grow.
   """
