@@ -169,18 +169,38 @@ def test_init_from_baseline_passes(baseline, tmp_path):
   assert setup.run.init_source == str(baseline)
 
 
-@pytest.mark.parametrize("make,match", [
+WRONG_INIT_FROM = [
     (lambda tmp, base: tmp / "missing", r"init_from=.*missing does not exist"),
     (lambda tmp, base: _with_file(tmp, "notes.txt", ""), r"has no config.json"),
     (lambda tmp, base: _with_file(tmp, "config.json", "{not json"),
      r"config.json is unreadable"),
     (lambda tmp, base: _copy_without(base, tmp, "checkpoints"), r"No checkpoint in"),
-])
+]
+
+
+@pytest.mark.parametrize("make,match", WRONG_INIT_FROM)
 def test_missing_or_unreadable_init_from(baseline, tmp_path, make, match):
   config = tiny_config(gates=dict(enabled=True, freeze_step=15),
                        init_from=str(make(tmp_path / "src", baseline)))
   with pytest.raises(CheckpointError, match=match):
     check_run(config, tmp_path / "run")
+
+
+@pytest.mark.parametrize("make,match", [
+    *WRONG_INIT_FROM,
+    (lambda tmp, base: base, r"vocabulary of 27 tokens \(dataset 'text8'\), this run has "
+                             r"256 \(dataset 'enwik8'\)")])
+def test_a_wrong_init_from_is_refused_before_the_dataset_is_read(baseline, tmp_path, make,
+                                                                  match):
+  """A dataset's first preparation can take minutes (WikiText-103's), and the run
+  would then stop at its first check of `init_from`."""
+  config = tiny_config(gates=dict(enabled=True, freeze_step=15),
+                       init_from=str(make(tmp_path / "src", baseline)),
+                       data=dict(name="enwik8", data_dir=str(tmp_path / "tfds")),
+                       model=dict(vocab_size=256))
+  with pytest.raises(CheckpointError, match=match):
+    assembly.prepared_run(assembly.checked_config(config))
+  assert not (tmp_path / "tfds").exists()
 
 
 def _with_file(directory, name, text):

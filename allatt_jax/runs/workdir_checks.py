@@ -170,7 +170,21 @@ def _check_resume(config, checkpoints: epath.Path, newest, state_shapes):
       f"differ: {shapes}.")
 
 
-def _check_init_from(config, abstract_state):
+def check_init_from_files(config: run_config.RunConfig
+                          ) -> tuple[run_config.RunConfig, dict[str, tuple[int, ...]]]:
+  """The checks of the model that `init_from` names that its files alone allow
+  (config.json and checkpoint metadata), against the config's `model.vocab_size`
+  where it is set. A run makes them before it reads its dataset, whose first
+  preparation can take minutes, so that a wrong `init_from` costs none of them.
+
+  Returns:
+    (its saved config, {path: shape} of its parameters), for the checks against the
+    run's state (`check_run`).
+
+  Raises:
+    CheckpointError: `init_from` is missing, is not a run or an exported model, holds
+      no checkpoint that restores, or was trained with another vocabulary size.
+  """
   source = run_files.run_path(config.init_from)
   if not source.is_dir():
     raise CheckpointError(
@@ -178,17 +192,23 @@ def _check_init_from(config, abstract_state):
         "--workdir of the finished baseline run, or an exported model, to start from.")
   saved = run_files.load_config(source)
   found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
-  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
-  if saved.model.vocab_size != config.model.vocab_size:
+  vocab_size = config.model.vocab_size
+  if vocab_size and saved.model.vocab_size != vocab_size:
     raise CheckpointError(
         f"config.init_from={source} was trained with a vocabulary of "
         f"{saved.model.vocab_size} tokens (dataset {saved.data.name!r}), this run has "
-        f"{config.model.vocab_size} (dataset {config.data.name!r}). Use the baseline's "
+        f"{vocab_size} (dataset {config.data.name!r}). Use the baseline's "
         "dataset and model.vocab_size, or a baseline trained on this dataset.")
+  return saved, found
+
+
+def _check_init_from(config, abstract_state):
+  saved, found = check_init_from_files(config)
+  state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   expected = {k: v for k, v in state_shapes.items() if k.startswith(_PARAMS_PREFIX)}
   if expected != found:
     raise CheckpointError(
-        f"config.init_from={source} holds parameters of other shapes than config.model "
+        f"config.init_from={config.init_from} holds parameters of other shapes than config.model "
         f"gives ({_shape_differences(expected, found)}). config.model keys that differ "
         f"from the baseline's: {_config_differences(saved, config, ('model',))}. Use the "
         "baseline's model section (and train/eval lengths, which size the relative "

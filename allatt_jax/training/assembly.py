@@ -25,6 +25,7 @@ from allatt_jax.parallel import sharding
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.training import train_step
 from allatt_jax.model import vocab_logsumexp
+from allatt_jax.runs import workdir_checks
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.config.run_config import RunConfig
 
@@ -172,15 +173,19 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
 
 def prepared_run(run: RunConfig, corpus: data_lib.Corpus | None = None) -> PreparedRun:
   """A run about to train, of a checked config (`checked_config`): what it starts from
-  checked, then its dataset read (`corpus`, where the caller has read it already) and
-  the config completed from it (`RunConfig.completed`), as the run saves it.
+  checked (the files of its `init_from` too: `workdir_checks.check_init_from_files`), then
+  its dataset read (`corpus`, where the caller has read it already) and the config
+  completed from it (`RunConfig.completed`), as the run saves it.
 
   Raises:
     ConfigError: a pruning or distilling run that does not say what it starts from,
       or a `model.vocab_size` that is not the dataset's.
+    CheckpointError: its `init_from` holds no model, or one of another vocabulary size.
     DataError: the dataset cannot be loaded.
   """
   config_checks.check_starting_point(run)
+  if run.init_source:
+    workdir_checks.check_init_from_files(run)
   return _prepared(run, corpus or _read_corpus(run))
 
 
