@@ -163,9 +163,9 @@ def test_init_from_baseline_passes(baseline, tmp_path):
   checkpoints.close()
   # The baseline's parameters are those of the pruning run's model, gates aside.
   prefix = "variables/params/"
-  assert checkpointing.model_param_shapes(run_files.run_path(baseline), prefix) == {
+  assert checkpointing.model_param_shapes(run_files.run_path(baseline), prefix) == (1, {
       prefix + key: shape for key, shape in checkpointing.tree_shapes(
-          setup.abstract_state.variables["params"]).items()}
+          setup.abstract_state.variables["params"]).items()})
   assert setup.run.init_source == str(baseline)
 
 
@@ -201,6 +201,29 @@ def test_a_wrong_init_from_is_refused_before_the_dataset_is_read(baseline, tmp_p
   with pytest.raises(CheckpointError, match=match):
     assembly.prepared_run(assembly.checked_config(config))
   assert not (tmp_path / "tfds").exists()
+
+
+def test_a_run_that_stopped_short_is_named_as_init_from_with_its_step(baseline, tmp_path,
+                                                                      text8_dirs):
+  """A preempted baseline looks finished from the outside: the run says first which
+  step it starts from. A finished run, or an export, gets no note."""
+  manual_dir, data_dir = text8_dirs
+  pruning = lambda init_from: assembly.checked_config(tiny_config(
+      gates=dict(enabled=True, freeze_step=15), init_from=str(init_from),
+      data=dict(manual_dir=manual_dir, data_dir=data_dir)))
+  note = assembly.prepared_run(pruning(baseline)).note
+  assert note.startswith(
+      f"warning: config.init_from={baseline} is a run that stopped at step 1 of its 30: "
+      "this run starts from that checkpoint."), note
+  finished = shutil.copytree(baseline, tmp_path / "finished")
+  run_files.save_config(finished, run_config.derived_run(run_files.load_config(baseline),
+                                                         train=dict(num_steps=1)))
+  export = tmp_path / "export"
+  model = checkpointing.read_model(baseline)
+  checkpointing.save_params(run_files.run_path(export), model[1]["params"])
+  run_files.save_config(export, model[0])
+  assert workdir_checks.init_from_note(pruning(finished)) == ""
+  assert workdir_checks.init_from_note(pruning(export)) == ""
 
 
 def _with_file(directory, name, text):

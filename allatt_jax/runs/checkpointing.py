@@ -260,17 +260,19 @@ def save_params(directory: epath.Path, params) -> None:
     checkpointer.save(directory / "params", params, force=True)
 
 
-def model_param_shapes(directory: epath.Path, prefix: str) -> dict[str, tuple[int, ...]]:
-  """{prefix + 'a/b': shape} of the parameters of an exported model or of a run's latest
-  checkpoint (`directory`, as run_files.run_path gives it; `prefix`: where parameters
-  sit in a train state), from metadata only."""
+def model_param_shapes(directory: epath.Path, prefix: str
+                       ) -> tuple[int | None, dict[str, tuple[int, ...]]]:
+  """(the checkpoint's step, None for an exported model; {prefix + 'a/b': shape} of
+  its parameters) of an exported model or of a run's latest checkpoint (`directory`,
+  as run_files.run_path gives it; `prefix`: where parameters sit in a train state),
+  from metadata only."""
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       metadata = checkpointer.metadata(directory / "params").item_metadata
-    return {prefix + k: v for k, v in tree_shapes(metadata).items()}
+    return None, {prefix + k: v for k, v in tree_shapes(metadata).items()}
   with RunCheckpoints(directory, async_save=False, read_only=True) as run:
-    shapes = run.newest_restorable(run.state_shapes)[1]
-  return {k: v for k, v in shapes.items() if k.startswith(prefix)}
+    step, shapes, _ = run.newest_restorable(run.state_shapes)
+  return step, {k: v for k, v in shapes.items() if k.startswith(prefix)}
 
 
 def read_model(directory, step: int | None = None

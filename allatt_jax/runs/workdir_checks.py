@@ -171,15 +171,17 @@ def _check_resume(config, checkpoints: epath.Path, newest, state_shapes):
 
 
 def check_init_from_files(config: run_config.RunConfig
-                          ) -> tuple[run_config.RunConfig, dict[str, tuple[int, ...]]]:
+                          ) -> tuple[run_config.RunConfig, int | None,
+                                     dict[str, tuple[int, ...]]]:
   """The checks of the model that `init_from` names that its files alone allow
   (config.json and checkpoint metadata), against the config's `model.vocab_size`
   where it is set. A run makes them before it reads its dataset, whose first
   preparation can take minutes, so that a wrong `init_from` costs none of them.
 
   Returns:
-    (its saved config, {path: shape} of its parameters), for the checks against the
-    run's state (`check_run`).
+    (its saved config; the step of the checkpoint it would start from, None for an
+    exported model; {path: shape} of its parameters), for the checks against the
+    run's state (`check_run`) and `init_from_note`.
 
   Raises:
     CheckpointError: `init_from` is missing, is not a run or an exported model, holds
@@ -191,7 +193,7 @@ def check_init_from_files(config: run_config.RunConfig
         f"config.init_from={source} does not exist or is not a folder; set it to the "
         "--workdir of the finished baseline run, or an exported model, to start from.")
   saved = run_files.load_config(source)
-  found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
+  step, found = checkpointing.model_param_shapes(source, _PARAMS_PREFIX)
   vocab_size = config.model.vocab_size
   if vocab_size and saved.model.vocab_size != vocab_size:
     raise CheckpointError(
@@ -199,11 +201,25 @@ def check_init_from_files(config: run_config.RunConfig
         f"{saved.model.vocab_size} tokens (dataset {saved.data.name!r}), this run has "
         f"{vocab_size} (dataset {config.data.name!r}). Use the baseline's "
         "dataset and model.vocab_size, or a baseline trained on this dataset.")
-  return saved, found
+  return saved, step, found
+
+
+def init_from_note(config: run_config.RunConfig) -> str:
+  """What a run says first of the model `init_from` names (`check_init_from_files`,
+  whose checks it makes): '' for an exported model or a run that finished, else that
+  the run stopped short and at which step, since a preempted baseline looks like a
+  finished one from the outside."""
+  saved, step, _ = check_init_from_files(config)
+  if step is None or step >= saved.train.num_steps:
+    return ""
+  return (f"warning: config.init_from={config.init_from} is a run that stopped at step "
+          f"{step:,} of its {saved.train.num_steps:,}: this run starts from that "
+          "checkpoint. To start from the finished model, stop this run and rerun that "
+          "run's command first, which resumes it.")
 
 
 def _check_init_from(config, abstract_state):
-  saved, found = check_init_from_files(config)
+  saved, _, found = check_init_from_files(config)
   state_shapes = checkpointing.tree_shapes(flax.serialization.to_state_dict(abstract_state))
   expected = {k: v for k, v in state_shapes.items() if k.startswith(_PARAMS_PREFIX)}
   if expected != found:

@@ -98,8 +98,9 @@ class RunSetup:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
-  """A run about to train: its objects, its dataset, and what it says first about
-  how the config was completed (`complete`, `cost_model.budget_note`)."""
+  """A run about to train: its objects, its dataset, and what it says first: of the
+  model it starts from (`workdir_checks.init_from_note`) and how the config was
+  completed (`complete`, `cost_model.budget_note`)."""
   setup: RunSetup
   corpus: data_lib.Corpus
   note: str = ""
@@ -173,9 +174,10 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
 
 def prepared_run(run: RunConfig, corpus: data_lib.Corpus | None = None) -> PreparedRun:
   """A run about to train, of a checked config (`checked_config`): what it starts from
-  checked (the files of its `init_from` too: `workdir_checks.check_init_from_files`), then
-  its dataset read (`corpus`, where the caller has read it already) and the config
-  completed from it (`RunConfig.completed`), as the run saves it.
+  checked (the files of its `init_from` too, and what the run will say of it:
+  `workdir_checks.init_from_note`), then its dataset read (`corpus`, where the caller
+  has read it already) and the config completed from it (`RunConfig.completed`), as
+  the run saves it.
 
   Raises:
     ConfigError: a pruning or distilling run that does not say what it starts from,
@@ -184,9 +186,8 @@ def prepared_run(run: RunConfig, corpus: data_lib.Corpus | None = None) -> Prepa
     DataError: the dataset cannot be loaded.
   """
   config_checks.check_starting_point(run)
-  if run.init_source:
-    workdir_checks.check_init_from_files(run)
-  return _prepared(run, corpus or _read_corpus(run))
+  init_note = workdir_checks.init_from_note(run) if run.init_source else ""
+  return _prepared(run, corpus or _read_corpus(run), first_note=init_note)
 
 
 def prepared_pipeline(config: run_config.PipelineConfig, baseline_dir) -> PreparedPipeline:
@@ -237,9 +238,9 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 
 
 def _prepared(run: RunConfig, corpus: data_lib.Corpus,
-              init_from: str | None = None) -> PreparedRun:
+              init_from: str | None = None, first_note: str = "") -> PreparedRun:
   run, cfg, output_note = complete(run, corpus, init_from)
-  notes = (output_note, cost_model.budget_note(run, cfg))
+  notes = (first_note, output_note, cost_model.budget_note(run, cfg))
   return PreparedRun(_build(run, cfg), corpus, "\n".join(note for note in notes if note))
 
 
