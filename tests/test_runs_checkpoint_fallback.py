@@ -11,6 +11,9 @@ temporary folder.
 import logging
 import pathlib
 import shutil
+import subprocess
+import sys
+import types
 
 import pytest
 
@@ -142,3 +145,35 @@ def test_no_restorable_checkpoint_lists_each_failure(finished_run, tmp_path):
   with pytest.raises(CheckpointError, match=pattern):
     train_run(config, workdir)
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_a_command_that_falls_back_prints_its_warnings_not_orbaxs_leftovers(finished_run,
+                                                                            tmp_path):
+  """orbax's other reads of a damaged checkpoint fail after its restore has, on an event
+  loop it has closed, each through sys.unraisablehook: thousands of lines of
+  tracebacks around the command's own output, unless they are dropped."""
+  workdir = shutil.copytree(finished_run[1], tmp_path / "run")
+  damage(workdir / "checkpoints" / str(NUM_STEPS), "truncated_array_file")
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.evaluate", f"--checkpoint={workdir}",
+       "--split=valid"], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[:3000]
+  assert f"the newest that restores (skipped: {NUM_STEPS})" in result.stderr
+
+
+def test_after_a_failed_read_other_unraisable_errors_still_reach_the_hook(
+    finished_run, tmp_path, monkeypatch):
+  workdir = shutil.copytree(finished_run[1], tmp_path / "run")
+  damage(workdir / "checkpoints" / str(NUM_STEPS), "truncated_array_file")
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)
+  assert checkpointing.read_variables(workdir)[1] == NUM_STEPS - EVERY
+  unraisable = lambda error: types.SimpleNamespace(
+      exc_type=type(error), exc_value=error, exc_traceback=None, err_msg=None, object=None)
+  seen.clear()
+  sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+  assert not seen
+  other = unraisable(ValueError("a bug elsewhere"))
+  sys.unraisablehook(other)
+  assert seen == [other]

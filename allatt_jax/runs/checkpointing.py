@@ -7,6 +7,7 @@ each one skipped; a resuming run moves those to `unreadable_checkpoints/<step>` 
 would neither save that step again nor leave it alone when pruning). An exported model
 is a folder with `config.json`, `params/` and its tokenizer.
 """
+import sys
 from typing import Any, Callable
 
 from absl import logging
@@ -194,10 +195,35 @@ def tree_shapes(tree) -> dict[str, tuple[int, ...]]:
 
 
 def _reason(error: Exception) -> str:
-  """The first line of an error, without the long TensorStore spec some carry."""
+  """The first line of a failed read's error, without the long TensorStore spec some
+  carry; from then on the process drops what the read leaves behind
+  (`_drop_leftovers_of_failed_reads`)."""
+  _drop_leftovers_of_failed_reads()
   lines = str(error).strip().splitlines() or [""]
   reason = lines[0].split(" See full TensorStore details")[0][:300]
   return reason if type(error) is Exception else f"{type(error).__name__}: {reason}"
+
+
+def _drop_leftovers_of_failed_reads() -> None:
+  """Wraps sys.unraisablehook, once, to drop the tracebacks a restore that failed on
+  damaged files leaves behind: orbax's other array reads of that checkpoint, still
+  in flight, fail later on the event loop orbax has closed by then. They reach the
+  hook as never-awaited orbax coroutines and as 'Event loop is closed' from asyncio:
+  thousands of lines for one checkpoint of a small model, printed after the one-line
+  reason the reader reports (and around the output of a command that went on with
+  an older checkpoint). Anything else reaches the hook as before."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_leftovers_of_failed_reads", False):
+    return
+
+  def hook(unraisable):
+    error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
+      previous(unraisable)
+
+  hook.drops_leftovers_of_failed_reads = True
+  sys.unraisablehook = hook
 
 
 def _no_checkpoint(directory) -> CheckpointError:
