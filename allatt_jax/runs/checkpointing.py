@@ -196,8 +196,8 @@ def tree_shapes(tree) -> dict[str, tuple[int, ...]]:
 
 def _reason(error: Exception) -> str:
   """The first line of a failed read's error, without the long TensorStore spec some
-  carry; from then on the process drops what the read leaves behind
-  (`_drop_leftovers_of_failed_reads`)."""
+  carry. Called where a read failed: from then on the process drops what such a read
+  leaves behind (`_drop_leftovers_of_failed_reads`)."""
   _drop_leftovers_of_failed_reads()
   lines = str(error).strip().splitlines() or [""]
   reason = lines[0].split(" See full TensorStore details")[0][:300]

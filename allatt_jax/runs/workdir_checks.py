@@ -224,11 +224,12 @@ def _check_init_from(config, abstract_state):
   expected = {k: v for k, v in state_shapes.items() if k.startswith(_PARAMS_PREFIX)}
   if expected != found:
     raise CheckpointError(
-        f"config.init_from={config.init_from} holds parameters of other shapes than config.model "
-        f"gives ({_shape_differences(expected, found)}). config.model keys that differ "
-        f"from the baseline's: {_config_differences(saved, config, ('model',))}. Use the "
-        "baseline's model section (and train/eval lengths, which size the relative "
-        "position table unless model.max_relative_len is set).")
+        f"config.init_from={config.init_from} holds parameters of other shapes than "
+        f"config.model gives ({_shape_differences(expected, found)}). config.model keys "
+        f"that differ from the baseline's: "
+        f"{_config_differences(saved, config, ('model',))}. Use the baseline's model "
+        "section (and train/eval lengths, which size the relative position table unless "
+        "model.max_relative_len is set).")
 
 
 def check_vocabulary(fingerprint: dict, workdir, init_from: str = "", *,
