@@ -8,6 +8,7 @@ renaming `<step>.orbax-checkpoint-tmp-*` to `<step>` (`commit_success.txt` files
 mark it only on filesystems without atomic renames), so an uncommitted step is that
 temporary folder.
 """
+import asyncio
 import logging
 import pathlib
 import shutil
@@ -177,3 +178,21 @@ def test_after_a_failed_read_other_unraisable_errors_still_reach_the_hook(
   other = unraisable(ValueError("a bug elsewhere"))
   sys.unraisablehook(other)
   assert seen == [other]
+
+
+def test_after_a_failed_read_other_unretrieved_task_errors_are_still_logged(
+    finished_run, tmp_path, caplog):
+  """The third kind of leftover: asyncio logs the TensorStore error of a read task
+  nobody awaited when the task is collected."""
+  workdir = shutil.copytree(finished_run[1], tmp_path / "run")
+  damage(workdir / "checkpoints" / str(NUM_STEPS), "truncated_array_file")
+  assert checkpointing.read_variables(workdir)[1] == NUM_STEPS - EVERY
+  caplog.clear()
+  unretrieved = lambda error: asyncio.log.logger.error(
+      "Task exception was never retrieved\nfuture: <Task finished>",
+      exc_info=(type(error), error, None))
+  unretrieved(ValueError("OUT_OF_RANGE: Error opening \"zarr\" driver "
+                         "[tensorstore_spec='{\"driver\":\"zarr\"}']"))
+  assert not caplog.records
+  unretrieved(ValueError("a bug elsewhere"))
+  assert [r.exc_info[1].args for r in caplog.records] == [("a bug elsewhere",)]

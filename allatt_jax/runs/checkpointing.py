@@ -7,6 +7,7 @@ each one skipped; a resuming run moves those to `unreadable_checkpoints/<step>` 
 would neither save that step again nor leave it alone when pruning). An exported model
 is a folder with `config.json`, `params/` and its tokenizer.
 """
+import asyncio
 import sys
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ class RunCheckpoints:
 
   def __init__(self, workdir, *, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
+    _drop_leftovers_of_failed_reads()
     # `workdir` as run_files.run_path gives it: orbax wants an absolute path or a URL.
     self.directory = epath.Path(workdir) / "checkpoints"
     self.manager = ocp.CheckpointManager(
@@ -196,22 +198,28 @@ def tree_shapes(tree) -> dict[str, tuple[int, ...]]:
 
 def _reason(error: Exception) -> str:
   """The first line of a failed read's error, without the long TensorStore spec some
-  carry. Called where a read failed: from then on the process drops what such a read
-  leaves behind (`_drop_leftovers_of_failed_reads`)."""
-  _drop_leftovers_of_failed_reads()
+  carry."""
   lines = str(error).strip().splitlines() or [""]
   reason = lines[0].split(" See full TensorStore details")[0][:300]
   return reason if type(error) is Exception else f"{type(error).__name__}: {reason}"
 
 
 def _drop_leftovers_of_failed_reads() -> None:
-  """Wraps sys.unraisablehook, once, to drop the tracebacks a restore that failed on
-  damaged files leaves behind: orbax's other array reads of that checkpoint, still
-  in flight, fail later on the event loop orbax has closed by then. They reach the
-  hook as never-awaited orbax coroutines and as 'Event loop is closed' from asyncio:
-  thousands of lines for one checkpoint of a small model, printed after the one-line
-  reason the reader reports (and around the output of a command that went on with
-  an older checkpoint). Anything else reaches the hook as before."""
+  """Drops, from here on, the tracebacks a read that failed on damaged files leaves
+  behind: orbax's other array reads of that checkpoint, still in flight, fail later,
+  and nobody awaits them. Thousands of lines for one checkpoint of a small model,
+  around the one-line reason the reader reports (and around the output of a command
+  that went on with an older checkpoint). They come three ways:
+    - never-awaited orbax coroutines (sys.unraisablehook);
+    - asyncio's 'Event loop is closed', from reads ending after orbax closed its loop
+      (sys.unraisablehook);
+    - 'Task exception was never retrieved' with TensorStore's error (asyncio's logger).
+  Anything else reaches the hook and the logger as before.
+
+  Called as checkpoints are opened, not after a read failed: leftovers can arrive
+  before the read's error reaches its caller (3 runs in 24 of one command, on a busy
+  machine), and reading only the metadata of damaged files leaves them too."""
+  asyncio.log.logger.addFilter(_not_an_unawaited_tensorstore_error)   # adds it once
   previous = sys.unraisablehook
   if getattr(previous, "drops_leftovers_of_failed_reads", False):
     return
@@ -224,6 +232,12 @@ def _drop_leftovers_of_failed_reads() -> None:
 
   hook.drops_leftovers_of_failed_reads = True
   sys.unraisablehook = hook
+
+
+def _not_an_unawaited_tensorstore_error(record) -> bool:
+  error = record.exc_info[1] if record.exc_info else None
+  return not (record.getMessage().startswith("Task exception was never retrieved")
+              and "tensorstore_spec=" in str(error))
 
 
 def _no_checkpoint(directory) -> CheckpointError:
@@ -292,6 +306,7 @@ def model_param_shapes(directory: epath.Path, prefix: str
   its parameters) of an exported model or of a run's latest checkpoint (`directory`,
   as run_files.run_path gives it; `prefix`: where parameters sit in a train state),
   from metadata only."""
+  _drop_leftovers_of_failed_reads()
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       metadata = checkpointer.metadata(directory / "params").item_metadata
@@ -326,6 +341,7 @@ def read_variables(directory: epath.Path, step: int | None = None
   Raises:
     CheckpointError: no such (readable) checkpoint, or a step asked of an export.
   """
+  _drop_leftovers_of_failed_reads()
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(
