@@ -394,6 +394,9 @@ def test_export_replaces_no_export_unless_asked(pruned_run, tmp_path):
   # Not even --overwrite writes a model over a folder that is not one.
   with pytest.raises(FlagError, match=r"exists and is not an exported model"):
     model_export.export_run(run, out_dir=run, overwrite=True)
+  # A folder given is refused before the model is read (this run has no step 99).
+  with pytest.raises(FlagError, match=r"exists and is not an exported model"):
+    model_export.export_run(run, out_dir=run, step=99)
 
 
 @pytest.mark.slow

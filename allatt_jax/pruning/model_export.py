@@ -256,14 +256,16 @@ def export_run(workdir, out_dir=None, step: int | None = None, *,
   """
   workdir = run_files.run_path(workdir)
   workdir_checks.check_export(workdir)
+  if out_dir:   # checked before the model is read
+    out_dir = run_files.run_path(out_dir)
+    _check_target(out_dir, overwrite)
   model = trained_model.load(workdir, step)
   config, step = model.config, model.step
   pruned_cfg, params = head_removal.remove_heads(model.lm.cfg, jax.device_get(model.variables))
-  # The default folder is named after the step that restored, so the check of the
-  # folder waits for it (it still comes before anything is written).
-  out_dir = (run_files.run_path(out_dir) if out_dir
-             else default_export_dir(workdir, config, step))
-  _check_target(out_dir, overwrite)
+  if not out_dir:
+    # Named after the step that restored: checked once that is known, before any write.
+    out_dir = default_export_dir(workdir, config, step)
+    _check_target(out_dir, overwrite)
   save(out_dir, config, pruned_cfg, params, model.tokenizer)
   return out_dir
 
