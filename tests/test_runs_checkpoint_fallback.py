@@ -11,6 +11,7 @@ temporary folder.
 import asyncio
 import logging
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,24 @@ def test_a_command_that_falls_back_prints_its_warnings_not_orbaxs_leftovers(fini
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Traceback" not in result.stderr, result.stderr[:3000]
   assert f"the newest that restores (skipped: {NUM_STEPS})" in result.stderr
+
+
+def test_a_damaged_export_is_refused_with_its_reason_and_the_command_to_redo_it(
+    finished_run, tmp_path):
+  export = shutil.copytree(finished_run[1] / model_export.EXPORT_DIR, tmp_path / "export")
+  for chunk in (export / "params").rglob("d/*"):
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+  pattern = (rf"The exported model in {export} is unreadable \(.+\)\. Export it again "
+             rf"from its run: python -m allatt_jax.export --workdir=RUN --out={export} "
+             r"--overwrite\.$")
+  with pytest.raises(CheckpointError, match=pattern):
+    checkpointing.read_variables(export)
+  result = subprocess.run(
+      [sys.executable, "-m", "allatt_jax.evaluate", f"--checkpoint={export}",
+       "--split=valid"], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[:3000]
+  assert re.search("^error: " + pattern, result.stderr, re.M), result.stderr
 
 
 def test_after_a_failed_read_other_unraisable_errors_still_reach_the_hook(

@@ -8,6 +8,7 @@ would neither save that step again nor leave it alone when pruning). An exported
 is a folder with `config.json`, `params/` and its tokenizer.
 """
 import asyncio
+import contextlib
 import sys
 from typing import Any, Callable
 
@@ -240,6 +241,19 @@ def _not_an_unawaited_tensorstore_error(record) -> bool:
               and "tensorstore_spec=" in str(error))
 
 
+@contextlib.contextmanager
+def _export_read(directory: epath.Path):
+  """Turns a damaged export's read error into a CheckpointError that says what to do:
+  an export has one set of parameters, so there is nothing older to fall back to."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  (see newest_restorable)
+    raise CheckpointError(
+        f"The exported model in {directory} is unreadable ({_reason(e)}). Export it "
+        "again from its run: python -m allatt_jax.export --workdir=RUN --out="
+        f"{directory} --overwrite.") from e
+
+
 def _no_checkpoint(directory) -> CheckpointError:
   return CheckpointError(
       f"No checkpoint in {directory}. Train the run first, or point at a workdir "
@@ -308,7 +322,7 @@ def model_param_shapes(directory: epath.Path, prefix: str
   from metadata only."""
   _drop_leftovers_of_failed_reads()
   if (directory / "params").is_dir():
-    with ocp.StandardCheckpointer() as checkpointer:
+    with ocp.StandardCheckpointer() as checkpointer, _export_read(directory):
       metadata = checkpointer.metadata(directory / "params").item_metadata
     return None, {prefix + k: v for k, v in tree_shapes(metadata).items()}
   with RunCheckpoints(directory, async_save=False, read_only=True) as run:
@@ -347,7 +361,7 @@ def read_variables(directory: epath.Path, step: int | None = None
       raise CheckpointError(
           f"{directory} is an exported model: it has one set of parameters, no steps. "
           "Leave out the step, or point at the training run's workdir.")
-    with ocp.StandardCheckpointer() as checkpointer:
+    with ocp.StandardCheckpointer() as checkpointer, _export_read(directory):
       params = checkpointer.restore(directory / "params")
     return {"params": jax.tree.map(np.asarray, params)}, None
   step, variables = _restore_step(directory, step)
