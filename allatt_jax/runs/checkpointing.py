@@ -217,9 +217,10 @@ def _drop_leftovers_of_failed_reads() -> None:
     - 'Task exception was never retrieved' with TensorStore's error (asyncio's logger).
   Anything else reaches the hook and the logger as before.
 
-  Called as checkpoints are opened, not after a read failed: leftovers can arrive
-  before the read's error reaches its caller (3 runs in 24 of one command, on a busy
-  machine), and reading only the metadata of damaged files leaves them too."""
+  Called as checkpoints are opened (`RunCheckpoints`, `_export_read`), not after a
+  read failed: leftovers can arrive before the read's error reaches its caller (3 runs
+  in 24 of one command, on a busy machine), and reading only the metadata of damaged
+  files leaves them too."""
   asyncio.log.logger.addFilter(_not_an_unawaited_tensorstore_error)   # adds it once
   previous = sys.unraisablehook
   if getattr(previous, "drops_leftovers_of_failed_reads", False):
@@ -243,8 +244,10 @@ def _not_an_unawaited_tensorstore_error(record) -> bool:
 
 @contextlib.contextmanager
 def _export_read(directory: epath.Path):
-  """Turns a damaged export's read error into a CheckpointError that says what to do:
-  an export has one set of parameters, so there is nothing older to fall back to."""
+  """Around a read of an exported model, as `RunCheckpoints` around a run's: drops the
+  leftovers of a failed read, and turns its error into a CheckpointError that says
+  what to do (an export has one set of parameters, nothing older to fall back to)."""
+  _drop_leftovers_of_failed_reads()
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  (see newest_restorable)
@@ -320,7 +323,6 @@ def model_param_shapes(directory: epath.Path, prefix: str
   its parameters) of an exported model or of a run's latest checkpoint (`directory`,
   as run_files.run_path gives it; `prefix`: where parameters sit in a train state),
   from metadata only."""
-  _drop_leftovers_of_failed_reads()
   if (directory / "params").is_dir():
     with ocp.StandardCheckpointer() as checkpointer, _export_read(directory):
       metadata = checkpointer.metadata(directory / "params").item_metadata
@@ -355,7 +357,6 @@ def read_variables(directory: epath.Path, step: int | None = None
   Raises:
     CheckpointError: no such (readable) checkpoint, or a step asked of an export.
   """
-  _drop_leftovers_of_failed_reads()
   if (directory / "params").is_dir():
     if step is not None:
       raise CheckpointError(
