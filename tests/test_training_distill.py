@@ -233,6 +233,33 @@ def test_the_progress_line_names_the_terms_the_loss_adds_up():
                   f"penalty {m['penalty']:.4f}")
 
 
+def test_after_the_freeze_the_loss_has_no_l0_term_and_the_line_no_penalty():
+  """Frozen gates (deterministic, no more updates) make the L0 term a constant: the
+  frozen step neither trains it nor reports it, and a logging interval across the
+  freeze shows the mean of the steps before it."""
+  alpha, beta = 0.5, 0.1
+  setup = assembly.run_setup(_tiny_pruning_config(weight=alpha, hidden_weight=beta))
+  tokens = np.random.default_rng(1).integers(0, 27, (2, 4, 17), dtype=np.int32)
+  state, fetched = setup.new_state(), []
+  with sharding.activate(setup.mesh):
+    for sample_gates, step_tokens in zip((True, False), tokens):
+      state, metrics = setup.train_step(sample_gates=sample_gates)(
+          state, step_tokens[:, :-1], step_tokens[:, 1:])
+      fetched.append(jax.device_get(metrics))
+  sampled, frozen = ({k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+                     for m in fetched)
+  assert sampled["penalty"] > 0 and "penalty" not in frozen
+  np.testing.assert_allclose(
+      frozen["loss"], (1 - alpha) * frozen["nll"] + alpha * frozen["distill_kl"]
+      + beta * frozen["distill_hidden"], rtol=1e-5)
+  summary = progress.summarise(fetched, "bpc", gated=True)
+  assert summary["penalty"] == pytest.approx(sampled["penalty"])
+  assert summary["nll"] == pytest.approx((sampled["nll"] + frozen["nll"]) / 2)
+  line = progress.progress_line(2, 4, None, progress.summarise(fetched[1:], "bpc", True),
+                                "bpc", 8, 8, frozen=True)
+  assert "penalty" not in line and "heads kept 8/8 (frozen)" in line
+
+
 def test_a_state_without_teacher_is_saved_as_before_distillation(tmp_path):
   """A run that does not distill saves no 'teacher' entry, so checkpoints made before
   distillation existed (step, variables, opt_state, memory) restore unchanged."""

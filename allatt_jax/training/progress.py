@@ -236,12 +236,14 @@ def _kept_groups(cfg: model_lib.ModelConfig, kept_heads, slots) -> int:
 
 
 def summarise(fetched, metric: str, gated: bool) -> dict[str, float]:
-  """Means over the logging interval; per-layer vectors become one scalar per layer."""
+  """Means over the logging interval; per-layer vectors become one scalar per layer.
+  A metric that only some of its steps have (the L0 term, up to the gate freeze) is
+  the mean of those steps."""
   summary = {}
-  for key in fetched[0]:
+  for key in dict.fromkeys(key for m in fetched for key in m):
     if not gated and key in GATE_METRICS:
       continue
-    mean = np.mean([m[key] for m in fetched], axis=0)
+    mean = np.mean([m[key] for m in fetched if key in m], axis=0)
     if np.ndim(mean):
       summary.update({f"{key}/layer_{i}": float(v) for i, v in enumerate(mean)})
       summary[f"{key}/total"] = float(np.sum(mean))

@@ -150,6 +150,9 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
   rng = jax.random.fold_in(jax.random.key(step_config.seed), state.step)
   gates_rng, dropout_rng = jax.random.split(rng)
   teacher = state.teacher
+  # Frozen gates (and a budget's multipliers) take no more updates: the L0 term would
+  # be a constant in the loss.
+  trains_gates = sample_gates and "gates" in state.variables
   teacher_lm = teacher_model(lm) if teacher is not None else None
 
   def loss_fn(variables, inputs, targets, memory, teacher_memory, micro_index):
@@ -176,8 +179,9 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
           hidden["intermediates"]["layer_outputs"],
           teacher_hidden["intermediates"]["layer_outputs"], lm.cfg.vocab_block)
     l0 = penalty.l0(stats) if "gates" in variables else jnp.zeros(())
-    return loss + penalty(variables, l0, state.step), (nll, l0, new_memory, teacher_memory,
-                                                       stats, distilled)
+    if trains_gates:
+      loss += penalty(variables, l0, state.step)
+    return loss, (nll, l0, new_memory, teacher_memory, stats, distilled)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   teacher_memory = None if teacher is None else teacher["memory"]
@@ -219,11 +223,11 @@ def train_step(state: TrainState, inputs_BxT, targets_BxT, *,
       "loss": loss, "nll": nll, "l0": l0, "lambda": penalty.lam(state.step),
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": step_config.learning_rate(state.step),
-      **({"gate_learning_rate": step_config.gate_learning_rate(state.step),
-          # The L0 term's value in the loss, as loss_fn added it (the same variables,
-          # count and step), for the progress line to name the loss's terms.
-          "penalty": penalty(state.variables, l0, state.step)}
+      **({"gate_learning_rate": step_config.gate_learning_rate(state.step)}
          if "gates" in state.variables else {}),
+      # The L0 term's value in the loss, as loss_fn added it (the same variables, count
+      # and step), for the progress line to name the loss's terms.
+      **({"penalty": penalty(state.variables, l0, state.step)} if trains_gates else {}),
       "open_expected": _per_layer(stats, "open_prob"),
       "open_actual": _per_layer(stats, "open"),
       **({"groups_open_actual": _per_layer(stats, "persistent_open")}
