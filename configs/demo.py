@@ -54,7 +54,9 @@ def get_config(arg=None):
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=16))
     c.train.update(dict(batch_size=4, seq_len=16, mem_len=16, num_steps=30, warmup_steps=5,
                         log_every_steps=10))
-    c.eval.update(dict(batch_size=4, seq_len=16, mem_len=16, max_batches=8))
+    # A run ends by scoring the whole valid and test splits (120,331 characters each):
+    # wide rows make that a few hundred steps.
+    c.eval.update(dict(batch_size=64, seq_len=16, mem_len=16, max_batches=8))
     c.checkpoint.every_steps = 20
     c.pipeline.prune_train.update(dict(num_steps=30, warmup_steps=5))
     c.pipeline.prune_gates.update(dict(l0_warmup_steps=5, freeze_step=15))

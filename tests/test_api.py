@@ -43,7 +43,6 @@ def stages(tmp_path_factory):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.model.update(dict(num_layers=4, num_heads=8))
   config.data.data_dir = str(tmp_path_factory.mktemp("tfds"))
-  config.eval.batch_size = 64   # the final evaluation of all of valid and test: quick
   stages = assembly.checked_pipeline(config)
   runs = tmp_path_factory.mktemp("runs")
   return stages.baseline, run_config.derived_run(stages.pruning,

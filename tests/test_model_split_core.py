@@ -290,7 +290,7 @@ def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path)
   config.model.update(dict(attention_impl="split", persistent_impl="xla", dropout_attn=0.2))
   config.train.num_steps = 4
   config.checkpoint.every_steps = 2
-  config.eval.update(dict(every_steps=0, batch_size=64))
+  config.eval.every_steps = 0
   workdir = tmp_path / "run"
   helpers.train_run(config, workdir)
   uninterrupted = checkpointing.read_model(workdir)[1]

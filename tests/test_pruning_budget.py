@@ -201,8 +201,6 @@ def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
 def demo_config(data_dir, **prune_gates):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.data.data_dir = data_dir
-  # Every run ends by evaluating all of valid and test: wide rows make that quick.
-  config.eval.batch_size = 64
   config.pipeline.prune_gates.update(prune_gates)
   return config
 

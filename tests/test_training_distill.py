@@ -297,15 +297,12 @@ def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
   """A pruning run with logit and hidden distillation: the teacher in its final
   checkpoint is the baseline's params bit for bit, and a restart from its mid-run
   checkpoint ends in the same state (teacher memory included) bit for bit."""
-  # The runs end by evaluating all of valid and test: wide rows make that quick.
   config = _tiny_pruning_config()
   config.gates.enabled = False
   config.train.num_steps = 6
-  config.eval.batch_size = 64
   train_run(config, tmp_path / "baseline")
   config = _tiny_pruning_config(weight=0.5, temperature=2.0, hidden_weight=0.1)
   config.train.num_steps = 10
-  config.eval.batch_size = 64
   config.gates.freeze_step = 6
   config.checkpoint.every_steps = 5
   config.init_from = str(tmp_path / "baseline")

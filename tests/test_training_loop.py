@@ -33,7 +33,6 @@ def tiny_config(data_dir, **train_overrides):
   config = helpers.tiny_run()
   config.data.data_dir = data_dir
   config.model.vocab_size = 27   # assembly.run_setup reads no dataset to fill it in
-  config.eval.batch_size = 64      # the final evaluation of all of valid and test: quick
   config.train.update(train_overrides)
   return config
 
@@ -43,7 +42,6 @@ def demo_run(tmp_path_factory, data_dir):
   """The whole demo pipeline at tiny size: baseline, pruning, export, report."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.data.data_dir = data_dir
-  config.eval.batch_size = 64      # the final evaluations of all of valid and test: quick
   # Strong, early pressure so that even 30 tiny steps close some heads.
   config.pipeline.prune_gates.update(dict(lam=0.5, init=0.5, learning_rate=0.2))
   workdir = tmp_path_factory.mktemp("demo")
