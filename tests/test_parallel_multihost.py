@@ -20,17 +20,19 @@ import jax
 import numpy as np
 import pytest
 
+import data_fixtures
 import helpers
 from allatt_jax.config import cli
 from allatt_jax.runs import checkpointing
-from allatt_jax import data as data_lib
 
 pytestmark = pytest.mark.slow   # every test here trains runs or starts processes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The demo's tiny gated model as a plain run. A constant learning rate (peak = final,
-# no warm-up) makes the schedule independent of num_steps, so a run stopped at step
-# 3 and resumed to step 6 takes the same steps as one going straight to 6.
+# The demo's tiny gated model as a plain run, on a text8 sample: each start ends with
+# the final evaluation of the whole valid and test splits, 10,000 characters each here.
+# A constant learning rate (peak = final, no warm-up) makes the schedule independent
+# of num_steps, so a run stopped at step 3 and resumed to step 6 takes the same steps
+# as one going straight to 6.
 CONFIG = f'''
 from allatt_jax.config import config_base
 
@@ -39,6 +41,7 @@ def get_config(arg=None):
   c = config_base.load({str(REPO / "configs" / "demo.py")!r}, "tiny")
   with c.unlocked():
     del c["pipeline"]
+  c.data.update(dict(name="text8", manual_dir=MANUAL_DIR))
   c.train.update(dict(learning_rate=3e-3, final_learning_rate=3e-3, warmup_steps=0,
                       log_every_steps=1))
   c.eval.update(dict(batch_size=128, seq_len=64, mem_len=32, every_steps=0))
@@ -166,9 +169,9 @@ def _losses(log: str) -> dict[int, str]:
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("multihost")
   config_file = root / "config.py"
-  config_file.write_text(CONFIG)
-  data_dir = str(root / "tfds")
-  data_lib.load_corpus("wikitext_chars", data_dir)    # prepared once, before all read it
+  # Prepared once, before all read it.
+  manual_dir, data_dir = data_fixtures.prepared_text8(root, num_chars=200_000)
+  config_file.write_text(CONFIG.replace("MANUAL_DIR", repr(manual_dir)))
   single, multi = root / "single", root / "multi"
   reference = _launch(config_file, single, data_dir, 6)
   port = helpers.free_port()
