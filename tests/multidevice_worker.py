@@ -40,8 +40,6 @@ def test_config(data_dir: str, mesh=(-1, 1)):
   # Dropout checks that random masks do not depend on how arrays are sharded.
   config.model.update(dict(dropout=0.1, dropout_attn=0.1, dropout_emb=0.1))
   config.train.update(dict(batch_size=8, num_steps=NUM_STEPS))
-  # Few, large evaluation batches: the final evaluation reads whole splits.
-  config.eval.update(dict(batch_size=128, seq_len=64, mem_len=32, every_steps=0))
   # Gates start on the edge (π = 0 is closed) so the NLL gradient opens some, closes others.
   config.gates.update(dict(enabled=True, lam=0.01, init=0.0, learning_rate=0.2,
                            l0_warmup_steps=0, freeze_step=NUM_STEPS))
