@@ -43,10 +43,12 @@ def _known(flag: str) -> bool:
                         env=env, capture_output=True, check=False).returncode == 0
 
 
+# A flag already in XLA_FLAGS (the user's, or a parent process's) is kept as it is.
 _flags = os.environ.get("XLA_FLAGS", "").split()
-_flags += [flag for flag in _TEST_XLA_FLAGS if flag not in _flags]
+_set = {flag.split("=")[0] for flag in _flags}
+_flags += [flag for flag in _TEST_XLA_FLAGS if flag.split("=")[0] not in _set]
 _flags += [flag for flag in _TEST_XLA_FLAGS_IF_KNOWN
-           if flag.split("=")[0] not in " ".join(_flags) and _known(flag)]
+           if flag.split("=")[0] not in _set and _known(flag)]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 _CACHE_SETTINGS = {"jax_compilation_cache_dir": None,
