@@ -1,4 +1,5 @@
-"""Training pipeline end to end on real text (the embedded corpus), tiny settings."""
+"""Training pipeline end to end on real text (the embedded corpus), tiny settings; the
+resumed runs on a text8 sample."""
 import json
 import pathlib
 import shutil
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import data_fixtures
 import helpers
 from helpers import train_run
 from helpers import run_pipeline
@@ -121,10 +123,13 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_grou
 
 
 @pytest.mark.parametrize("persistent_group", [None, 4], ids=["baseline", "groups_pruned"])
-def test_resume_continues_exactly(tmp_path, data_dir, persistent_group):
+def test_resume_continues_exactly(tmp_path, persistent_group):
   """Restarting from a mid-run checkpoint ends with bit-identical parameters (and
-  gates: a pruning run with persistent groups frozen between the two saves)."""
+  gates: a pruning run with persistent groups frozen between the two saves). On a
+  text8 sample: each start ends by evaluating its whole splits."""
+  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path / "text8")
   config = tiny_config(data_dir, num_steps=10)
+  config.data.update(dict(name="text8", manual_dir=manual_dir))
   if persistent_group:
     config.gates.update(dict(enabled=True, lam=0.1, freeze_step=7, l0_warmup_steps=0,
                              persistent_group=persistent_group))
