@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+import data_fixtures
 from helpers import train_run
 from helpers import run_pipeline
 from allatt_jax import api
@@ -198,24 +199,28 @@ def test_an_ascent_step_moves_the_multipliers_by_the_rate_times_the_gap():
 
 # --- A size through the pipeline; stages reused; settings never mixed.
 
-def demo_config(data_dir, **prune_gates):
+def demo_config(data, **prune_gates):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  config.data.data_dir = data_dir
+  config.data.update(data)
   config.pipeline.prune_gates.update(prune_gates)
   return config
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+def data(tmp_path_factory):
+  """The data section's keys for a text8 sample, which the runs here train on: each
+  stage ends by evaluating its whole splits, 20,000 characters here against the
+  embedded corpus's 240,000. Its alphabet is the embedded corpus's (27 symbols)."""
+  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path_factory.mktemp("text8"))
+  return dict(name="text8", manual_dir=manual_dir, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
-def demo_baseline(tmp_path_factory, data_dir):
+def demo_baseline(tmp_path_factory, data):
   """The tiny demo's baseline stage, trained once: the pipelines below start from a
   copy of it, which they reuse (a pipeline's rerun reuses its baseline; tested below)."""
   workdir = tmp_path_factory.mktemp("demo_baseline")
-  baseline = assembly.checked_pipeline(demo_config(data_dir)).baseline
+  baseline = assembly.checked_pipeline(demo_config(data)).baseline
   train_run(baseline, workdir / "baseline")
   return workdir / "baseline"
 
@@ -226,10 +231,10 @@ def with_baseline(workdir, demo_baseline):
 
 
 @pytest.fixture(scope="module")
-def sized_demo(tmp_path_factory, demo_baseline, data_dir):
+def sized_demo(tmp_path_factory, demo_baseline, data):
   """The tiny demo asked for half its heads (its λ of 0.05 is replaced)."""
   workdir = with_baseline(tmp_path_factory.mktemp("sized"), demo_baseline)
-  report = run_pipeline(demo_config(data_dir, target_sparsity=0.5), workdir)
+  report = run_pipeline(demo_config(data, target_sparsity=0.5), workdir)
   return workdir, report
 
 
@@ -264,15 +269,14 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
 
 
 @pytest.mark.slow
-def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data_dir,
-                                                                 capsys):
+def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data, capsys):
   workdir, _ = sized_demo
   baseline_files = {p: p.stat().st_mtime_ns for p in (workdir / "baseline").rglob("*")
                     if "checkpoints" in p.parts}
   saved_config = (workdir / "pruned" / "config.json").read_bytes()
   first_report = {name: (workdir / name).read_bytes() for name in ("report.json", "gates.png")}
   capsys.readouterr()
-  report = run_pipeline(demo_config(data_dir, target_sparsity=0.75), workdir)
+  report = run_pipeline(demo_config(data, target_sparsity=0.75), workdir)
   out = capsys.readouterr().out
   assert not PROGRESS.search(out.split("== Pruning")[0]), "the baseline trained again"
   assert {p: p.stat().st_mtime_ns for p in baseline_files} == baseline_files
@@ -287,7 +291,7 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert (workdir / "pruned" / "config.json").read_bytes() == saved_config
   # The same settings again find their folder; an evaluation setting does not count.
   capsys.readouterr()
-  config = demo_config(data_dir, target_sparsity=0.5)
+  config = demo_config(data, target_sparsity=0.5)
   config.eval.max_batches = 4
   report = run_pipeline(config, workdir)
   assert report["pruned"]["directory"] == "pruned"
@@ -296,8 +300,8 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert run_files.load_config(workdir / "pruned").gates.target_sparsity == 0.5
 
 
-def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data_dir):
-  config = demo_config(data_dir)
+def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data):
+  config = demo_config(data)
   config.gates.target_sparsity = 0.5
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):
@@ -306,9 +310,8 @@ def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data_dir,
-                                                    capsys):
-  config = demo_config(data_dir, lam=0.0)
+def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, data, capsys):
+  config = demo_config(data, lam=0.0)
   report = run_pipeline(config, with_baseline(tmp_path, demo_baseline))
   assert report["pruned"]["heads_per_layer"] == [4, 4]
   [warning] = report["warnings"]
@@ -318,8 +321,8 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 
 
 @pytest.mark.slow
-def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
-  config = demo_config(data_dir)
+def test_a_resume_with_changed_settings_is_refused(tmp_path, data):
+  config = demo_config(data)
   baseline = assembly.checked_pipeline(config).baseline
   baseline = dataclasses.replace(
       run_config.derived_run(baseline, train=dict(num_steps=10)),
@@ -341,9 +344,9 @@ def test_a_resume_with_changed_settings_is_refused(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, data_dir):
+def test_a_finished_experiment_run_is_not_reused_for_other_settings(tmp_path, data):
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
-  config.data.data_dir = data_dir
+  config.data.update(data)
   config.train.num_steps = 5
   experiment = lambda: runs_lib.Experiment(
       assembly.checked_config(config), plan_lib.from_section(config.experiments.to_dict()),
@@ -385,7 +388,7 @@ def _stage_results(decision):
 
 
 def test_a_size_given_as_a_fraction_is_reported_in_full_with_the_cost_met():
-  stages = assembly.checked_pipeline(demo_config("unused", target_macs=0.5))
+  stages = assembly.checked_pipeline(demo_config({}, target_macs=0.5))
   unpruned = cost_model.unpruned_cost(stages.pruning, model_lib.ModelConfig.from_config(
       stages.pruning))
   assert stages.pruning.gates.target_macs == 0.5 * unpruned
@@ -408,7 +411,7 @@ def test_a_size_given_as_a_fraction_is_reported_in_full_with_the_cost_met():
   assert rows["params (non-emb.)"] == [f"{params[0]:,}",
                                        f"{params[1]:,} ({params[1] / params[0]:.2f})"]
   # A sparsity: the heads it keeps.
-  stages = assembly.checked_pipeline(demo_config("unused", target_sparsity=0.5))
+  stages = assembly.checked_pipeline(demo_config({}, target_sparsity=0.5))
   report = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
                              baseline, pruned, compared)
   assert "unpruned" not in report["pruned"]["budget"]
@@ -417,9 +420,8 @@ def test_a_size_given_as_a_fraction_is_reported_in_full_with_the_cost_met():
 
 # --- The vocabulary from the data.
 
-def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(tmp_path,
-                                                                           data_dir):
-  config = assembly.checked_pipeline(demo_config(data_dir)).baseline
+def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(data):
+  config = assembly.checked_pipeline(demo_config(data)).baseline
   assert config.model.vocab_size == 0
   completed, corpus = assembly.completed_config(assembly.checked_config(config))
   assert completed.model.vocab_size == corpus.vocab_size == 27
