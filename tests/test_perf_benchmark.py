@@ -73,6 +73,7 @@ def test_a_variant_is_the_config_with_its_overrides(tiny_run):
   assert cut.model.head_block == tiny_run.model.head_block
 
 
+@pytest.mark.slow   # compiles three train steps: 20 s on 2 cores
 def test_a_variant_that_holds_what_the_config_holds_starts_from_a_copy_of_its_state(
     tiny_run, monkeypatch):
   """Its initialiser is not compiled: the baseline's state is copied, where every
