@@ -42,11 +42,10 @@ def stages(tmp_path_factory):
   """The tiny demo's baseline and pruning configs with the demo's head layout (4
   layers of 8 heads), in RUNS/baseline and RUNS/pruned. On a text8 sample, whose
   alphabet and cleaning are the embedded corpus's: each run ends by evaluating its
-  whole splits, 20,000 characters here against the embedded corpus's 240,000."""
+  whole splits, 2,000 characters here against the embedded corpus's 240,000."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.model.update(dict(num_layers=4, num_heads=8))
-  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path_factory.mktemp("text8"))
-  config.data.update(dict(name="text8", manual_dir=manual_dir, data_dir=data_dir))
+  config.data.update(data_fixtures.text8_data(tmp_path_factory.mktemp("text8")))
   stages = assembly.checked_pipeline(config)
   runs = tmp_path_factory.mktemp("runs")
   return stages.baseline, run_config.derived_run(stages.pruning,

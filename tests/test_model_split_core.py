@@ -286,11 +286,10 @@ def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
 def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path):
   """The persistent masks follow the step's key: a run stopped after its first
   checkpoint and resumed ends with the uninterrupted run's variables, bit for bit. On
-  a text8 sample: each start ends by evaluating its whole splits, 20,000 characters
+  a text8 sample: each start ends by evaluating its whole splits, 2,000 characters
   here against the embedded corpus's 240,000."""
   config = helpers.tiny_run()
-  config.data.name = "text8"
-  config.data.manual_dir, config.data.data_dir = data_fixtures.prepared_text8(tmp_path)
+  config.data.update(data_fixtures.text8_data(tmp_path))
   config.model.update(dict(attention_impl="split", persistent_impl="xla", dropout_attn=0.2))
   config.train.num_steps = 4
   config.checkpoint.every_steps = 2

@@ -209,10 +209,9 @@ def demo_config(data, **prune_gates):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
   """The data section's keys for a text8 sample, which the runs here train on: each
-  stage ends by evaluating its whole splits, 20,000 characters here against the
+  stage ends by evaluating its whole splits, 2,000 characters here against the
   embedded corpus's 240,000. Its alphabet is the embedded corpus's (27 symbols)."""
-  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path_factory.mktemp("text8"))
-  return dict(name="text8", manual_dir=manual_dir, data_dir=data_dir)
+  return data_fixtures.text8_data(tmp_path_factory.mktemp("text8"))
 
 
 @pytest.fixture(scope="module")

@@ -299,8 +299,7 @@ def test_a_distilling_run_keeps_its_teacher_and_resumes_bit_exactly(tmp_path):
   checkpoint is the baseline's params bit for bit, and a restart from its mid-run
   checkpoint ends in the same state (teacher memory included) bit for bit."""
   # On a text8 sample: each of the three starts ends by evaluating its whole splits.
-  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path / "text8")
-  text8 = dict(name="text8", manual_dir=manual_dir, data_dir=data_dir)
+  text8 = data_fixtures.text8_data(tmp_path / "text8")
   config = _tiny_pruning_config()
   config.gates.enabled = False
   config.train.num_steps = 6

@@ -127,9 +127,9 @@ def test_resume_continues_exactly(tmp_path, persistent_group):
   """Restarting from a mid-run checkpoint ends with bit-identical parameters (and
   gates: a pruning run with persistent groups frozen between the two saves). On a
   text8 sample: each start ends by evaluating its whole splits."""
-  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path / "text8")
-  config = tiny_config(data_dir, num_steps=10)
-  config.data.update(dict(name="text8", manual_dir=manual_dir))
+  text8 = data_fixtures.text8_data(tmp_path / "text8")
+  config = tiny_config(text8["data_dir"], num_steps=10)
+  config.data.update(text8)
   if persistent_group:
     config.gates.update(dict(enabled=True, lam=0.1, freeze_step=7, l0_warmup_steps=0,
                              persistent_group=persistent_group))
