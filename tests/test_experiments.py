@@ -258,9 +258,8 @@ def experiment(tmp_path_factory, monkeypatch_module):
   of 5,000 characters: every run scores both splits whole, which on the embedded
   corpus's 120,331 characters each took most of these tests' time."""
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
-  config.data.name = "text8"
-  config.data.manual_dir, config.data.data_dir = data_fixtures.prepared_text8(
-      tmp_path_factory.mktemp("text8"), num_chars=100_000)
+  config.data.update(data_fixtures.text8_data(tmp_path_factory.mktemp("text8"),
+                                              num_chars=100_000))
   monkeypatch_module.setattr(runs_lib, "ABLATIONS", {
       k: runs_lib.ABLATIONS[k] for k in ("full", "vanilla")})
   return runs_lib.Experiment(

@@ -299,8 +299,8 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert run_files.load_config(workdir / "pruned").gates.target_sparsity == 0.5
 
 
-def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path, data):
-  config = demo_config(data)
+def test_gates_set_outside_the_pipeline_section_name_the_pipeline_flag(tmp_path):
+  config = demo_config({})   # refused before any data is read
   config.gates.target_sparsity = 0.5
   with pytest.raises(ConfigError, match=r"Use --config.pipeline.prune_gates."
                                         r"target_sparsity=0.5 instead"):

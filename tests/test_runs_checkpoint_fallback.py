@@ -52,9 +52,8 @@ def damage(step_dir: pathlib.Path, how: str) -> None:
 def finished_run(tmp_path_factory):
   """(config, workdir) of a finished tiny pruning run with checkpoints 2, 4 and 6."""
   root = tmp_path_factory.mktemp("fallback")
-  manual_dir, data_dir = data_fixtures.prepared_text8(root)
   config = helpers.tiny_run()
-  config.data.update(dict(name="text8", manual_dir=manual_dir, data_dir=data_dir))
+  config.data.update(data_fixtures.text8_data(root))
   config.model.dropout = 0.1     # the RNG must resume where the skipped step left it
   config.train.update(dict(num_steps=NUM_STEPS, log_every_steps=2))
   config.gates.update(dict(enabled=True, lam=0.1, l0_warmup_steps=2,
