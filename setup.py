@@ -38,6 +38,8 @@ setuptools.setup(
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
+        # jax[cuda12] also runs on newer drivers; cuda13 takes jax's CUDA 13 wheels.
         "cuda": ["jax[cuda12]>=0.10,<0.12"],
+        "cuda13": ["jax[cuda13]>=0.10,<0.12"],
     },
 )
