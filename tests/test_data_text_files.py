@@ -256,12 +256,14 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   completed, cfg, note = assembly.complete(run, corpus(run))
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
   assert completed.model.cluster_fractions == (1.0, 0.0, 0.0, 0.0)
-  adaptive_macs = cost_model.output_macs_per_token(
+  # The adaptive input's projections, d_i x d for d_i = 128, 32, 8, 2, beside the softmax.
+  assert cost_model.input_macs_per_token(cfg) == 170 * 128
+  adaptive_macs = 170 * 128 + cost_model.output_macs_per_token(
       cfg, completed.train.batch_size * completed.train.seq_len)
-  assert note.startswith('Word level, 33,278 types: an adaptive softmax (cutoffs 2496, '
-                         f'4992, 24958; div_val 4) costs {adaptive_macs / 1e6:.2f}M MACs '
-                         'per token, where a plain one would cost 4.26M, 7.5x the 0.57M '
-                         'of all the layers')
+  assert note.startswith('Word level, 33,278 types: an adaptive input and softmax (cutoffs '
+                         f'2496, 4992, 24958; div_val 4) cost {adaptive_macs / 1e6:.2f}M '
+                         'MACs per token, where a plain softmax would cost 4.26M, 7.5x the '
+                         '0.57M of all the layers')
   assert '--config.model.auto_cutoffs=False' in note
   assert assembly.with_vocab_size(run).model.cutoffs == (2496, 4992, 24958)
   # Where the plain softmax is the smaller part, or not asked for, nothing changes.

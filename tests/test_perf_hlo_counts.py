@@ -200,12 +200,22 @@ def test_the_proxy_splits_a_train_step_by_model_part(tiny_train_step):
   assert "layer_*/attention" in " ".join(s["name"] for s in top)
 
 
-@pytest.mark.parametrize("heads_kept", [1.0, 0.5])
-def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept):
+# Input and output layers: the benchmark's tied softmax; adaptive ones with div_val 2
+# (each cluster projected to its own width, in the input at every position) or 1 (no
+# projections), every tail at every position or at its capacity.
+ADAPTIVE = dict(vocab_size=256, cutoffs=(24, 96), div_val=2, tail_capacity=0.0)
+
+
+@pytest.mark.parametrize("heads_kept, output", [
+    (1.0, {}), (0.5, {}), (1.0, ADAPTIVE), (0.5, {**ADAPTIVE, "tail_capacity": 2.0}),
+    (1.0, {**ADAPTIVE, "div_val": 1})])
+def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept, output):
   """The cost model counts a forward pass's MACs by formula; the walk counts the
-  compiled evaluation step's dots (pruned models included): they agree."""
-  config = assembly.with_vocab_size(assembly.checked_config(
-      config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")))
+  compiled evaluation step's dots (pruned models and adaptive output layers
+  included): they agree."""
+  config = config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")
+  config.model.update(output)
+  config = assembly.with_vocab_size(assembly.checked_config(config))
   model = timing.Inference(config, timing.random_model(config), heads_kept, 1)
   model.seconds.append(model.run())
   proxy, e = model.figures()["proxy"], config.eval

@@ -16,6 +16,8 @@ of length T with memory S (K = S + T keys), per layer with h heads of size dh:
   output layer: d·V (plain softmax), or the adaptive head at every position and each
   tail cluster at the positions it runs for (with `model.tail_capacity` its capacity,
   else every position: `macs_per_token_every_tail`): the MACs that run.
+  input layer: with div_val > 1, Σ_i d_i·d (the adaptive input projects every
+  cluster's lookup at every position); a plain embedding is a lookup.
 
 Elementwise work (softmax, LayerNorm, rel_shift) is left out: a few percent of the
 total at the sizes that matter, which the XLA cross-check bounds.
@@ -94,6 +96,16 @@ def output_macs_per_token(cfg: model_lib.ModelConfig,
   return macs
 
 
+def input_macs_per_token(cfg: model_lib.ModelConfig) -> float:
+  """The input layer's forward MACs per position: with div_val > 1 each cluster's
+  (d_i, d) projection, which `adaptive.AdaptiveEmbedding.embed` runs at every position
+  (static shapes), else none (a lookup)."""
+  if not cfg.cutoffs or cfg.div_val <= 1:
+    return 0.0
+  dims = adaptive.cluster_dims(cfg.d_model, len(cfg.cutoffs) + 1, cfg.div_val)
+  return float(sum(d_i * cfg.d_model for d_i in dims))
+
+
 def param_counts(cfg: model_lib.ModelConfig) -> dict[str, int]:
   """Embedding / non-embedding / total parameter counts of the real tree, without an
   export's padding slots (zeros the model never reads)."""
@@ -117,13 +129,14 @@ def padding_slots(cfg: model_lib.ModelConfig) -> int:
 def macs_per_token(cfg: model_lib.ModelConfig, seq_len: int, mem_len: int,
                    batch_size: int) -> dict[str, float]:
   """Forward MACs per token of a step on B = `batch_size` segments: the attention
-  stack's, and with the output layer's as it runs; where tail capacities make that
-  less than every position paying for every tail, that count too."""
+  stack's, and with the input and output layers' as they run; where tail capacities
+  make that less than every position paying for every tail, that count too."""
   layers = sum(layer_macs_per_token(cfg, h, seq_len, mem_len, batch_size, slots)
                for h, slots in zip(cfg.layer_heads, cfg.layer_slots))
+  with_input = layers + input_macs_per_token(cfg)
   macs = {"macs_per_token_non_embedding": layers,
-          "macs_per_token": layers + output_macs_per_token(cfg, batch_size * seq_len)}
-  every_tail = layers + output_macs_per_token(cfg)
+          "macs_per_token": with_input + output_macs_per_token(cfg, batch_size * seq_len)}
+  every_tail = with_input + output_macs_per_token(cfg)
   if every_tail != macs["macs_per_token"]:
     macs["macs_per_token_every_tail"] = every_tail
   return macs

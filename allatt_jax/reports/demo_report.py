@@ -137,7 +137,7 @@ def _budget_value(budget: dict) -> str:
 def summary_table(report: dict) -> str:
   """The table the demo prints. A budget run's adds the budget, and each size its
   share of the unpruned model's (params; MACs of the layers, which pruning shrinks,
-  below the ratio with the output layer)."""
+  below the ratio with the input and output layers)."""
   metric, b, p, s = report["metric"], report["baseline"], report["pruned"], report["speed"]
   budget = p.get("budget")
   share = lambda key: f" ({p[key] / b[key]:.2f})" if budget else ""

@@ -296,11 +296,13 @@ def complete(run: RunConfig, corpus: data_lib.Corpus, init_from: str | None = No
   if not chosen:
     return run, cfg, ""
   m, t = run.model, run.train
-  adaptive_macs = cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len)
+  # The plain softmax's tied input is a lookup; the adaptive input projects.
+  adaptive_macs = (cost_model.input_macs_per_token(cfg)
+                   + cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len))
   return run, cfg, (
-      f"Word level, {m.vocab_size:,} types: an adaptive softmax (cutoffs "
-      f"{', '.join(map(str, m.cutoffs))}; div_val {m.div_val}) costs "
-      f"{adaptive_macs / 1e6:.2f}M MACs per token, where a plain one would cost "
+      f"Word level, {m.vocab_size:,} types: an adaptive input and softmax (cutoffs "
+      f"{', '.join(map(str, m.cutoffs))}; div_val {m.div_val}) cost "
+      f"{adaptive_macs / 1e6:.2f}M MACs per token, where a plain softmax would cost "
       f"{plain_macs / 1e6:.2f}M, {plain_macs / layer_macs:.1f}x the "
       f"{layer_macs / 1e6:.2f}M of all the layers (--config.model.auto_cutoffs=False "
       "keeps the plain softmax).")
