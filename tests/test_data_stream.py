@@ -73,6 +73,17 @@ def test_restoring_state_of_another_layout_is_refused():
     SegmentStream(tokens, 8, 8).set_state(state)
 
 
+def test_a_saved_position_outside_the_rows_is_refused():
+  # As from a damaged checkpoint: refused, not wrapped, and the stream left as it was.
+  tokens = np.arange(1000, dtype=np.int32)
+  stream = SegmentStream(tokens, 4, 8)     # rows of 999 // 4 = 249 positions
+  state = stream.get_state()
+  for position in (-1, 249):
+    with pytest.raises(DataError, match=f'position {position} is outside the rows'):
+      stream.set_state({**state, 'position': np.int64(position)})
+  assert stream.get_state() == state
+
+
 @pytest.mark.parametrize('process_count', [2, 4])
 def test_process_slices_partition_the_global_batch(process_count):
   tokens = np.random.default_rng(1).integers(0, 99, 3000).astype(np.int32)

@@ -205,12 +205,12 @@ _Units = cost_model.UnitCosts("target_macs", empty=0.0, layer=0.0, head=10.0, gr
                               groups_per_head=4)
 
 
-def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD):
+def _decide(budget_value, heads=HEAD_LOGITS, groups=GROUP_LOGITS, gate=HARD, units=_Units):
   cfg = make_cfg(gate)
   gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
                                         "persistent_logits": np.array(groups[i], np.float32)}}
            for i in range(2)}
-  decided = freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), _Units,
+  decided = freeze.keep_within_budget(cfg, gate_values.read(cfg, gates), units,
                                       budget_value)
   return cfg, gates, decided
 
@@ -300,6 +300,25 @@ def test_the_decision_line_says_which_kind_each_change_is_and_adds_up():
     assert (decision["groups_by_gates"] + decision["groups_with_opened"]
             - decision["groups_with_closed"] + groups(decision["opened"])
             - groups(decision["closed"])) == decision["groups"], budget_value
+
+
+@pytest.mark.parametrize("gate, budget_value", [
+    (HARD, 38.0), (HARD, 62.0), (HARD, 97.5),
+    (dataclasses.replace(HARD, heads=False), 97.5)])
+def test_a_layers_first_head_pays_for_the_layer(gate, budget_value):
+  """With layers that cost something (their LayerNorm's parameters), what the rule
+  keeps costs exactly what it says, within the budget: the first head kept in a
+  layer pays for the layer too, and with only groups gated every head and layer is
+  paid for before any group."""
+  units = dataclasses.replace(_Units, empty=3.0, layer=5.0)
+  cfg, _, (new_gates, decision) = _decide(budget_value, gate=gate, units=units)
+  pruned_cfg = _kept(cfg, new_gates)
+  slots = pruned_cfg.persistent_slots or [[cfg.num_persistent] * h
+                                          for h in pruned_cfg.layer_heads]
+  groups = [sum(layer) // GROUP for layer in slots]
+  assert decision["cost"] == units.cost(pruned_cfg.layer_heads, groups) <= budget_value
+  assert (decision["allowed"], decision["groups"]) == (sum(pruned_cfg.layer_heads),
+                                                        sum(groups))
 
 
 def test_groups_only_keeps_every_head_and_fills_with_groups():
