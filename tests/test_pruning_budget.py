@@ -137,6 +137,11 @@ def test_the_controller_steers_the_sharpened_count_after_the_target_warm_up():
                                budget.expected_open(gate, gates, k), rtol=1e-6)
   assert abs(float(penalty.open_count(variables, 80))
              - float(budget.expected_open(gate, gates))) > 0.1
+  # Its target moves from the heads expected open at the gates' init (σ(π0) each,
+  # not every head) to the 6 allowed over the warm-up, then stays.
+  start = sum(CFG.layer_heads) * float(jax.nn.sigmoid(gate.init))
+  np.testing.assert_allclose([penalty.target(s) for s in (0, 30, 60, 100)],
+                             [start, (start + 6) / 2, 6.0, 6.0], rtol=1e-6)
 
 
 @pytest.mark.slow
