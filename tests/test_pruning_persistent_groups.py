@@ -2,6 +2,7 @@
 groups, the export that cuts them, their costs and the budget's rule over both kinds."""
 import dataclasses
 import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -397,6 +398,23 @@ def test_bad_group_configs_are_refused_with_the_fix(gates, model, match):
   config.model.update(model)
   with pytest.raises(ConfigError, match=match):
     config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_a_groups_only_budget_below_its_floor_names_one_that_is_met():
+  # Eval rows of 3: the relative projection's share, K / (B·T) of it, makes the
+  # floor a fraction, which the budget named must round up, not down.
+  config = _group_config(heads=False, target_macs=1.0)
+  config.eval.batch_size = 3
+  run = run_config.RunConfig.of(config)
+  cfg = model_lib.ModelConfig.from_config(run)
+  floor = cost_model.budget_units(run, cfg).cost(cfg.layer_heads, (0, 0))
+  assert floor != int(floor)
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(run, 1)
+  named = re.search(r"smallest budget that is met: --config.gates.target_macs=(\d+) ",
+                    str(error.value))
+  config.gates.target_macs = float(named.group(1))
+  config_checks.check_config(run_config.RunConfig.of(config), 1)
 
 
 def test_a_group_config_passes_its_checks_with_the_default_core():
