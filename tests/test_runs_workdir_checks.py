@@ -310,6 +310,27 @@ def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
       tmp_path / "report-2.json", tmp_path / "gates-2.png")
 
 
+def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_trains():
+  """Settings of how a run is computed, evaluated, saved and placed (RESUMABLE, its
+  wildcards included) may change on a resume; what it trains may not."""
+  def gated(**sections):
+    config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+    config.gates.update(dict(enabled=True, freeze_step=20))
+    for name, keys in sections.items():
+      config[name].update(keys)
+    return run_config.RunConfig.of(config)
+  saved = gated()
+  assert workdir_checks.setting_differences(saved, gated(
+      train=dict(num_steps=90), eval=dict(batch_size=3, mem_len=4),
+      checkpoint=dict(every_steps=7), mesh=dict(data=2),
+      model=dict(tail_capacity=3.0, attention_impl="xla", remat=True),
+      gates=dict(allow_empty=True))) == []
+  assert workdir_checks.setting_differences(
+      saved, gated(model=dict(d_model=48), gates=dict(lam=0.2))) == [
+          f"gates.lam: {saved.gates.lam!r} -> 0.2",
+          f"model.d_model: {saved.model.d_model} -> 48"]
+
+
 def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):
   """A config.json without `gates.allow_empty` or `model.auto_cutoffs` (which only
   choose: consent to an empty budget, the cutoffs saved beside it) loads and resumes
