@@ -495,6 +495,38 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   assert f"keeps none of the {total} heads (--config.gates.allow_empty=True)" in warning
   [warning] = model_export.pruning_warnings(setup.run, total, 0, None, "--config.gates")
   assert f"pruning removed every one of the {total} heads" in warning
+  # Far is a tenth of the heads, at least 2 (here 2), between the gates' count and
+  # the budget's.
+  assert total == 8
+  for off, warned in ((1, False), (2, True)):
+    decision = dict(allowed=total // 2, by_gates=total // 2 + off, changed=off)
+    assert bool(model_export.pruning_warnings(setup.run, total, total // 2, decision,
+                                              "--config.gates")) == warned, off
+  # A fixed λ that removed no head says so; one that removed some says nothing.
+  [warning] = model_export.pruning_warnings(setup.run, total, total, None, "--config.gates")
+  assert f"pruning removed no head of {total}" in warning
+  assert model_export.pruning_warnings(setup.run, total, total - 1, None,
+                                       "--config.gates") == []
+
+
+def test_group_budget_warnings_say_what_the_budget_left_and_how_far_the_gates_were():
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")   # 2 x 4 heads, N = 16
+  config.gates.update(dict(enabled=True, persistent_group=4, target_macs=1000.0))
+  run = run_config.RunConfig.of(config)
+  flags, groups = "--config.gates", 8 * 16 // 4
+  warnings = lambda **decision: model_export.pruning_warnings(
+      run, 8, decision["allowed"], dict(dict(budget=1000.0, cost=1000.0, changed=1,
+                                             cost_by_gates=1000.0), **decision), flags)
+  [warning] = warnings(allowed=8, groups=groups)
+  assert f"{flags}.target_macs=1000.0 allows all 8 heads and {groups} persistent" in warning
+  assert warnings(allowed=8, groups=groups - 1) == []
+  [warning] = warnings(allowed=0, groups=0)
+  assert f"keeps none of the 8 heads ({flags}.allow_empty=True)" in warning
+  # Far is a tenth of the budget between what the gates kept and what the budget did.
+  assert warnings(allowed=6, groups=10, cost_by_gates=1099.0) == []
+  [warning] = warnings(allowed=6, groups=10, cost_by_gates=1100.0)
+  assert ("the gates alone kept a model of 1,100 at the freeze, far from the budget's "
+          "1,000: to fit it, the budget reversed 1 of the gates' decisions") in warning
 
 
 def test_the_progress_line_tells_the_expected_open_heads_from_the_decision():
