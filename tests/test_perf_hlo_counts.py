@@ -211,8 +211,8 @@ ADAPTIVE = dict(vocab_size=256, cutoffs=(24, 96), div_val=2, tail_capacity=0.0)
     (1.0, {**ADAPTIVE, "div_val": 1})])
 def test_an_evaluation_steps_matmul_flops_are_the_cost_models(heads_kept, output):
   """The cost model counts a forward pass's MACs by formula; the walk counts the
-  compiled evaluation step's dots (pruned models and adaptive output layers
-  included): they agree."""
+  compiled evaluation step's dots (pruned models and adaptive input and output
+  layers included): they agree."""
   config = config_base.load(ROOT / "configs" / "bench_cpu.py", "tiny")
   config.model.update(output)
   config = assembly.with_vocab_size(assembly.checked_config(config))

@@ -515,8 +515,8 @@ def test_group_budget_warnings_say_what_the_budget_left_and_how_far_the_gates_we
   run = run_config.RunConfig.of(config)
   flags, groups = "--config.gates", 8 * 16 // 4
   warnings = lambda **decision: model_export.pruning_warnings(
-      run, 8, decision["allowed"], dict(dict(budget=1000.0, cost=1000.0, changed=1,
-                                             cost_by_gates=1000.0), **decision), flags)
+      run, 8, decision["allowed"], {"budget": 1000.0, "cost": 1000.0, "changed": 1,
+                                    "cost_by_gates": 1000.0, **decision}, flags)
   [warning] = warnings(allowed=8, groups=groups)
   assert f"{flags}.target_macs=1000.0 allows all 8 heads and {groups} persistent" in warning
   assert warnings(allowed=8, groups=groups - 1) == []
