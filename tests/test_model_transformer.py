@@ -143,6 +143,41 @@ def test_straight_through_gradient_flows_through_soft_gate():
   np.testing.assert_allclose(grad_hard, grad_soft)
 
 
+def test_deterministic_soft_gates_are_the_clipped_stretched_sigmoid():
+  """clip(σ(π)(ζ − γ) + γ, 0, 1): exactly 0 and 1 far from π = 0, where an export
+  takes a soft gate as closed or as fully open."""
+  cfg = run_config.GatesSection(hard=False)
+  logits = jnp.array([-10.0, -3.0, -1.0, 0.0, 1.0, 3.0, 10.0])
+  stretched = jax.nn.sigmoid(logits) * (gates_lib.ZETA - gates_lib.GAMMA) + gates_lib.GAMMA
+  g = np.asarray(gates_lib.deterministic(logits, cfg))
+  np.testing.assert_allclose(g, np.clip(stretched, 0.0, 1.0), rtol=1e-6)
+  assert g[0] == 0.0 and g[-1] == 1.0 and 0 < g[3] < 1
+
+
+@pytest.mark.parametrize("hard", [True, False])
+def test_a_sharpened_open_count_keeps_its_midpoint(hard):
+  """σ(k·(π − o)) moves each head's open probability towards 0 or 1 as k grows, around
+  the logit o where k = 1 gives 1/2 (σ(π) for hard gates, P(g > 0) for soft ones)."""
+  cfg = run_config.GatesSection(hard=hard, temperature=2 / 3)
+  unsharpened = lambda logits: (jax.nn.sigmoid(logits) if hard
+                                else gates_lib.open_probability(logits, cfg))
+  midpoint = 0.0 if hard else cfg.temperature * np.log(-gates_lib.GAMMA / gates_lib.ZETA)
+  logits = jnp.array([midpoint - 0.5, midpoint, midpoint + 0.5])
+  probability = lambda k: np.asarray(gates_lib.forward_open_probability(logits, cfg, k))
+  np.testing.assert_allclose(probability(1.0), unsharpened(logits), rtol=1e-6)
+  for k in (4.0, 16.0):
+    np.testing.assert_allclose(probability(k)[1], 0.5, rtol=1e-6)
+    assert probability(k)[0] < probability(1.0)[0] and probability(k)[2] > probability(1.0)[2]
+
+
+def test_the_output_scale_passes_no_gradient_to_the_gates():
+  """Technique 3 of the paper: s_g = H / Σg rescales the layer's output but is a
+  constant for the gates' gradient, which flows through g alone."""
+  gate = run_config.GatesSection(scale_output=True)
+  grad = jax.grad(lambda g_H: gates_lib.output_scale(g_H, gate))(jnp.array([1.0, 0.5, 0, 1]))
+  np.testing.assert_array_equal(grad, np.zeros(4))
+
+
 def _with_gate_logits(variables, value):
   gates = jax.tree.map(lambda x: jnp.full_like(x, value), variables["gates"])
   return {"params": variables["params"], "gates": gates}

@@ -330,6 +330,20 @@ def test_groups_only_keeps_every_head_and_fills_with_groups():
   assert _kept(cfg, new_gates).layer_heads == (4, 4)
 
 
+@pytest.mark.parametrize("gate", [dataclasses.replace(HARD, heads=False, open_at_zero=False),
+                                  dataclasses.replace(HARD, heads=False, hard=False)],
+                         ids=["closed_at_zero", "soft"])
+def test_heads_without_gates_read_as_open_for_certain_and_unscaled(gate):
+  """With only groups gated, every head counts fully open whatever the gates' mode:
+  a logit of 0 would close it (`open_at_zero=False`) or half-open it (soft gates)."""
+  cfg, variables = gated_model(gate)
+  read = gate_values.read(cfg, variables["gates"])
+  for values, factors in zip(read.head_values, read.out_factors):
+    np.testing.assert_array_equal(values, np.ones(4))
+    np.testing.assert_array_equal(factors, np.ones(4))
+  assert [h.tolist() for h in read.surviving_heads] == [[0, 1, 2, 3]] * 2
+
+
 def test_l0_and_controller_count_heads_and_groups_by_cost():
   share = 0.25
   stats = [{"open_prob": jnp.array([1.0, 0.5]),
