@@ -1,4 +1,5 @@
-"""Gradient accumulation: 4 micro-batches make the same update as one full batch."""
+"""Gradient accumulation: 4 micro-batches make the same update as one full batch; the
+random draws of a step and of its micro-batches."""
 import functools
 
 import jax
@@ -19,11 +20,11 @@ VOCAB = 29
 BATCH, SEQ_LEN, MEM_LEN = 8, 8, 8
 
 
-def make_config(accum, gated):
+def make_config(accum, gated, dropout=0.0):
   config = config_base.base_config()
   config.model.update(dict(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
-                           num_persistent=8, dropout=0.0, dropout_attn=0.0,
-                           dropout_emb=0.0))
+                           num_persistent=8, dropout=dropout, dropout_attn=dropout,
+                           dropout_emb=dropout))
   config.train.update(dict(batch_size=BATCH, seq_len=SEQ_LEN, mem_len=MEM_LEN,
                            grad_accum_steps=accum, grad_clip=0.0))
   # π = 0.5 makes the sampled gates a mix of open and closed; λ > 0 from step 0.
@@ -55,17 +56,21 @@ def batch():
   return tokens[:, :-1], tokens[:, 1:]
 
 
+def jit_step(config, lm, optimizer, sample_gates):
+  return jax.jit(functools.partial(
+      train_step.train_step, lm=lm, optimizer=optimizer,
+      penalty=fixed_lambda(config, lm),
+      step_config=train_step.StepConfig.from_config(config, optim.schedules(config)),
+      sample_gates=sample_gates))
+
+
 def run_step(accum, gated, memory=None):
   config = make_config(accum, gated)
   lm, optimizer, state = make_state(config)
   if memory is not None:
     state = state.replace(memory=memory)
   old = state.variables
-  step = jax.jit(functools.partial(
-      train_step.train_step, lm=lm, optimizer=optimizer,
-      penalty=fixed_lambda(config, lm),
-      step_config=train_step.StepConfig.from_config(config, optim.schedules(config)), sample_gates=gated))
-  new_state, metrics = step(state, *batch())
+  new_state, metrics = jit_step(config, lm, optimizer, gated)(state, *batch())
   updates = jax.tree.map(jnp.subtract, new_state.variables, old)
   return updates, new_state.memory, metrics
 
@@ -119,3 +124,44 @@ def test_memory_rows_matter():
 def test_batch_not_divisible_by_accumulation_steps():
   with pytest.raises(ConfigError, match="grad_accum_steps"):
     run_step(3, gated=False)
+
+
+def test_each_step_and_each_micro_batch_draw_their_own_masks():
+  """Dropout masks and gate samples follow the train step's count, so no two steps
+  share them (and a resumed run draws what the uninterrupted one did), and each
+  micro-batch draws its own dropout masks."""
+  config = make_config(2, gated=True, dropout=0.3)
+  lm, optimizer, state = make_state(config)
+  step = jit_step(config, lm, optimizer, sample_gates=True)
+  # Rows 2j and 2j + 1 are the same text with the same memory, and fall in different
+  # micro-batches (micro-batch i holds rows i, i + 2, ...).
+  inputs, targets = (jnp.repeat(x[::2], 2, axis=0) for x in batch())
+  state = state.replace(memory={"hidden": jnp.repeat(state.memory["hidden"][:, ::2], 2,
+                                                      axis=1),
+                                "length": state.memory["length"]})
+  copy = lambda s: jax.tree.map(jnp.copy, s)   # the step donates its state
+  first, first_metrics = step(copy(state), inputs, targets)
+  again, again_metrics = step(copy(state), inputs, targets)
+  _, next_metrics = step(copy(state.replace(step=state.step + 1)), inputs, targets)
+
+  np.testing.assert_array_equal(again_metrics["nll"], first_metrics["nll"])
+  np.testing.assert_array_equal(again.memory["hidden"], first.memory["hidden"])
+  assert float(next_metrics["nll"]) != float(first_metrics["nll"])
+  # The memory holds each layer's input: the first layer's is the embedding after its
+  # dropout, different for the two copies of a row.
+  embedded = np.asarray(first.memory["hidden"][0])
+  assert not np.array_equal(embedded[0::2], embedded[1::2])
+
+
+def test_after_the_freeze_the_loss_is_the_nll_and_the_gates_get_no_gradient():
+  """Frozen gates take no L0 term: it would be a constant of the loss, and its
+  gradient would still count in the global norm that clips the model's."""
+  config = make_config(1, gated=True)
+  lm, optimizer, state = make_state(config)
+  old = jax.tree.map(np.asarray, state.variables)   # the step donates the state
+  new_state, metrics = jit_step(config, lm, optimizer, sample_gates=False)(state, *batch())
+  assert float(metrics["l0"]) > 0
+  assert float(metrics["loss"]) == float(metrics["nll"]) and "penalty" not in metrics
+  for before, after in zip(jax.tree.leaves(old["gates"]),
+                           jax.tree.leaves(new_state.variables["gates"])):
+    np.testing.assert_array_equal(after, before)   # SGD: no gradient, no update

@@ -72,8 +72,12 @@ def test_official_lamb_equals_two_steps_by_hand(weight_decay):
 def test_weight_decay_spares_layer_norms_biases_and_gates():
   config = tiny_config(weight_decay=0.5)
   params, (grads, _) = tiny_tree()
-  variables = {"params": params, "gates": {"layer_0": {"attention": {"logits": np.full(4, 2.0)}}}}
-  grads = {"params": grads, "gates": {"layer_0": {"attention": {"logits": np.ones(4)}}}}
+  # Gate logits and gradients of different sizes: LAMB's trust ratio normalises a
+  # tensor's step, so decay added to a uniform one would leave its update unchanged.
+  variables = {"params": params,
+               "gates": {"layer_0": {"attention": {"logits": np.array([2.0, -1, 0.5, 3])}}}}
+  grads = {"params": grads,
+           "gates": {"layer_0": {"attention": {"logits": np.array([1.0, -0.5, 0.2, 2])}}}}
   updates = {}
   for decay in (0.0, 0.5):
     config.train.weight_decay = decay
@@ -138,6 +142,8 @@ def test_schedules_at_the_named_steps():
   np.testing.assert_allclose(gate_lr(freeze - 1), 10 * lr(freeze - 1), rtol=1e-6)
   assert float(gate_lr(freeze - 1)) > 0 and float(gate_lr(freeze)) == 0.0
   assert float(gate_lr(end)) == 0.0
+  # The cosine spans warm-up end to the last step: half-way down midway between them.
+  np.testing.assert_allclose(lr((warmup + end) // 2), (1e-2 + 1e-4) / 2, rtol=1e-6)
   np.testing.assert_allclose(lr(end), 1e-4, rtol=1e-6)               # the final rate
   assert float(lam(0)) == 0.0
   np.testing.assert_allclose(lam(10), 0.01, rtol=1e-6)               # half-way up

@@ -343,6 +343,16 @@ def test_nonfinite_gradient_is_named():
                                                                               nan_ok=True))]
 
 
+def test_a_step_is_skipped_when_its_loss_or_its_gradient_is_not_finite():
+  """A finite loss can come with an overflowing gradient: applied, it would poison the
+  variables all the same."""
+  new, old = {"w": jnp.ones(2)}, {"w": jnp.zeros(2)}
+  for loss, grad_norm, kept in ((2.0, 1.0, new), (2.0, np.inf, old), (2.0, np.nan, old),
+                                (np.nan, 1.0, old)):
+    metrics = {"loss": jnp.float32(loss), "grad_norm": jnp.float32(grad_norm)}
+    assert_bit_identical(train_step._where_finite(metrics, new, old), kept)
+
+
 # Several hosts: orbax's preemption sync point, not a Python signal handler.
 
 def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
