@@ -1,0 +1,134 @@
+"""The evaluation folder on an untrained model, in the fast tier: a stream scored with
+memory against one pass over each row (every target once, padding left out, the
+metric in the corpus's unit), and the sampler's law (temperature, top k, a fresh draw
+per token). test_evaluation_score_sample.py has the commands on a trained model."""
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from allatt_jax.evaluation import generation
+from allatt_jax.evaluation import likelihood
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.parallel import sharding
+
+VOCAB = 23
+# 26 tokens: 25 targets in 2 rows of 13 and 12, read in segments of 4: the last
+# segment is partial and the second row ends one target early (padding).
+NUM_TOKENS, BATCH, SEQ_LEN = 26, 2, 4
+# Memory longer than a row: a segment sees everything before it in its row, as one
+# pass over the row does.
+MEM_LEN = 32
+
+
+def tiny_model():
+  cfg = model_lib.ModelConfig(kind="allatt", vocab_size=VOCAB, num_layers=2, d_model=16,
+                              num_heads=2, num_persistent=4, max_relative_len=64,
+                              same_length=False)
+  lm = model_lib.TransformerLM(cfg)
+  tokens_1x4 = jnp.zeros((1, 4), jnp.int32)
+  variables = nn.unbox(lm.init(jax.random.key(0), tokens_1x4, tokens_1x4,
+                               model_lib.init_memory(cfg, 1, 4)))
+  return lm, variables
+
+
+@functools.partial(jax.jit, static_argnames="lm")
+def _one_pass(variables, ids_1xN, *, lm):
+  nll_1xN, _, _ = lm.apply(variables, ids_1xN[:, :-1], ids_1xN[:, 1:],
+                           model_lib.init_memory(lm.cfg, 1, 0))
+  return nll_1xN[0]
+
+
+def one_pass_nll(lm, variables, ids):
+  """-ln p(ids[i] | ids[:i]) for i >= 1, the whole of `ids` read as one segment."""
+  return np.asarray(_one_pass(variables, jnp.asarray(ids, jnp.int32)[None], lm=lm),
+                    np.float64)
+
+
+def test_a_split_scores_every_target_once_with_the_memory_carried():
+  lm, variables = tiny_model()
+  tokens = np.asarray(jax.random.randint(jax.random.key(1), (NUM_TOKENS,), 0, VOCAB))
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  evaluator = stream_eval.Evaluator(lm, mesh, batch_size=BATCH, seq_len=SEQ_LEN,
+                                    mem_len=MEM_LEN)
+  scored = evaluator.score(variables, tokens)
+
+  # The second row's pass reads one token past the text (a 0), whose target it drops:
+  # both rows then compile one pass.
+  padded = np.append(tokens, 0)
+  per_row = [one_pass_nll(lm, variables, padded[:14]),
+             one_pass_nll(lm, variables, padded[13:])[:12]]
+  assert scored["tokens"] == NUM_TOKENS - 1
+  np.testing.assert_allclose(scored["nll"], np.concatenate(per_row).mean(), rtol=1e-5)
+
+  # A text: one row, its tokens' values in order.
+  whole = one_pass_nll(lm, variables, tokens)
+  log_probs = likelihood.token_log_probs(lm, variables, tokens, seq_len=SEQ_LEN,
+                                         mem_len=MEM_LEN)
+  assert log_probs.shape == (NUM_TOKENS - 1,)
+  np.testing.assert_allclose(-log_probs, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_the_metric_is_bits_per_character_or_perplexity():
+  assert stream_eval.metric_value(1.5 * math.log(2), "bpc") == pytest.approx(1.5)
+  assert stream_eval.metric_value(math.log(80.0), "ppl") == pytest.approx(80.0)
+
+
+def test_a_token_is_drawn_from_the_tempered_distribution_cut_to_its_top_k():
+  logp_V = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.06, 0.04]))
+  temperature, top_k, masked = 0.5, 3, 1
+  draws = 20000
+  keys = jax.random.split(jax.random.key(0), draws)
+  chosen = jax.jit(jax.vmap(lambda key: generation._choose(
+      logp_V, key, temperature, top_k, masked)))(keys)
+  counts = np.bincount(np.asarray(chosen), minlength=5)
+  # The masked token leaves first, then the cut keeps the top 3 of those left.
+  tempered = np.exp(np.asarray(logp_V) / temperature) * np.array([1, 0, 1, 1, 0])
+  expected = tempered / tempered.sum()
+  sigma = np.sqrt(draws * expected * (1 - expected))
+  assert counts[1] == counts[4] == 0
+  np.testing.assert_array_less(np.abs(counts - draws * expected), 4 * sigma + 1e-9)
+
+
+def test_each_new_token_is_a_fresh_draw():
+  """At a high temperature the distribution is nearly uniform: tokens drawn with a
+  fresh key each would rarely repeat, the same key each time would repeat one."""
+  lm, variables = tiny_model()
+  sampler = generation.Sampler(lm, seq_len=SEQ_LEN, mem_len=MEM_LEN, temperature=100.0)
+  generated = sampler.generate(variables, np.array([1, 2, 3]), 24, seed=0)
+  assert len(set(generated.tolist())) > VOCAB // 2
+
+
+@functools.partial(jax.jit, static_argnames="lm")
+def _log_probs(variables, ids_1xN, *, lm):
+  logp_1xNxV, _ = lm.apply(variables, ids_1xN, model_lib.init_memory(lm.cfg, 1, 0),
+                           method=lm.log_probs)
+  return logp_1xNxV[0]
+
+
+def test_greedy_generation_continues_the_prompt_as_one_pass_over_it_would():
+  """The prompt is read once, its last token by the first single-token step: each new
+  token is the argmax one pass over the prompt and the tokens so far gives."""
+  lm, variables = tiny_model()
+  # An untrained model with tied embeddings mostly predicts the token it reads;
+  # perturbed weights make the prediction depend on the context.
+  leaves, treedef = jax.tree.flatten(variables["params"])
+  keys = jax.random.split(jax.random.key(4), len(leaves))
+  variables = {"params": treedef.unflatten(
+      [x + 0.5 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])}
+  prompt = np.asarray(jax.random.randint(jax.random.key(3), (7,), 0, VOCAB))
+  sampler = generation.Sampler(lm, seq_len=SEQ_LEN, mem_len=MEM_LEN, temperature=0.0)
+  generated = sampler.generate(variables, prompt, 6)
+  # The prefix sits at the start of a buffer of fixed length (one compile): causality
+  # keeps the positions after it from changing its log-probabilities.
+  greedy = np.zeros(len(prompt) + 6, np.int32)
+  greedy[:len(prompt)] = prompt
+  for length in range(len(prompt), len(greedy)):
+    greedy[length] = np.argmax(_log_probs(variables, greedy[None], lm=lm)[length - 1])
+  np.testing.assert_array_equal(generated, greedy[len(prompt):])
