@@ -52,6 +52,17 @@ def test_word_vocab_is_by_frequency_ties_by_first_occurrence():
   assert ids.dtype == np.int32
 
 
+def test_rare_words_become_unk_but_eos_stays_and_existing_unks_are_not_counted_as_cut():
+  """A corpus that already holds <unk> (as WikiText does): the words cut are the rare
+  ones only; <eos> stays however rare (here 2 lines, min_count 3)."""
+  vocab, ids = tokenization.encode_train([['a a <unk> b a', 'a c <unk> a']])
+  vocab, ids, cut = tokenization.limit_vocab(vocab, ids, min_count=3)
+  # counts: a 5, <unk> 2 + the 2 cut (b, c), <eos> 2.
+  assert vocab == ('a', '<unk>', '<eos>')
+  assert cut == 2
+  assert ids.tolist() == [0, 0, 1, 1, 0, 2, 0, 1, 1, 0, 2]
+
+
 def test_every_line_gets_eos_and_unknown_words_become_unk():
   index = {'<eos>': 0, '<unk>': 1, 'x': 2}
   ids, unknown = tokenization.encode_lines(['x y', '', ' '], index)
