@@ -1,0 +1,77 @@
+"""What a pruning run reports as it goes, through its gate freeze: the progress lines'
+heads and groups (expected, decided, kept), the rate around the steps that compile,
+the summaries without skipped steps, and the gate history."""
+import json
+import types
+
+import numpy as np
+
+from allatt_jax.config import run_config
+from allatt_jax.model import transformer as model_lib
+from allatt_jax.runs import run_files
+from allatt_jax.training import progress
+
+GROUP = 2          # 4 groups of the 8 persistent slots of each head
+# Layer 0 closes head 1; its heads keep 4, -, 0 and 2 groups, layer 1's 3, 4, 2 and 1:
+# 7 heads and 16 groups decided, of 8 and 32.
+HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
+GROUP_LOGITS = (((2.0, 1.0, 3.0, 0.5), (-1.0, 2.0, -2.0, -3.0), (-1.0, -2.0, -0.5, -4.0),
+                 (1.0, -1.0, 2.0, -2.0)),
+                ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0), (-1.0, 2.0, 2.0, -3.0),
+                 (-1.0, -2.0, 3.0, -4.0)))
+FREEZE, NUM_STEPS = 3, 6
+
+
+def step_metrics(nll):
+  per_layer = lambda total: np.array([total / 2, total / 2], np.float32)
+  return {"loss": np.float32(nll), "nll": np.float32(nll), "grad_norm": np.float32(1.0),
+          "l0": np.float32(6.5), "lambda": np.float32(0.01),
+          "open_expected": per_layer(6.5), "open_actual": per_layer(6.0),
+          "groups_open_actual": per_layer(20.0)}
+
+
+def test_a_pruning_runs_lines_rate_summaries_and_gate_history(tmp_path, monkeypatch, capsys):
+  clock = [0.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  cfg = model_lib.ModelConfig(kind="allatt", vocab_size=11, num_layers=2, d_model=16,
+                              num_heads=4, num_persistent=8, max_relative_len=32,
+                              gated=True,
+                              gate=run_config.GatesSection(persistent_group=GROUP))
+  gates = {f"layer_{i}": {"attention": {"logits": np.array(HEAD_LOGITS[i], np.float32),
+                                        "persistent_logits": np.array(GROUP_LOGITS[i],
+                                                                      np.float32)}}
+           for i in range(2)}
+  run = progress.TrainProgress(tmp_path, cfg, num_steps=NUM_STEPS, first_step=0,
+                               tokens_per_step=64, metric="bpc", skip_nonfinite=True,
+                               gated=True, freeze_step=FREEZE)
+  # Steps 1 and 4 (the first with frozen gates) compile; step 5 is not finite.
+  seconds = {1: 30.0, 4: 20.0}
+  nll = {1: 2.0, 2: 2.0, 3: 2.0, 4: 1.0, 5: np.nan, 6: 3.0}
+  lines = {}
+  for done in range(1, NUM_STEPS + 1):
+    clock[0] += seconds.get(done, 0.5)
+    run.add(done, step_metrics(nll[done]))
+    if done in (2, FREEZE, NUM_STEPS):
+      run.log(done, run.fetch(done), gates)
+      lines[done] = capsys.readouterr().out.splitlines()[-1]
+  run.close()
+
+  # Up to the freeze step itself the gates were sampled: expected counts and decisions.
+  for done in (2, FREEZE):
+    assert "heads open 6.0/8 expected, 7 decided" in lines[done], lines[done]
+    assert "groups open 20.0/32 expected, 16 decided" in lines[done], lines[done]
+  assert "heads kept 7/8 (frozen)  groups kept 16/32 (frozen)" in lines[NUM_STEPS]
+  # The last line: steps 4 and 6 (step 5 skipped), the rate from the end of step 4.
+  bpc = 2.0 / np.log(2)
+  assert f"bpc {bpc:.4f}" in lines[NUM_STEPS] and "2.0 steps/s  ETA 0s" in lines[NUM_STEPS]
+
+  history = [json.loads(line) for line in
+             (run_files.run_path(tmp_path) / run_files.GATE_HISTORY_FILE).read_text()
+             .splitlines()]
+  assert [record["step"] for record in history] == [2, FREEZE, NUM_STEPS]
+  record = history[-1]
+  assert record["decided"] == [[1, 0, 1, 1], [1, 1, 1, 1]]
+  assert record["persistent_decided"][0][3] == [1, 0, 1, 0]    # slots 0-1 and 4-5
+  assert record["persistent_decided"][1] == [[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 0],
+                                             [0, 0, 1, 0]]
+  np.testing.assert_allclose(record["open_prob"][1], 1 / (1 + np.exp(-2.0)), rtol=1e-6)
