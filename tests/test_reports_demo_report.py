@@ -1,0 +1,105 @@
+"""The demo's report from what its stages return: the figures it derives (sparsities,
+speed-up, MAC ratios, the budget met), its summary table, and the speeds it keeps."""
+import pathlib
+import types
+
+import pytest
+
+from allatt_jax.config import config_base
+from allatt_jax.config import run_config
+from allatt_jax.evaluation import stream_eval
+from allatt_jax.reports import demo_report
+
+BASELINE = {"heads_per_layer": [4, 4], "persistent_per_layer": [32, 32],
+            "params_non_embedding": 1000, "macs_per_token_non_embedding": 4000,
+            "macs_per_token": 10000}
+# 3 heads kept of 8; 8 slots of 24 kept with them (16 more closed as groups).
+PRUNED = {"heads_per_layer": [1, 2], "persistent_per_layer": [8, 8],
+          "params_non_embedding": 500, "macs_per_token_non_embedding": 1000,
+          "macs_per_token": 7000}
+SPEED = {"baseline_tokens_per_s": 200.0, "pruned_tokens_per_s": 300.0}
+
+
+def report(**gates):
+  config = config_base.base_config()
+  config.gates.update(dict(enabled=True, persistent_group=4, **gates))
+  prune_config = run_config.RunConfig.of(config)
+  baseline = {"metric": "bpc", "valid": 2.0, "test": 1.9}
+  budget = {"allowed": 3, "groups": 4} if prune_config.gates.budget_target else None
+  pruned = {"valid": 2.25, "test": 2.15,
+            "export": {"valid": 2.2, "test": 2.1, "budget": budget, "warnings": ["w"]}}
+  compared = {"baseline": BASELINE, "pruned": PRUNED, "speed": SPEED}
+  return demo_report.build(run_config.RunConfig.of(config_base.base_config()),
+                           prune_config, pathlib.Path("/runs/demo/pruned-2"), baseline,
+                           pruned, compared)
+
+
+def test_a_budget_runs_report_derives_its_figures():
+  built = report(target_params=600.0)
+  pruned, speed = built["pruned"], built["speed"]
+  assert pruned["directory"] == "pruned-2"
+  # The exported model's scores; the gated model's beside them.
+  assert (pruned["valid"], pruned["test"]) == (2.2, 2.1)
+  assert (pruned["gated_valid"], pruned["gated_test"]) == (2.25, 2.15)
+  assert pruned["sparsity"] == pytest.approx(5 / 8)
+  assert pruned["persistent_sparsity"] == pytest.approx(48 / 64)
+  assert pruned["lambda"] is None
+  assert pruned["budget"] == {"key": "target_params", "value": 600.0, "allowed": 3,
+                              "groups": 4, "unpruned": 1000, "cost": 500}
+  assert speed["speedup"] == pytest.approx(1.5)
+  assert speed["macs_ratio"] == pytest.approx(0.7)
+  assert speed["macs_ratio_non_embedding"] == pytest.approx(0.25)
+  assert built["warnings"] == ["w"]
+
+  macs = report(target_macs=2000.0)["pruned"]["budget"]
+  assert (macs["unpruned"], macs["cost"]) == (4000, 1000)
+  fixed = report(lam=0.03)["pruned"]
+  assert fixed["lambda"] == 0.03 and fixed["budget"] is None
+
+
+def table_rows(text):
+  title, _, _, *rows = text.splitlines()
+  return title, {row.split("|")[0].strip(): [c.strip() for c in row.split("|")[1:]]
+                 for row in rows}
+
+
+def test_the_table_shows_each_size_as_a_share_and_closed_groups_only_when_there_are():
+  title, rows = table_rows(demo_report.summary_table(report(target_params=600.0)))
+  assert title == "wikitext_chars: speed-up 1.50x"
+  assert rows["params (non-emb.)"] == ["1,000", "500 (0.50)"]
+  assert rows["MACs/token (non-emb.)"] == ["4,000", "1,000 (0.25)"]
+  assert rows["MACs per token"] == ["1.00", "0.70"]
+  assert rows["head sparsity"] == ["0%", "62.5%"]
+  assert rows["persistent vectors"] == ["32 32", "8 8"]
+  assert rows["budget target_params"] == ["", "600"]
+
+  # Slots that left only with their heads (8 a head): no row of their own.
+  unchanged = report(lam=0.03)
+  unchanged["pruned"]["persistent_per_layer"] = [8, 16]
+  _, rows = table_rows(demo_report.summary_table(unchanged))
+  assert "persistent vectors" not in rows and rows["params (non-emb.)"] == ["1,000", "500"]
+
+
+def test_each_model_keeps_its_best_speed_of_alternating_runs(monkeypatch):
+  """Timed in turns after an untimed compile each: on a shared machine the best of
+  each is the least disturbed comparison."""
+  timed = {"baseline": iter([100.0, 300.0, 200.0]), "pruned": iter([250.0, 150.0, 350.0])}
+  calls = []
+
+  def evaluator(lm, mesh, config):
+    del mesh, config
+
+    def score(variables, tokens, max_batches):
+      del variables, tokens
+      calls.append((lm, max_batches))
+      speed = 0.0 if max_batches == 1 else next(timed[lm])
+      return {"tokens_per_s": speed}
+    return types.SimpleNamespace(score=score)
+
+  monkeypatch.setattr(stream_eval.Evaluator, "from_config", evaluator)
+  model = lambda name: types.SimpleNamespace(lm=name, variables=None)
+  speeds = demo_report.measure_speed(None, None, None, 5, model("baseline"),
+                                     model("pruned"))
+  assert speeds == {"baseline_tokens_per_s": 300.0, "pruned_tokens_per_s": 350.0}
+  assert calls[:2] == [("baseline", 1), ("pruned", 1)]
+  assert calls[2:] == [("baseline", 5), ("pruned", 5)] * 3
