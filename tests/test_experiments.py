@@ -134,6 +134,62 @@ def test_masked_model_equals_the_exported_one(tiny_model):
   np.testing.assert_allclose(masked, nll.mean(), rtol=1e-6)
 
 
+def test_attention_statistics_follow_their_formulas():
+  """Per head, summed over queries: entropy / log(#keys seen, context and persistent),
+  Hoyer sparsity, and the JS divergence (bits) from the mean of the layer's other heads."""
+  rng = np.random.default_rng(0)
+  mask_TxK = jnp.array([[True, True, False], [True, True, True]])
+  weights = rng.random((3, 1, 2, 4)) * np.concatenate(
+      [np.broadcast_to(np.asarray(mask_TxK), (3, 1, 2, 3)), np.ones((3, 1, 2, 1))], -1)
+  weights[1, 0, 0] = [1, 0, 0, 0]   # one-hot: entropy 0, sparsity 1
+  weights /= weights.sum(-1, keepdims=True)
+  stats = heuristics._head_statistics(jnp.asarray(weights[..., :3], jnp.float32),
+                                      jnp.asarray(weights[..., 3:], jnp.float32), mask_TxK)
+  entropy = lambda p: -sum(x * np.log(x) for x in p if x > 0)
+  expected = {"entropy": np.zeros(3), "sparsity": np.zeros(3), "distribution": np.zeros(3)}
+  for h in range(3):
+    for t, keys in enumerate((3, 4)):   # the first query sees 2 context keys and 1 slot
+      p = weights[h, 0, t]
+      others = (weights[:, 0, t].sum(0) - p) / 2
+      mean = (p + others) / 2
+      expected["entropy"][h] += entropy(p) / np.log(keys)
+      expected["sparsity"][h] += ((np.sqrt(keys) - 1 / np.linalg.norm(p))
+                                  / (np.sqrt(keys) - 1))
+      expected["distribution"][h] += (2 * entropy(mean) - entropy(p) - entropy(others)
+                                      ) / 2 / np.log(2)
+  for name, values in expected.items():
+    np.testing.assert_allclose(stats[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_entropy_removes_the_broadest_heads_and_magnitude_the_smallest(tiny_model):
+  lm, variables, segments = tiny_model
+  entropy = np.concatenate(heuristics.attention_metrics(lm, variables, segments)["entropy"])
+  removed = ~np.concatenate(heuristics.prune_mask("entropy", lm, variables, segments, 3))
+  np.testing.assert_array_equal(np.flatnonzero(removed), np.sort(np.argsort(entropy)[-3:]))
+
+  attention = variables["params"]["layer_1"]["attention"]
+  squares = sum((np.asarray(attention[name]["kernel"])[:, 2] ** 2).sum()
+                for name in ("query", "key", "value", "rel"))
+  squares += (np.asarray(attention["out"]["kernel"])[2] ** 2).sum()
+  magnitudes = heuristics.magnitudes(lm.cfg, variables["params"])
+  np.testing.assert_allclose(magnitudes[1][2], np.sqrt(squares), rtol=1e-6)
+
+
+def test_michel_rescores_under_the_mask_with_scores_normalised_per_layer(tiny_model):
+  """Michel et al.'s iterative pruning: 10% of the heads (here 2) at a time, the
+  open heads rescored under the current mask, L2-normalised within their layer."""
+  lm, variables, segments = tiny_model
+  expected = [np.ones(4, bool) for _ in range(3)]
+  for _ in range(3):
+    importance = heuristics.michel_importance(lm, variables, segments, expected)
+    scores = [s * m / np.linalg.norm(s * m) for s, m in zip(importance, expected)]
+    open_heads = [(scores[i][h], i, h) for i in range(3) for h in range(4) if expected[i][h]]
+    for _, i, h in sorted(open_heads)[:2]:
+      expected[i][h] = False
+  mask = heuristics.prune_mask("michel", lm, variables, segments, 6)
+  np.testing.assert_array_equal(np.stack(mask), np.stack(expected))
+
+
 def budget_config(**gates) -> run_config.RunConfig:
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.gates.update({"enabled": True, "lam": 0.0, **gates})
