@@ -203,6 +203,37 @@ def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
   model.save(tmp_path / "empty")          # an empty folder is as good as a new one
 
 
+def test_a_gated_model_saves_without_its_closed_heads(tmp_path):
+  """Saved as its export: closed heads cut out (kept, they would reopen in a model
+  without gates), the rest scoring as the gated model. Its log_probs start from empty
+  memory of the run's eval.mem_len positions."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.model.vocab_size = 27
+  config.gates.enabled = True
+  config.eval.mem_len = config.eval.seq_len + 3
+  run = run_config.RunConfig.of(config)
+  lm = model_lib.TransformerLM.from_config(run)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = nn.unbox(lm.init(jax.random.key(0), tokens, tokens,
+                               model_lib.init_memory(lm.cfg, 1, 1)))
+  heads = lm.cfg.layer_heads
+  variables["gates"] = {f"layer_{i}": {"attention": {"logits": jnp.asarray(
+      [-5.0 if (i, h) == (0, 1) else 5.0 for h in range(heads[i])])}}
+                        for i in range(len(heads))}
+  tokenizer = tokenization.Tokenizer("wikitext_chars", "char",
+                                     tuple(" abcdefghijklmnopqrstuvwxyz"))
+  gated = api.Model(trained_model.LoadedModel(run, lm, variables, tokenizer))
+  ids = np.arange(20) % 27
+  log_probs, memory = gated.log_probs(ids)
+  assert memory["hidden"].shape[2] == run.eval.mem_len
+
+  gated.save(tmp_path / "model")
+  saved = allatt_jax.load(tmp_path / "model")
+  assert saved.heads_per_layer == (heads[0] - 1, *heads[1:])
+  np.testing.assert_allclose(np.asarray(saved.log_probs(ids)[0]), np.asarray(log_probs),
+                             rtol=1e-5, atol=1e-5)
+
+
 def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
   model = untrained_model()          # 2 layers of 4 heads of 16 slots: groups of 4
   ids = jnp.asarray(np.arange(24) % 27)
