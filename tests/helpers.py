@@ -1,6 +1,6 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
-a coordinator."""
+a coordinator, gate logits of a model with gated persistent groups."""
 import functools
 import os
 import pathlib
@@ -24,6 +24,16 @@ from allatt_jax.config import run_config
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The gate logits of a model of 2 layers of 4 heads with 4 gated persistent groups
+# each. Heads: layer 0 closes head 1; layer 1 keeps all four. Groups (H, 4): uneven
+# open groups per head (4, 1, 0, 2 in layer 0 and 3, 4, 2, 1 in layer 1): head 2 of
+# layer 0 keeps no persistent slot.
+HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
+GROUP_LOGITS = (((2.0, 1.0, 3.0, 0.5), (-1.0, 2.0, -2.0, -3.0), (-1.0, -2.0, -0.5, -4.0),
+                 (1.0, -1.0, 2.0, -2.0)),
+                ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0), (-1.0, 2.0, 2.0, -3.0),
+                 (-1.0, -2.0, 3.0, -4.0)))
 
 
 def tiny_run():

@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import GROUP_LOGITS
+from helpers import HEAD_LOGITS
 from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
 from allatt_jax.pruning import budget
@@ -30,14 +32,6 @@ VOCAB = 41
 SEQ_LEN = 8
 GROUP = 2          # slots per group: 4 groups of the 8 slots of each head
 HARD = run_config.GatesSection(hard=True, persistent_group=GROUP)
-# Head logits: layer 0 closes head 1; layer 1 keeps all four.
-HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
-# Group logits (H, 4): uneven open groups per head (4, 1, 0, 2 in layer 0 and
-# 3, 4, 2, 1 in layer 1): head 2 of layer 0 keeps no persistent slot.
-GROUP_LOGITS = (((2.0, 1.0, 3.0, 0.5), (-1.0, 2.0, -2.0, -3.0), (-1.0, -2.0, -0.5, -4.0),
-                 (1.0, -1.0, 2.0, -2.0)),
-                ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0), (-1.0, 2.0, 2.0, -3.0),
-                 (-1.0, -2.0, 3.0, -4.0)))
 
 
 def make_cfg(gate=HARD, **overrides):

@@ -6,19 +6,16 @@ import types
 
 import numpy as np
 
+from helpers import GROUP_LOGITS
+from helpers import HEAD_LOGITS
 from allatt_jax.config import run_config
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.runs import run_files
 from allatt_jax.training import progress
 
 GROUP = 2          # 4 groups of the 8 persistent slots of each head
-# Layer 0 closes head 1; its heads keep 4, -, 0 and 2 groups, layer 1's 3, 4, 2 and 1:
-# 7 heads and 16 groups decided, of 8 and 32.
-HEAD_LOGITS = ((3.0, -4.0, 1.0, 2.0), (2.0, 2.0, 2.0, 2.0))
-GROUP_LOGITS = (((2.0, 1.0, 3.0, 0.5), (-1.0, 2.0, -2.0, -3.0), (-1.0, -2.0, -0.5, -4.0),
-                 (1.0, -1.0, 2.0, -2.0)),
-                ((1.0, 1.0, -1.0, 1.0), (1.0, 2.0, 3.0, 4.0), (-1.0, 2.0, 2.0, -3.0),
-                 (-1.0, -2.0, 3.0, -4.0)))
+# helpers' logits decide 7 heads of 8 and, of those heads, 16 groups of 32: layer 0's
+# heads keep 4, -, 0 and 2 groups, layer 1's 3, 4, 2 and 1.
 FREEZE, NUM_STEPS = 3, 6
 
 
