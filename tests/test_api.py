@@ -142,10 +142,13 @@ def test_bad_heads_are_named(model):
     model.prune_heads({0: [0, 1, 2, 3]}).prune_heads({0: [5]})
 
 
-def untrained_model() -> api.Model:
-  """The tiny demo's model, freshly initialised, with a character vocabulary."""
+def untrained_model(**sections) -> api.Model:
+  """The tiny demo's model, freshly initialised, with a character vocabulary; its
+  config's `sections` updated ({'gates': {'enabled': True}}, ...)."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.model.vocab_size = 27
+  for name, values in sections.items():
+    config[name].update(values)
   run = run_config.RunConfig.of(config)
   lm = model_lib.TransformerLM.from_config(run)
   tokens = jnp.zeros((1, 1), jnp.int32)
@@ -207,25 +210,16 @@ def test_a_gated_model_saves_without_its_closed_heads(tmp_path):
   """Saved as its export: closed heads cut out (kept, they would reopen in a model
   without gates), the rest scoring as the gated model. Its log_probs start from empty
   memory of the run's eval.mem_len positions."""
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  config.model.vocab_size = 27
-  config.gates.enabled = True
-  config.eval.mem_len = config.eval.seq_len + 3
-  run = run_config.RunConfig.of(config)
-  lm = model_lib.TransformerLM.from_config(run)
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  variables = nn.unbox(lm.init(jax.random.key(0), tokens, tokens,
-                               model_lib.init_memory(lm.cfg, 1, 1)))
-  heads = lm.cfg.layer_heads
-  variables["gates"] = {f"layer_{i}": {"attention": {"logits": jnp.asarray(
+  model = untrained_model(gates=dict(enabled=True), eval=dict(seq_len=16, mem_len=19))
+  heads = model.lm.cfg.layer_heads
+  gates = {f"layer_{i}": {"attention": {"logits": jnp.asarray(
       [-5.0 if (i, h) == (0, 1) else 5.0 for h in range(heads[i])])}}
-                        for i in range(len(heads))}
-  tokenizer = tokenization.Tokenizer("wikitext_chars", "char",
-                                     tuple(" abcdefghijklmnopqrstuvwxyz"))
-  gated = api.Model(trained_model.LoadedModel(run, lm, variables, tokenizer))
+           for i in range(len(heads))}
+  gated = api.Model(trained_model.LoadedModel(
+      model.config, model.lm, {**model.variables, "gates": gates}, model.tokenizer))
   ids = np.arange(20) % 27
   log_probs, memory = gated.log_probs(ids)
-  assert memory["hidden"].shape[2] == run.eval.mem_len
+  assert memory["hidden"].shape[2] == 19
 
   gated.save(tmp_path / "model")
   saved = allatt_jax.load(tmp_path / "model")

@@ -39,16 +39,19 @@ def tiny_model():
 
 
 @functools.partial(jax.jit, static_argnames="lm")
-def _one_pass(variables, ids_1xN, *, lm):
-  nll_1xN, _, _ = lm.apply(variables, ids_1xN[:, :-1], ids_1xN[:, 1:],
-                           model_lib.init_memory(lm.cfg, 1, 0))
-  return nll_1xN[0]
+def _log_probs(variables, ids_1xN, *, lm):
+  """Log-probabilities (N, V) of the next token at every position of one segment read
+  with no memory."""
+  logp_1xNxV, _ = lm.apply(variables, ids_1xN, model_lib.init_memory(lm.cfg, 1, 0),
+                           method=lm.log_probs)
+  return logp_1xNxV[0]
 
 
 def one_pass_nll(lm, variables, ids):
   """-ln p(ids[i] | ids[:i]) for i >= 1, the whole of `ids` read as one segment."""
-  return np.asarray(_one_pass(variables, jnp.asarray(ids, jnp.int32)[None], lm=lm),
-                    np.float64)
+  ids = np.asarray(ids, np.int32)
+  logp_NxV = np.asarray(_log_probs(variables, ids[None, :-1], lm=lm), np.float64)
+  return -logp_NxV[np.arange(len(ids) - 1), ids[1:]]
 
 
 def test_a_split_scores_every_target_once_with_the_memory_carried():
@@ -104,13 +107,6 @@ def test_each_new_token_is_a_fresh_draw():
   sampler = generation.Sampler(lm, seq_len=SEQ_LEN, mem_len=MEM_LEN, temperature=100.0)
   generated = sampler.generate(variables, np.array([1, 2, 3]), 24, seed=0)
   assert len(set(generated.tolist())) > VOCAB // 2
-
-
-@functools.partial(jax.jit, static_argnames="lm")
-def _log_probs(variables, ids_1xN, *, lm):
-  logp_1xNxV, _ = lm.apply(variables, ids_1xN, model_lib.init_memory(lm.cfg, 1, 0),
-                           method=lm.log_probs)
-  return logp_1xNxV[0]
 
 
 def test_greedy_generation_continues_the_prompt_as_one_pass_over_it_would():
