@@ -227,6 +227,8 @@ def test_split_shorter_than_an_evaluation_segment(tmp_path):
 def test_cutoffs_follow_the_vocabulary_when_not_given():
   assert adaptive.default_cutoffs('lm1b', 793_471) == (60_000, 100_000, 640_000)
   assert adaptive.default_cutoffs('wikitext103', 267_735) == (20_000, 40_000, 200_000)
+  # Published cutoffs that do not fit the vocabulary give way to its fractions.
+  assert adaptive.default_cutoffs('wikitext103', 100_000) == (7_500, 15_000, 75_000)
   assert adaptive.default_cutoffs('text_files', 10_000) == (750, 1500, 7500)
   assert adaptive.default_cutoffs('text_files', 5) == ()
   config = config_base.base_config()

@@ -12,6 +12,7 @@ import pytest
 from allatt_jax.model import adaptive
 from allatt_jax.config import errors
 from allatt_jax.model import vocab_logsumexp
+from allatt_jax.parallel import sharding
 
 D = 16
 # Name -> (vocab_size, cutoffs, div_val, tie_projs).
@@ -271,6 +272,23 @@ def test_init_scale():
     assert math.log(vocab_size) < mean_nll < math.log(vocab_size) + 1.5
 
 
+@pytest.mark.parametrize('name', ['plain', 'adaptive'])
+def test_initial_distribution_of_a_zero_hidden_state_is_uniform(name):
+  # Token biases start at 0 and each cluster's head logit at log(its size), so with
+  # h = 0 every token has probability 1/V exactly, in its own cluster too (with the
+  # cluster bias at 0, as in Transformer-XL, a tail token starts far behind).
+  module = make(name)
+  h_BxTxD, targets_BxT = inputs(module.vocab_size)
+  params = jax.jit(functools.partial(module.init, method=module.nll))(
+      jax.random.key(0), h_BxTxD, targets_BxT)
+  zeros_BxTxD = jnp.zeros_like(h_BxTxD)
+  uniform = math.log(module.vocab_size)
+  np.testing.assert_allclose(run(module, module.log_probs, params, zeros_BxTxD),
+                             -uniform, rtol=1e-6)
+  np.testing.assert_allclose(run(module, module.nll, params, zeros_BxTxD, targets_BxT),
+                             uniform, rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_bfloat16_nll_is_float32_and_close():
   module = make('adaptive')
@@ -400,14 +418,34 @@ def test_tail_capacity_rounds_up_to_eight_rows_within_the_group():
   assert vocab_logsumexp.tail_capacity(20, 0.6, 2.0) == 20
 
 
+def test_a_tail_gathers_within_each_batch_shard_of_the_mesh():
+  # One group of rows per device of the batch axis, so that no gather crosses devices;
+  # a batch the axis does not divide is one group.
+  mesh = jax.sharding.AbstractMesh((2, 3), sharding.MESH_AXES)
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
+    assert vocab_logsumexp.batch_shards(4) == 2
+    assert vocab_logsumexp.batch_shards(3) == 1
+  assert vocab_logsumexp.batch_shards(4) == 1
+
+
 def test_cluster_fractions_count_and_zipf_estimate():
   bounds = adaptive.cluster_bounds(10, (2, 5))
-  assert vocab_logsumexp.cluster_fractions(np.asarray([0, 1, 1, 3, 9]), bounds) == (
+  # Each cluster's first id counts in it: 2 and 5 are the cutoffs.
+  assert vocab_logsumexp.cluster_fractions(np.asarray([0, 1, 1, 2, 5]), bounds) == (
       0.6, 0.2, 0.2)
   harmonic = [sum(1 / r for r in range(1, n + 1)) for n in (2, 5, 10)]
   np.testing.assert_allclose(
       vocab_logsumexp.zipf_fractions(bounds),
       np.diff([0.0, *harmonic]) / harmonic[-1], rtol=1e-12)
+
+
+def test_bfloat16_logits_are_summed_and_returned_in_float32():
+  # 1 + 2**-9 is exact in float32; bfloat16 (8 bits of mantissa) rounds it to 1.
+  h_NxK = jnp.asarray([[1.0, 2.0**-9]], jnp.bfloat16)
+  table_VxK = jnp.ones((1, 2), jnp.float32)
+  logits_NxV = vocab_logsumexp.logits(h_NxK, table_VxK, jnp.zeros((1,)), jnp.bfloat16)
+  assert logits_NxV.dtype == jnp.float32
+  assert float(logits_NxV[0, 0]) == 1.0 + 2.0**-9
 
 
 def test_block_rows_from_the_device_unless_set():
