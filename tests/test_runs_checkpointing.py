@@ -1,0 +1,128 @@
+"""A run's checkpoints, on small states made without a model: which step restores, what
+it restores, and what happens to a damaged one (test_runs_checkpoint_fallback.py does
+the same on trained runs, in the slow tier)."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_bit_identical
+from allatt_jax.runs import checkpointing
+from allatt_jax.training import train_step
+from allatt_jax.config.errors import CheckpointError
+
+STEPS = (2, 4, 6)
+
+
+def state_of(step: int, teacher: bool = False) -> train_step.TrainState:
+  """A train state whose every value says which step it belongs to."""
+  value = lambda shape: jnp.full(shape, step, jnp.float32) + jnp.arange(
+      np.prod(shape), dtype=jnp.float32).reshape(shape)
+  return train_step.TrainState(
+      step=jnp.asarray(step, jnp.int32),
+      variables={"params": {"layer": {"kernel": value((3, 2))}}, "gates": {"logits": value((4,))}},
+      opt_state={"mu": value((3, 2))}, memory={"hidden": value((1, 2, 2))},
+      teacher={"params": {"layer": {"kernel": -value((3, 2))}}} if teacher else None)
+
+
+def data_state_of(step: int) -> dict:
+  return {"position": 10 * step, "epoch": step // 4, "row_length": 99}
+
+
+def abstract(state):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
+
+
+def saved_run(workdir, teacher: bool = False):
+  with checkpointing.RunCheckpoints(workdir, keep=10, async_save=False) as checkpoints:
+    for step in STEPS:
+      checkpoints.save(step, state_of(step, teacher), data_state_of(step), force=True)
+  return workdir
+
+
+def garble_metadata(workdir, step: int) -> None:
+  (workdir / "checkpoints" / str(step) / "state" / "_METADATA").write_bytes(b"\xff not json")
+
+
+def test_the_newest_checkpoint_restores_with_its_data_position(tmp_path):
+  workdir = saved_run(tmp_path)
+  with checkpointing.RunCheckpoints(workdir) as checkpoints:
+    assert checkpoints.steps() == [6, 4, 2]
+    step, state, data_state = checkpoints.restore_newest(abstract(state_of(0)))
+  assert step == 6
+  assert_bit_identical(state, state_of(6))
+  assert data_state == data_state_of(6)
+  assert checkpointing.latest_finished_step(workdir) == 6
+
+
+def test_a_teacher_restores_with_the_state(tmp_path):
+  workdir = saved_run(tmp_path, teacher=True)
+  with checkpointing.RunCheckpoints(workdir) as checkpoints:
+    _, state, _ = checkpoints.restore_newest(abstract(state_of(0, teacher=True)))
+  assert_bit_identical(state.teacher, state_of(6, teacher=True).teacher)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_an_older_one_restores(tmp_path,
+                                                                            caplog):
+  workdir = saved_run(tmp_path)
+  garble_metadata(workdir, 6)
+  with caplog.at_level(logging.WARNING):
+    assert checkpointing.read_variables(workdir)[1] == 4   # readers move nothing
+    with checkpointing.RunCheckpoints(workdir, async_save=False) as checkpoints:
+      assert checkpoints.newest_state_shapes()[0] == 4
+      step, state, data_state = checkpoints.restore_newest(abstract(state_of(0)))
+      assert (step, data_state) == (4, data_state_of(4))
+      assert_bit_identical(state, state_of(4))
+      # A resumed run saves step 6 again, and a second damage of it is kept too.
+      checkpoints.save(6, state_of(6), data_state_of(6), force=True)
+  aside = workdir / checkpointing.UNREADABLE_DIR
+  assert [p.name for p in aside.iterdir()] == ["6"]
+  assert f"moved the unreadable checkpoint of step 6 to {aside / '6'}" in caplog.text
+  garble_metadata(workdir, 6)
+  with checkpointing.RunCheckpoints(workdir, async_save=False) as checkpoints:
+    assert checkpoints.restore_newest(abstract(state_of(0)))[0] == 4
+  assert sorted(p.name for p in aside.iterdir()) == ["6", "6-1"]
+
+
+def test_a_step_is_read_as_asked_or_refused(tmp_path):
+  workdir = saved_run(tmp_path)
+  variables, step = checkpointing.read_variables(workdir, 2)
+  assert step == 2
+  assert_bit_identical(variables, jax.device_get(state_of(2).variables))
+  with pytest.raises(CheckpointError, match=r"No checkpoint of step 5 in .*; it holds "
+                     r"steps \[2, 4, 6\]\. Choose one of those\."):
+    checkpointing.read_variables(workdir, 5)
+  garble_metadata(workdir, 6)
+  with pytest.raises(CheckpointError, match=r"Checkpoint .*/checkpoints/6 is unreadable "
+                     r"\(.*\)\. Leave out the step"):
+    checkpointing.read_variables(workdir, 6)
+
+
+def test_an_export_has_no_steps_and_its_shapes_are_its_params(tmp_path):
+  params = jax.device_get(state_of(3).variables["params"])
+  checkpointing.save_params(tmp_path, params)
+  variables, step = checkpointing.read_variables(tmp_path)
+  assert step is None
+  assert_bit_identical(variables, {"params": params})
+  with pytest.raises(CheckpointError, match="is an exported model: it has one set of "
+                     "parameters, no steps"):
+    checkpointing.read_variables(tmp_path, 2)
+  assert checkpointing.model_param_shapes(tmp_path, "variables/params/") == (
+      None, {"variables/params/layer/kernel": (3, 2)})
+
+
+def test_a_runs_param_shapes_leave_out_the_rest_of_its_state(tmp_path):
+  workdir = saved_run(tmp_path)
+  assert checkpointing.model_param_shapes(workdir, "variables/params/") == (
+      6, {"variables/params/layer/kernel": (3, 2)})
+
+
+def test_a_run_without_checkpoints_says_so(tmp_path):
+  with pytest.raises(CheckpointError, match=r"No checkpoint in .*/checkpoints\. Train the "
+                     "run first"):
+    checkpointing.latest_finished_step(tmp_path)
+  with pytest.raises(CheckpointError, match=r"No checkpoint in .*/checkpoints\."):
+    checkpointing.read_variables(tmp_path)
