@@ -1,6 +1,6 @@
 """A run's checkpoints, on small states made without a model: which step restores, what
 it restores, and what happens to a damaged one (test_runs_checkpoint_fallback.py does
-the same on trained runs, in the slow tier)."""
+the same on trained runs, in the slow tier); and the model a workdir loads as."""
 import logging
 
 import jax
@@ -8,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 from helpers import assert_bit_identical
+from allatt_jax.config import run_config
+from allatt_jax.data import tokenization
 from allatt_jax.runs import checkpointing
+from allatt_jax.runs import run_files
+from allatt_jax.runs import trained_model
 from allatt_jax.training import train_step
 from allatt_jax.config.errors import CheckpointError
 
@@ -126,3 +131,22 @@ def test_a_run_without_checkpoints_says_so(tmp_path):
     checkpointing.latest_finished_step(tmp_path)
   with pytest.raises(CheckpointError, match=r"No checkpoint in .*/checkpoints\."):
     checkpointing.read_variables(tmp_path)
+
+
+def test_a_workdir_loads_as_the_model_of_a_step_with_its_own_tokenizer(tmp_path):
+  workdir = saved_run(tmp_path)
+  config = helpers.tiny_run()
+  config.data.name = "text8"      # never read: the model has its tokenizer
+  config.model.vocab_size = 27
+  run_files.save_config(workdir, run_config.RunConfig.of(config))
+  alphabet = tuple(tokenization.TEXT8_ALPHABET)
+  run_files.save_tokenizer(workdir, tokenization.Tokenizer("text8", "char", alphabet).to_dict())
+  model = trained_model.load(workdir)
+  assert (model.step, model.tokenizer.vocab, model.lm.cfg.vocab_size) == (6, alphabet, 27)
+  assert_bit_identical(model.variables, state_of(6).variables)
+  assert trained_model.load(workdir, step=2).step == 2
+  run_files.save_tokenizer(workdir, tokenization.Tokenizer("text8", "char",
+                                                           alphabet[:-1]).to_dict())
+  with pytest.raises(CheckpointError, match=r"has a vocabulary of 27 but its tokenizer "
+                     r"\(dataset 'text8'\) has 26 types"):
+    trained_model.load(workdir)

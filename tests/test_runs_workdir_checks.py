@@ -310,6 +310,20 @@ def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
       tmp_path / "report-2.json", tmp_path / "gates-2.png")
 
 
+def test_a_pipelines_workdir_is_refused_naming_its_runs_in_the_order_made(tmp_path):
+  config = run_config.RunConfig.of(tiny_config())
+  for name in ("baseline", "pruned", "pruned-10", "pruned-2"):
+    run_files.save_config(tmp_path / name, config)
+  (tmp_path / "pruned-3").mkdir()       # a stage that saved nothing yet
+  assert [p.name for p in run_files.pruning_stages(tmp_path)] == [
+      "pruned", "pruned-2", "pruned-10"]
+  with pytest.raises(CheckpointError) as raised:
+    run_files.load_config(tmp_path)
+  assert str(raised.value).endswith(
+      "It is a pipeline's workdir: its runs are baseline/, pruned/, pruned-2/ and "
+      "pruned-10/ in it.")
+
+
 def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_trains():
   """Settings of how a run is computed, evaluated, saved and placed (RESUMABLE, its
   wildcards included) may change on a resume; what it trains may not."""
@@ -456,9 +470,12 @@ def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch
 def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
   """A run saved without the official-recipe keys describes the model it trained."""
   saved = json.loads(tiny_config().to_json_best_effort())
+  saved["gates"]["l0_warmup_steps"] = 7
   for section, keys in (("model", ("same_length_keys", "out_bias", "layer_norm_eps",
-                                   "final_norm", "persistent_content_bias")),
-                        ("gates", ("open_at_zero", "lr_multiplier")),
+                                   "final_norm", "persistent_content_bias",
+                                   "auto_cutoffs")),
+                        ("gates", ("open_at_zero", "lr_multiplier", "budget_sharpness",
+                                   "budget_warmup_steps")),
                         ("train", ("optimizer", "lamb_eps", "lamb_max_weight_norm",
                                    "weight_decay_exclude"))):
     for key in keys:
@@ -467,9 +484,15 @@ def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
   config = run_files.load_config(tmp_path)
   cfg = model_lib.ModelConfig.from_config(config)
   assert (cfg.out_bias, cfg.final_norm, cfg.persistent_content_bias, cfg.layer_norm_eps,
-          cfg.same_length_keys, cfg.gate.open_at_zero) == (
-              False, True, True, 1e-6, "mem_len", False)
-  assert config.train.optimizer == "optax_lamb" and config.gates.lr_multiplier == 1.0
+          cfg.same_length_keys, cfg.gate.open_at_zero, cfg.auto_cutoffs) == (
+              False, True, True, 1e-6, "mem_len", False, False)
+  train = config.train
+  assert (train.optimizer, train.lamb_eps, train.lamb_max_weight_norm,
+          train.weight_decay_exclude) == ("optax_lamb", 1e-6, None, ())
+  # A budget's target warmed up with λ's schedule then.
+  gates = config.gates
+  assert (gates.lr_multiplier, gates.budget_sharpness, gates.budget_warmup_steps) == (
+      1.0, 1.0, 7)
   # A config that has the keys keeps its own values.
   (tmp_path / run_files.CONFIG_FILE).write_text(tiny_config().to_json_best_effort())
   assert model_lib.ModelConfig.from_config(run_files.load_config(tmp_path)).out_bias
