@@ -241,6 +241,31 @@ def exp_chars_plan(**changes) -> dict:
   return {**values, **changes}
 
 
+def test_the_ablation_table_compares_each_variant_with_full_seed_by_seed(tmp_path):
+  # Test values per (variant, seed), made up: what the table makes of finished runs.
+  tests = {"full": (30.0, 31.0), "no_warmup": (30.5, 31.0), "no_init": (31.0, 31.0),
+           "no_scaling": (29.0, 33.0), "vanilla": (31.5, 33.0)}
+
+  def l0(lam, seed, variant):
+    assert lam == plan.ablation_lambda
+    return runs_lib.Record(f"{variant}_s{seed}", "l0", "ppl", 0.0, tests[variant][seed],
+                           [3, 1] if variant == "full" else [2, 1], [0, 0], 1, 1.0, 8,
+                           0.0, {"seed": seed})
+
+  plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1]))
+  experiment = types.SimpleNamespace(
+      plan=plan, workdir=tmp_path, l0=l0,
+      base_model=types.SimpleNamespace(layer_heads=(4, 4)))
+  rows = suites.ablation(experiment).markdown.splitlines()[2:]
+  # Δ is each seed's change from full's run of the same seed: mean ± sample sd.
+  assert rows == [
+      "| full | warm-up, π=2, scaling | 50.0% | 30.500 ± 0.707 | - | - |",
+      "| no_warmup | π=2, scaling | 62.5% | 30.750 ± 0.354 | +0.250 ± 0.354 | +0.12 |",
+      "| no_init | warm-up, scaling | 62.5% | 31.000 ± 0.000 | +0.500 ± 0.707 | +0.61 |",
+      "| no_scaling | warm-up, π=2 | 62.5% | 31.000 ± 2.828 | +0.500 ± 2.121 | +1.25 |",
+      "| vanilla | none | 62.5% | 32.250 ± 1.061 | +1.750 ± 0.354 | +1.48 |"]
+
+
 def test_the_plan_is_typed_and_read_only():
   plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1], lambdas=(1, 0.5)))
   assert plan.seeds == (0, 1) and plan.lambdas == (1.0, 0.5)
