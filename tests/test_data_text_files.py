@@ -1,4 +1,5 @@
 """Your own text (text_files), Penn Treebank and One Billion Word, on corpora written here."""
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ from allatt_jax.runs import run_files
 from allatt_jax.runs import trained_model
 from allatt_jax.runs import workdir_checks
 from allatt_jax.data import corpus as corpus_lib
+from allatt_jax.data import encoding
 from allatt_jax.data import specs
 from allatt_jax.data import builder
 from allatt_jax.data import sources
@@ -140,6 +142,14 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
   assert len(tfds_prepares) == 3
 
 
+def test_the_unk_rule_is_part_of_what_a_prepared_dataset_is_reused_for():
+  # A release that changed whether a vocabulary gets <unk> must not read the ids
+  # prepared under the other rule.
+  spec = specs.resolve('text_files', level='word')
+  assert spec.add_unk
+  assert encoding.settings(spec) != encoding.settings(dataclasses.replace(spec, add_unk=False))
+
+
 def test_preparing_names_the_folder_it_writes(tmp_path, caplog):
   with caplog.at_level(logging.INFO):
     load(tmp_path)
@@ -186,12 +196,13 @@ def test_non_utf8_names_the_byte_offset_and_suggests_bytes(tmp_path):
   assert load(tmp_path, (data, VALID, TEST), level='byte').splits['train'].size == 70_002
 
 
-@pytest.mark.parametrize('options, match', [
-    (dict(level='char', max_vocab=3), r'different characters, more than data.max_vocab=3'),
-])
-def test_vocabulary_over_max_vocab_without_unk(tmp_path, options, match):
-  with pytest.raises(DataError, match=match):
-    load(tmp_path, **options)
+def test_characters_over_max_vocab_are_refused_and_up_to_it_kept(tmp_path):
+  # Characters have no <unk> to map the rest to.
+  texts = ('abc', 'ab', 'ca')
+  with pytest.raises(DataError, match=r'the text has 3 different characters, more than '
+                     r'data.max_vocab=2'):
+    load(tmp_path / 'over', texts, level='char', max_vocab=2)
+  assert load(tmp_path / 'at', texts, level='char', max_vocab=3).vocab == ('a', 'b', 'c')
 
 
 @pytest.mark.parametrize('name, options, match', [
