@@ -241,6 +241,31 @@ def exp_chars_plan(**changes) -> dict:
   return {**values, **changes}
 
 
+def test_the_lambda_table_compares_each_lambda_with_the_continued_baseline(tmp_path):
+  def record(name, kind, valid, test, heads, params):
+    return runs_lib.Record(name, kind, "ppl", valid, test, heads, [0, 0], params, 1.0, 8,
+                           0.0)
+
+  # Made up, as a finished experiment's runs would give them.
+  continued = {0: record("continued_s0", "continued", 29.0, 30.0, [4, 4], 1000),
+               1: record("continued_s1", "continued", 31.0, 32.0, [4, 4], 1000)}
+  pruned = {(0.5, 0): record("l0_s0", "l0", 30.0, 31.5, [2, 2], 600),
+            (0.5, 1): record("l0_s1", "l0", 31.0, 32.5, [3, 2], 700)}
+  plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1], lambdas=[0.5]))
+  base = run_config.RunConfig.of(config_base.load(ROOT / "configs" / "exp_chars.py", "tiny"))
+  experiment = types.SimpleNamespace(
+      plan=plan, workdir=tmp_path, base=base,
+      base_model=model_lib.ModelConfig(vocab_size=VOCAB, num_layers=2, d_model=16,
+                                       num_heads=4, max_relative_len=16),
+      baseline=lambda: record("baseline", "baseline", 28.0, 29.0, [4, 4], 1000),
+      continued=continued.get, l0=lambda lam, seed: pruned[lam, seed])
+  rows = suites.lambda_sweep(experiment).markdown.splitlines()[2:5]
+  assert rows == [
+      "| baseline | - | 0% | 1,000 | 28.000 | 29.000 | - |",
+      "| continued | 0 | 0% | 1,000 | 30.000 ± 1.414 | 31.000 ± 1.414 | - |",
+      "| L0 pruned | 0.5 | 43.8% | 650 | 30.500 ± 0.707 | 32.000 ± 0.707 | +1.000 |"]
+
+
 def test_the_ablation_table_compares_each_variant_with_full_seed_by_seed(tmp_path):
   # Test values per (variant, seed), made up: what the table makes of finished runs.
   tests = {"full": (30.0, 31.0), "no_warmup": (30.5, 31.0), "no_init": (31.0, 31.0),
