@@ -322,6 +322,8 @@ def test_offline_without_manual_dir_fails_fast_with_both_fixes(tmp_path, monkeyp
     ('wiki.valid.tokens', b'', 'is empty'),
     ('wiki.valid.tokens', b' \n = T = \n the end', 'truncated'),
     ('wiki.valid.tokens', b'just some text\nwithout titles\n', 'not a WikiText file'),
+    # Cut from the middle of an article: a section heading is not a title.
+    ('wiki.valid.tokens', b' = = History = = \n the end .\n', 'not a WikiText file'),
 ])
 def test_bad_wikitext_file_is_named(tmp_path, name, content, match):
   data_fixtures.tiny_wikitext(tmp_path / 'raw')
@@ -333,6 +335,9 @@ def test_bad_wikitext_file_is_named(tmp_path, name, content, match):
 def test_bad_text8_and_enwik8_files(tmp_path):
   data_fixtures.write_text8(tmp_path / 't8', 'Not Lowercase text')
   with pytest.raises(DataError, match="'text8'.*'N'.*only lowercase"):
+    data.load_corpus('text8', tmp_path / 'data', tmp_path / 't8')
+  data_fixtures.write_text8(tmp_path / 't8', 'text in\ntwo lines')   # text8 is one line
+  with pytest.raises(DataError, match="'text8'.*only lowercase a-z and spaces"):
     data.load_corpus('text8', tmp_path / 'data', tmp_path / 't8')
   data_fixtures.write_enwik8(tmp_path / 'e8', b'<html>' + b'x' * 100)
   with pytest.raises(DataError, match="'enwik8'.*not an XML dump"):

@@ -196,6 +196,16 @@ def test_non_utf8_names_the_byte_offset_and_suggests_bytes(tmp_path):
   assert load(tmp_path, (data, VALID, TEST), level='byte').splits['train'].size == 70_002
 
 
+def test_the_offset_of_a_bad_byte_counts_a_character_split_between_reads(tmp_path,
+                                                                          monkeypatch):
+  # Read 4,096 bytes at a time, the first read ends inside 'é' (bytes 4,095-4,096),
+  # which the decoder holds back into the second; the bad byte is at 4,197.
+  monkeypatch.setattr(sources, '_HASH_BLOCK', 4096)
+  data = ('x' * 4095 + 'é' + 'x' * 100).encode('utf-8') + b'\xc3\n'
+  with pytest.raises(DataError, match=r'byte offset 4,197 '):
+    load(tmp_path, (data, VALID, TEST), level='char')
+
+
 def test_characters_over_max_vocab_are_refused_and_up_to_it_kept(tmp_path):
   # Characters have no <unk> to map the rest to.
   texts = ('abc', 'ab', 'ca')
