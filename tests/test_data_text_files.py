@@ -142,6 +142,28 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
   assert len(tfds_prepares) == 3
 
 
+def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
+  folder = tmp_path / 'text'
+  folder.mkdir()
+  (folder / 'train.txt').write_text('the cat sat on the mat\n' * 40)
+  (folder / 'valid.txt').write_text('the dog sat on the rug\n' * 10)
+  (folder / 'test.txt').write_text('the cat sat on the hat\n' * 10)
+  config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
+  config.data.update(dict(name='text_files', manual_dir=str(folder), level='word',
+                          data_dir=str(tmp_path / 'tfds')))
+  with caplog.at_level(logging.WARNING):
+    assembly.completed_config(assembly.checked_config(config))
+  [message] = [r.getMessage() for r in caplog.records if '<unk>' in r.getMessage()]
+  assert ('<unk> never occurs in the train split but 20 times in valid and 10 in test'
+          in message and '--config.data.min_count=2' in message)
+  caplog.clear()
+  config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
+  (folder / 'train.txt').write_text('the cat sat on the mat\n' * 40 + 'a rare word\n')
+  with caplog.at_level(logging.WARNING):
+    assembly.completed_config(assembly.checked_config(config))
+  assert not [r for r in caplog.records if '<unk>' in r.getMessage()]
+
+
 def test_the_unk_rule_is_part_of_what_a_prepared_dataset_is_reused_for():
   # A release that changed whether a vocabulary gets <unk> must not read the ids
   # prepared under the other rule.

@@ -2,7 +2,6 @@
 pipeline, stage reuse and the refusal of a run with changed settings."""
 import dataclasses
 import json
-import logging
 import pathlib
 import re
 import shutil
@@ -431,28 +430,6 @@ def test_vocab_size_comes_from_the_dataset_and_a_wrong_one_names_the_right(data)
   assert completed.model.vocab_size == corpus.vocab_size == 27
   with pytest.raises(ConfigError, match=r"set --config.model.vocab_size=27, or 0"):
     assembly.completed_config(run_config.derived_run(config, model=dict(vocab_size=30)))
-
-
-def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
-  folder = tmp_path / "text"
-  folder.mkdir()
-  (folder / "train.txt").write_text("the cat sat on the mat\n" * 40)
-  (folder / "valid.txt").write_text("the dog sat on the rug\n" * 10)
-  (folder / "test.txt").write_text("the cat sat on the hat\n" * 10)
-  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
-  config.data.update(dict(name="text_files", manual_dir=str(folder), level="word",
-                          data_dir=str(tmp_path / "tfds")))
-  with caplog.at_level(logging.WARNING):
-    assembly.completed_config(assembly.checked_config(config))
-  [message] = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
-  assert ("<unk> never occurs in the train split but 20 times in valid and 10 in test"
-          in message and "--config.data.min_count=2" in message)
-  caplog.clear()
-  config.data.min_count = 2          # 'on', 'mat' ... seen 40 times; none once
-  (folder / "train.txt").write_text("the cat sat on the mat\n" * 40 + "a rare word\n")
-  with caplog.at_level(logging.WARNING):
-    assembly.completed_config(assembly.checked_config(config))
-  assert not [r for r in caplog.records if "<unk>" in r.getMessage()]
 
 
 def test_controller_settings_count_only_for_a_budget_run():
