@@ -1,6 +1,7 @@
 """A run's checkpoints, on small states made without a model: which step restores, what
 it restores, and what happens to a damaged one (test_runs_checkpoint_fallback.py does
-the same on trained runs, in the slow tier); and the model a workdir loads as."""
+the same on trained runs, in the slow tier); the model a workdir loads as, and the
+dataset it is read with."""
 import logging
 
 import jax
@@ -17,6 +18,7 @@ from allatt_jax.runs import run_files
 from allatt_jax.runs import trained_model
 from allatt_jax.training import train_step
 from allatt_jax.config.errors import CheckpointError
+from allatt_jax.config.errors import DataError
 
 STEPS = (2, 4, 6)
 
@@ -150,3 +152,28 @@ def test_a_workdir_loads_as_the_model_of_a_step_with_its_own_tokenizer(tmp_path)
   with pytest.raises(CheckpointError, match=r"has a vocabulary of 27 but its tokenizer "
                      r"\(dataset 'text8'\) has 26 types"):
     trained_model.load(workdir)
+
+
+def text_folder(folder, train: str):
+  folder.mkdir(parents=True)
+  for name, text in (("train.txt", train), ("valid.txt", "the cat sat\n"),
+                     ("test.txt", "a cat ran on\n")):
+    (folder / name).write_text(text)
+  return folder
+
+
+def test_a_models_dataset_must_have_the_vocabulary_it_was_trained_with(tmp_path):
+  config = helpers.tiny_run()
+  config.data.update(dict(name="text_files", level="word", data_dir=str(tmp_path / "data"),
+                          manual_dir=str(text_folder(tmp_path / "raw", "the cat sat on\n"))))
+  config.eval.seq_len = 2
+  run_files.save_config(tmp_path / "run", run_config.RunConfig.of(config))
+  corpus = trained_model.load_dataset(tmp_path / "run")
+  run_files.save_tokenizer(tmp_path / "run", corpus.tokenizer.to_dict())
+  assert trained_model.load_dataset(tmp_path / "run").vocab == corpus.vocab
+  # The files moved, and were edited on the way.
+  moved = text_folder(tmp_path / "moved", "the cat sat on a mat\n")
+  with pytest.raises(DataError, match=rf"Dataset 'text_files' read from {moved} has another "
+                     rf"vocabulary \({corpus.vocab_size + 2} types\) than the model in .*run "
+                     rf"was trained with \({corpus.vocab_size}\): its scores would mean nothing"):
+    trained_model.load_dataset(tmp_path / "run", manual_dir=str(moved))
