@@ -29,7 +29,8 @@ def state_of(step: int, teacher: bool = False) -> train_step.TrainState:
       np.prod(shape), dtype=jnp.float32).reshape(shape)
   return train_step.TrainState(
       step=jnp.asarray(step, jnp.int32),
-      variables={"params": {"layer": {"kernel": value((3, 2))}}, "gates": {"logits": value((4,))}},
+      variables={"params": {"layer": {"kernel": value((3, 2))}},
+                 "gates": {"logits": value((4,))}},
       opt_state={"mu": value((3, 2))}, memory={"hidden": value((1, 2, 2))},
       teacher={"params": {"layer": {"kernel": -value((3, 2))}}} if teacher else None)
 
