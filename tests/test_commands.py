@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -222,6 +223,23 @@ def test_advice_is_spelled_in_the_commands_own_flags():
       "Dataset 'x' not found. Pass it with --manual_dir=DIR.")
   assert cli.advice_for_command(message, {}, "Or this.") == (
       "Dataset 'x' not found. Or this.")
+  # A sentence naming a key the command can set beside one it cannot goes too.
+  assert cli.advice_for_command(
+      "Bad data. Set --config.data.manual_dir=DIR and --config.model.vocab_size=0.",
+      {"data.manual_dir": "--manual_dir"}) == "Bad data."
+
+
+def test_a_stray_argument_is_one_error_line():
+  result = command("allatt_jax.sample", "--checkpoint=x", "--prompt=the", "stray")
+  assert_one_error_line(result, "unexpected arguments ['stray']", "--name=value")
+
+
+def test_help_is_a_success_that_prints_the_commands_docstring(capsys):
+  command_module = types.ModuleType("allatt_jax.some_command", "Does something.")
+  with pytest.raises(SystemExit) as raised:
+    cli._parse_flags(command_module, ["some_command", "--helpshort"])  # pylint: disable=protected-access
+  assert raised.value.code == 0
+  assert capsys.readouterr().out.startswith("Does something.\nflags:\n")
 
 
 def test_experiments_missing_required_flag(tmp_path):
