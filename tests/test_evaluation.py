@@ -1,10 +1,13 @@
 """The evaluation folder on an untrained model, in the fast tier: a stream scored with
 memory against one pass over each row (every target once, padding left out, the
-metric in the corpus's unit); the sampler's law (temperature, top k, a fresh draw per
+metric in the corpus's unit); a scored text's summary and per-token file; the sampler's law (temperature, top k, a fresh draw per
 token) and its reading of the prompt. test_evaluation_score_sample.py has the
 commands on a trained model."""
+import dataclasses
 import functools
+import json
 import math
+import types
 
 import flax.linen as nn
 import jax
@@ -15,8 +18,11 @@ import pytest
 from allatt_jax.evaluation import generation
 from allatt_jax.evaluation import likelihood
 from allatt_jax.evaluation import stream_eval
+from allatt_jax.config import errors
+from allatt_jax.data import tokenization
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.parallel import sharding
+from allatt_jax.runs import trained_model
 
 VOCAB = 23
 # 26 tokens: 25 targets in 2 rows of 13 and 12, read in segments of 4: the last
@@ -77,6 +83,33 @@ def test_a_split_scores_every_target_once_with_the_memory_carried():
                                          mem_len=MEM_LEN)
   assert log_probs.shape == (NUM_TOKENS - 1,)
   np.testing.assert_allclose(-log_probs, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_texts_summary_counts_its_scored_tokens_and_a_word_models_unknown_words():
+  lm, variables = tiny_model()
+  config = types.SimpleNamespace(eval=types.SimpleNamespace(seq_len=SEQ_LEN, mem_len=MEM_LEN))
+  words = tokenization.Tokenizer("text_files", "word",
+                                 ("<eos>", "<unk>", *(f"w{i}" for i in range(VOCAB - 2))))
+  model = trained_model.LoadedModel(config, lm, variables, words)
+  summary, ids, log_probs = likelihood.score_text(model, "w1 w2 zebra w3")
+  nll = -log_probs.mean()
+  assert len(log_probs) == len(ids) - 1     # the first token is context only
+  assert summary == {"tokens": len(ids) - 1, "ppl": pytest.approx(math.exp(nll)),
+                     "nll": pytest.approx(nll), "unk": 1}
+  chars = tokenization.Tokenizer("text_files", "char", tuple("abcdefghijklmnopqrstuvw"))
+  summary = likelihood.score_text(dataclasses.replace(model, tokenizer=chars), "abcz")[0]
+  assert summary["tokens"] == 2 and set(summary) == {"tokens", "bpc", "nll"}
+  with pytest.raises(errors.DataError, match=r"The text has 1 token\(s\) in the vocabulary "
+                     r"of dataset 'text_files'; scoring needs at least 2"):
+    likelihood.score_text(dataclasses.replace(model, tokenizer=chars), "az")
+
+
+def test_token_log_probs_are_written_from_position_1(tmp_path):
+  likelihood.write_token_log_probs(tmp_path / "t.jsonl", ("a", "b", "c"),
+                                   np.array([2, 0, 1]), np.array([-0.5, -1.5]))
+  assert [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()] == [
+      {"position": 1, "token": "a", "log_prob": -0.5},
+      {"position": 2, "token": "b", "log_prob": -1.5}]
 
 
 def test_the_metric_is_bits_per_character_or_perplexity():
