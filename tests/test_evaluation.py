@@ -1,8 +1,8 @@
 """The evaluation folder on an untrained model, in the fast tier: a stream scored with
 memory against one pass over each row (every target once, padding left out, the
-metric in the corpus's unit); a scored text's summary and per-token file; the sampler's law (temperature, top k, a fresh draw per
-token) and its reading of the prompt. test_evaluation_score_sample.py has the
-commands on a trained model."""
+metric in the corpus's unit); a scored text's summary and per-token file; the
+sampler's law (temperature, top k, a fresh draw per token) and its reading of the
+prompt. test_evaluation_score_sample.py has the commands on a trained model."""
 import dataclasses
 import functools
 import json
