@@ -7,6 +7,18 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'data'
 WIKITEXT_FILES = ('wiki.train.tokens', 'wiki.valid.tokens', 'wiki.test.tokens')
 
 
+TEXT_FILES = ('train.txt', 'valid.txt', 'test.txt')
+
+
+def write_text_files(directory: pathlib.Path, texts, names=TEXT_FILES) -> pathlib.Path:
+  """`directory` holding one file per split, as dataset text_files reads them: each
+  text (str, written as UTF-8, or bytes) under its name."""
+  directory.mkdir(parents=True, exist_ok=True)
+  for name, text in zip(names, texts):
+    (directory / name).write_bytes(text if isinstance(text, bytes) else text.encode('utf-8'))
+  return directory
+
+
 def wikitext_article(title: str, paragraphs: list[str]) -> list[str]:
   """Lines of one article as WikiText stores them (lines start with a space)."""
   lines = [' ', f' = {title} = ', ' ']

@@ -16,6 +16,7 @@ import types
 
 import pytest
 
+import data_fixtures
 import helpers
 from allatt_jax.runs import checkpointing
 from allatt_jax.config import cli
@@ -163,10 +164,10 @@ def test_data_missing_folder(tmp_path):
 
 
 def text_folder(folder, **texts):
-  folder.mkdir(parents=True, exist_ok=True)
-  for split in ("train", "valid", "test"):
-    (folder / f"{split}.txt").write_text(texts.get(split, "the cat sat on the mat\n" * 20))
-  return folder
+  """A text_files folder; each split not in `texts` holds the same 20 lines."""
+  return data_fixtures.write_text_files(
+      folder, [texts.get(split, "the cat sat on the mat\n" * 20)
+               for split in ("train", "valid", "test")])
 
 
 def saved_run_config(workdir, manual_dir):

@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from data_fixtures import write_text_files
 from helpers import run_pipeline
 from allatt_jax.model import adaptive
 from allatt_jax.config import config_base
@@ -34,15 +35,8 @@ VALID = 'the bird sat\nthe cat\n'
 TEST = 'a fish ran on\n'
 
 
-def write_folder(directory: pathlib.Path, texts, names=('train.txt', 'valid.txt', 'test.txt')):
-  directory.mkdir(parents=True, exist_ok=True)
-  for name, text in zip(names, texts):
-    (directory / name).write_bytes(text if isinstance(text, bytes) else text.encode('utf-8'))
-  return directory
-
-
 def load(tmp_path, texts=(TRAIN, VALID, TEST), **options):
-  raw = write_folder(tmp_path / 'raw', texts)
+  raw = write_text_files(tmp_path / 'raw', texts)
   return corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw), **options)
 
 
@@ -93,7 +87,7 @@ def test_unk_in_the_text_is_a_word(tmp_path):
 
 
 def test_other_file_names(tmp_path):
-  raw = write_folder(tmp_path / 'raw', (TRAIN, VALID, TEST), ('a.txt', 'b.txt', 'c.txt'))
+  raw = write_text_files(tmp_path / 'raw', (TRAIN, VALID, TEST), ('a.txt', 'b.txt', 'c.txt'))
   corpus = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw),
                                   files='a.txt, b.txt, c.txt')
   assert corpus.splits['test'].size == 5
@@ -143,11 +137,9 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
 
 
 def test_word_level_data_whose_train_split_never_holds_unk_warns(tmp_path, caplog):
-  folder = tmp_path / 'text'
-  folder.mkdir()
-  (folder / 'train.txt').write_text('the cat sat on the mat\n' * 40)
-  (folder / 'valid.txt').write_text('the dog sat on the rug\n' * 10)
-  (folder / 'test.txt').write_text('the cat sat on the hat\n' * 10)
+  folder = write_text_files(tmp_path / 'text', ('the cat sat on the mat\n' * 40,
+                                               'the dog sat on the rug\n' * 10,
+                                               'the cat sat on the hat\n' * 10))
   config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
   config.data.update(dict(name='text_files', manual_dir=str(folder), level='word',
                           data_dir=str(tmp_path / 'tfds')))
@@ -197,7 +189,7 @@ def test_a_run_cannot_resume_with_another_option_set(tmp_path):
 # Errors, before any work.
 
 def test_missing_split_file_is_named_with_its_folder(tmp_path):
-  raw = write_folder(tmp_path / 'raw', (TRAIN, VALID))
+  raw = write_text_files(tmp_path / 'raw', (TRAIN, VALID))
   with pytest.raises(DataError, match=f'test.txt missing in {raw}.*data.files'):
     corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
   with pytest.raises(DataError, match='no folder given.*manual_dir'):
@@ -256,7 +248,7 @@ def test_bad_options_fail_with_the_config_check(name, options, match):
 def test_split_shorter_than_an_evaluation_segment(tmp_path):
   config = config_base.base_config()
   config.data.update(dict(name='text_files', data_dir=str(tmp_path / 'data'),
-                          manual_dir=str(write_folder(tmp_path / 'raw', (TRAIN, VALID, TEST)))))
+                          manual_dir=str(write_text_files(tmp_path / 'raw', (TRAIN, VALID, TEST)))))
   config.eval.seq_len = 5
   with pytest.raises(DataError, match=r'test split has 5 tokens, fewer than one evaluation '
                      r'segment \(config.eval.seq_len \+ 1 = 6\)'):
@@ -405,7 +397,7 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   def text(lines):
     return ''.join(' '.join(rng.choice(vocabulary, size=rng.integers(3, 9))) + '\n'
                    for _ in range(lines))
-  raw = write_folder(tmp_path / 'my_text', (text(120), text(15), text(15)))
+  raw = write_text_files(tmp_path / 'my_text', (text(120), text(15), text(15)))
   config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import data_fixtures
 import helpers
 from helpers import assert_bit_identical
 from allatt_jax.config import run_config
@@ -156,11 +157,7 @@ def test_a_workdir_loads_as_the_model_of_a_step_with_its_own_tokenizer(tmp_path)
 
 
 def text_folder(folder, train: str):
-  folder.mkdir(parents=True)
-  for name, text in (("train.txt", train), ("valid.txt", "the cat sat\n"),
-                     ("test.txt", "a cat ran on\n")):
-    (folder / name).write_text(text)
-  return folder
+  return data_fixtures.write_text_files(folder, (train, "the cat sat\n", "a cat ran on\n"))
 
 
 def test_a_models_dataset_must_have_the_vocabulary_it_was_trained_with(tmp_path):
