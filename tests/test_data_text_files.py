@@ -293,6 +293,8 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   completed, cfg, note = assembly.complete(run, corpus(run))
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
   assert completed.model.cluster_fractions == (1.0, 0.0, 0.0, 0.0)
+  # The model returned is the one the completed config builds (as a resumed run does).
+  assert cfg == model_lib.ModelConfig.from_config(completed)
   # The adaptive input's projections, d_i x d for d_i = 128, 32, 8, 2, beside the softmax.
   assert cost_model.input_macs_per_token(cfg) == 170 * 128
   adaptive_macs = 170 * 128 + cost_model.output_macs_per_token(
@@ -308,7 +310,8 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
                 word_level_demo(33_278, cutoffs=(1000,)),
                 word_level_demo(33_278, div_val=2)):
     assert assembly.word_output(other) == {}
-    assert assembly.complete(other, corpus(other))[2] == ''
+    completed, cfg, note = assembly.complete(other, corpus(other))
+    assert note == '' and cfg == model_lib.ModelConfig.from_config(completed)
   words = word_level_demo(33_278)
   characters = RunConfig.from_dict({**words.to_dict(),
                                     'data': {**words.data.to_dict(), 'level': 'char'}})

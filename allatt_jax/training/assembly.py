@@ -282,26 +282,30 @@ def complete(run: RunConfig, corpus: data_lib.Corpus, init_from: str | None = No
                ) -> tuple[RunConfig, model_lib.ModelConfig, str]:
   """(`RunConfig.completed` from the dataset, own word-level text's output layer
   (`word_output`), and with an adaptive softmax each cluster's share of the training
-  tokens (unless set), which sizes its tail capacities; what the run says first about
-  an output layer it chose, or '')."""
+  tokens (unless set), which sizes its tail capacities; its model; what the run says
+  first about an output layer it chose, or '')."""
   run = run.completed(corpus.vocab_size)
-  chosen, plain_macs, layer_macs = _word_output(run)
-  run = run_config.derived_run(run, init_from=init_from, model=chosen)
-  cfg = model_lib.ModelConfig.from_config(run)
-  if cfg.cutoffs and not run.model.cluster_fractions:
+  plain = model_lib.ModelConfig.from_config(run)
+  chosen, plain_macs, layer_macs = _word_output(run, plain)
+  # The keys completed here are the model's as they are the config's: a model built
+  # from the completed config (`ModelConfig.from_config`) is `cfg`.
+  cfg = dataclasses.replace(plain, **chosen)
+  completed = dict(chosen)
+  if cfg.cutoffs and not cfg.cluster_fractions:
     bounds = adaptive.cluster_bounds(cfg.vocab_size, cfg.cutoffs)
-    fractions = vocab_logsumexp.cluster_fractions(corpus.splits["train"], bounds)
-    run = run_config.derived_run(run, model=dict(cluster_fractions=fractions))
-  cfg = model_lib.ModelConfig.from_config(run)
+    completed["cluster_fractions"] = vocab_logsumexp.cluster_fractions(
+        corpus.splits["train"], bounds)
+    cfg = dataclasses.replace(cfg, cluster_fractions=completed["cluster_fractions"])
+  run = run_config.derived_run(run, init_from=init_from, model=completed)
   if not chosen:
     return run, cfg, ""
-  m, t = run.model, run.train
+  t = run.train
   # The plain softmax's tied input is a lookup; the adaptive input projects.
   adaptive_macs = (cost_model.input_macs_per_token(cfg)
                    + cost_model.output_macs_per_token(cfg, t.batch_size * t.seq_len))
   return run, cfg, (
-      f"Word level, {m.vocab_size:,} types: an adaptive input and softmax (cutoffs "
-      f"{', '.join(map(str, m.cutoffs))}; div_val {m.div_val}) cost "
+      f"Word level, {cfg.vocab_size:,} types: an adaptive input and softmax (cutoffs "
+      f"{', '.join(map(str, cfg.cutoffs))}; div_val {cfg.div_val}) cost "
       f"{adaptive_macs / 1e6:.2f}M MACs per token, where a plain softmax would cost "
       f"{plain_macs / 1e6:.2f}M, {plain_macs / layer_macs:.1f}x the "
       f"{layer_macs / 1e6:.2f}M of all the layers (--config.model.auto_cutoffs=False "
@@ -320,17 +324,16 @@ def word_output(run: RunConfig) -> dict:
   d_model is too small for the last cluster. The softmax stays exact over the whole
   vocabulary: the tail clusters are narrower, not left out.
   """
-  return _word_output(run)[0]
+  return _word_output(run, model_lib.ModelConfig.from_config(run))[0]
 
 
-def _word_output(run: RunConfig) -> tuple[dict, float, float]:
-  """(`word_output`, the MACs per token of the plain softmax and of all the layers at
-  the train lengths, where it was chosen)."""
+def _word_output(run: RunConfig, cfg: model_lib.ModelConfig) -> tuple[dict, float, float]:
+  """(`word_output` of `run`, whose model is `cfg`; the MACs per token of the plain
+  softmax and of all the layers at the train lengths, where it was chosen)."""
   m, data, t = run.model, run.data, run.train
   if not (m.auto_cutoffs and data.name == "text_files" and data.level in ("", "word")
           and not m.cutoffs and m.div_val == 1 and m.vocab_size):
     return {}, 0.0, 0.0
-  cfg = model_lib.ModelConfig.from_config(run)
   cutoffs = adaptive.default_cutoffs(data.name, m.vocab_size)
   if not cutoffs:
     return {}, 0.0, 0.0
