@@ -91,6 +91,15 @@ def test_custom_backward_matches_autodiff(num_persistent, rate, head_block, rema
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
 
 
+def test_a_loop_over_blocks_of_heads_drops_what_one_pass_drops():
+  """Each block hashes its masks from the index of its first head, not its own."""
+  args, mask, _ = _inputs(6)
+  one_pass = xla_core.attend(0.3, 4, False, F32, *args, mask, KEYS)
+  for head_block in (1, 2):
+    np.testing.assert_allclose(xla_core.attend(0.3, head_block, False, F32, *args, mask, KEYS),
+                               one_pass, rtol=1e-6, atol=1e-6, err_msg=f"{head_block=}")
+
+
 def test_dropout_zeroes_weights_and_rescales():
   args, mask, _ = _inputs(6)
   # With one-hot value rows, the outputs are the (dropped) weights themselves.

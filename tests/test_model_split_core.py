@@ -64,10 +64,11 @@ def assert_close(got, expected, err_msg="", tolerance=1e-6):
                              atol=tolerance * np.abs(expected).max(), err_msg=err_msg)
 
 
-def core_inputs(h=2, b=3, t=7, s=5, n=40, dh=8, mem_valid=3, closed=None):
+def core_inputs(h=2, b=3, t=7, s=5, n=40, dh=8, mem_valid=3, closed=None, closed_scale=1.0):
   """(qu, qv, qp, k, v, r_pad, pk, pv, pw) as float32 NumPy arrays, the mask and an
   output cotangent. `closed`: None (no slot weights), or 'groups' (every third slot
-  closed) or 'head' (also every slot of head 0)."""
+  closed) or 'head' (also every slot of head 0); the keys of every third slot times
+  `closed_scale`."""
   k = s + t
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -79,6 +80,7 @@ def core_inputs(h=2, b=3, t=7, s=5, n=40, dh=8, mem_valid=3, closed=None):
   args = (normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, t, dh), normal(h, b, k, dh),
           normal(h, b, k, dh), np.pad(normal(h, k, dh), [(0, 0), (1, 0), (0, 0)]),
           normal(h, n, dh), normal(h, n, dh), pw)
+  args[6][:, np.arange(n) % 3 == 0] *= closed_scale
   mask = np.asarray(relative.attention_mask(t, s, jnp.int32(mem_valid), True))
   return args, mask, normal(h, b, t, dh)
 
@@ -113,7 +115,11 @@ def assert_all_close(got, expected, tolerance=1e-6):
     # context's alone.
     dict(rate=0.0, block=2, remat=False, shape=dict(closed="groups")),
     dict(rate=0.3, block=1, remat=True, shape=dict(closed="head", h=3)),
-], ids=["no_dropout", "dropout_remat", "stream_start", "slot_weights", "closed_head"])
+    # Closed slots scoring hundreds above the open ones: the shift is the open slots'
+    # (with theirs, every open exponential and the merged sum would underflow to 0).
+    dict(rate=0.0, block=2, remat=False, shape=dict(closed="groups", closed_scale=100.0)),
+], ids=["no_dropout", "dropout_remat", "stream_start", "slot_weights", "closed_head",
+        "closed_slots_above_the_rest"])
 def test_split_core_is_the_xla_core(case):
   args, mask, dout = core_inputs(**case["shape"])
   rate, block, remat = case["rate"], case["block"], case["remat"]
