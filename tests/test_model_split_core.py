@@ -493,6 +493,21 @@ def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
     persistent_cores._auto.cache_clear()
 
 
+def test_a_trial_refuses_a_part_that_disagrees_with_the_xla_part(monkeypatch):
+  """A part whose results are not the XLA part's is never timed, so 'auto' cannot
+  choose it for being fast."""
+  class Inflated(persistent_cores.Part):
+    def forward(self, *args):
+      acc, top, norm = super().forward(*args)
+      return acc * 1.5, top, norm
+
+  monkeypatch.setitem(persistent_cores.PARTS, "pallas", Inflated("xla"))
+  with pytest.raises(RuntimeError,
+                     match=r"^it disagrees with the XLA part \(out: max difference "):
+    persistent_cores.trial("pallas", 0.0, False, "float32", steps=1)
+  assert persistent_cores.trial("xla", 0.0, False, "float32", steps=1) > 0
+
+
 _SHARDED = """
 import functools, json, sys
 import jax, jax.numpy as jnp, numpy as np
