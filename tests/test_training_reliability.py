@@ -377,6 +377,18 @@ def test_multi_process_runs_leave_sigterm_to_jax(monkeypatch):
   assert calls == [1, 2, 3]
 
 
+def test_with_the_preemption_service_off_no_safe_point_stops(monkeypatch):
+  def service_off(counter):
+    raise RuntimeError(f"preemption sync manager not started (step {counter})")
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(preemption.multihost_utils, "reached_preemption_sync_point",
+                      service_off)
+  with preemption.PreemptionWatch() as watch:
+    assert not any(watch.reached() for _ in range(3))
+    watch.stop_if_asked("the export", "write results.json")
+
+
 def test_one_process_catches_ctrl_c_at_safe_points_and_exits_130():
   before = signal.getsignal(signal.SIGINT)
   with preemption.PreemptionWatch() as watch:
@@ -388,6 +400,39 @@ def test_one_process_catches_ctrl_c_at_safe_points_and_exits_130():
       watch.stop_if_asked("the final evaluation", "export the pruned model")
     assert stopped.value.exit_status == errors.INTERRUPTED_EXIT_STATUS == 130
   assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_watch_gives_back_the_wakeup_fd_it_found():
+  before = signal.set_wakeup_fd(-1)
+  signal.set_wakeup_fd(before)
+  with preemption.PreemptionWatch() as watch:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watch.reached()
+  assert signal.set_wakeup_fd(before) == before
+
+
+# Ctrl-C, then the scheduler's SIGTERM: one notice, and the stop is still Ctrl-C's, at
+# the safe point (a second signal exits at once only when it is a Ctrl-C).
+_CTRL_C_THEN_SIGTERM = """
+import os, signal, time
+from allatt_jax.training import preemption
+with preemption.PreemptionWatch() as watch:
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    os.kill(os.getpid(), signum)
+    time.sleep(0.5)     # the thread told of each signal has read it
+  stopped = watch.stopped(": at the safe point")
+  print(stopped, stopped.exit_status)
+"""
+
+
+def test_a_sigterm_after_ctrl_c_neither_exits_at_once_nor_renames_the_stop():
+  done = subprocess.run([sys.executable, "-c", _CTRL_C_THEN_SIGTERM], capture_output=True,
+                        text=True, timeout=60, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert (done.returncode, done.stdout) == (0, "Interrupted: at the safe point 130\n"), (
+      done.stderr)
+  notices = [line for line in done.stderr.splitlines() if line in preemption.NOTICES.values()]
+  assert notices == [preemption.NOTICES[signal.SIGINT]], done.stderr
 
 
 # The main thread inside C code, as in a compile, where no Python handler runs; Ctrl-C
