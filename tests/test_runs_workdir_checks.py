@@ -91,6 +91,8 @@ def _fewer_devices(monkeypatch, count):
      r"\(config.mesh.model=4\)"),
     (dict(model=dict(heads_per_layer=(4, 3)), mesh=dict(data=2, model=2)), 4,
      r"heads_per_layer: 3 is not divisible by the model-parallel size"),
+    (dict(model=dict(kind="txl", d_ff=30), mesh=dict(data=1, model=4)), 4,
+     r"config.model.d_ff: 30 is not divisible by the model-parallel size"),
     (dict(data=dict(name="wikitext5")), 1, r"data.name='wikitext5' is unknown.*'text8'"),
     (dict(model=dict(kind="lstm")), 1, r"model.kind='lstm' is unknown.*'allatt', 'txl'"),
     (dict(gates=dict(enabled=True, freeze_step=50)), 1,

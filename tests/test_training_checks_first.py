@@ -38,6 +38,64 @@ def demo(section: str = "", **keys):
   return config
 
 
+def run_of_demo(**sections):
+  """configs/demo.py:tiny's baseline run (2 layers of 4 heads, 30 steps, a vocabulary
+  of 27) with `sections`' keys."""
+  config = demo()
+  config.model.vocab_size = 27
+  for name, keys in sections.items():
+    config[name].update(keys)
+  return run_config.RunConfig.of(config)
+
+
+# The last value each check lets through, then the first it refuses.
+@pytest.mark.parametrize("accepted, refused, named", [
+    (dict(distill=dict(weight=1.0)), dict(distill=dict(weight=1.01)),
+     r"distill.weight=1.01 is out of range: the cross-entropy's weight 1 − α would be "
+     r"negative"),
+    (dict(gates=dict(enabled=True, freeze_step=30)),
+     dict(gates=dict(enabled=True, freeze_step=31)),
+     r"gates.freeze_step=31 is beyond config.train.num_steps=30"),
+    (dict(model=dict(heads_per_layer=(4, 0))), dict(model=dict(heads_per_layer=(4, 5))),
+     r"heads_per_layer=\(4, 5\) needs one count in \[0, num_heads=4\] per layer "
+     r"\(num_layers=2\)"),
+    (dict(model=dict(heads_per_layer=(4, 0))), dict(model=dict(heads_per_layer=(4,))),
+     r"heads_per_layer=\(4,\) needs one count"),
+    (dict(model=dict(cutoffs=(10,), cluster_fractions=(0.0, 1.0))),
+     dict(model=dict(cutoffs=(10,), cluster_fractions=(1.0,))),
+     r"cluster_fractions=\(1.0,\) needs one share in \[0, 1\] per cluster of the adaptive "
+     r"softmax \(cutoffs \(10,\): 2\)"),
+    (dict(model=dict(cutoffs=(10,), cluster_fractions=(0.0, 1.0))),
+     dict(model=dict(cutoffs=(10,), cluster_fractions=(-0.5, 1.5))),
+     r"cluster_fractions=\(-0.5, 1.5\) needs one share in \[0, 1\]"),
+    (dict(model=dict(kind="txl", d_ff=1)), dict(model=dict(kind="txl", d_ff=0)),
+     r"model.d_ff=0 but a 'txl' model has a feed-forward sub-layer"),
+    (dict(model=dict(dtype="bfloat16")), dict(model=dict(dtype="int32")),
+     r"model.dtype='int32' is not a float dtype"),
+    (dict(gates=dict(temperature=1e-3)), dict(gates=dict(temperature=0.0)),
+     r"gates.temperature=0.0 is out of range: the hard-concrete gates divide"),
+    (dict(gates=dict(enabled=True, freeze_step=15, target_sparsity=0.5)),
+     dict(gates=dict(enabled=True, freeze_step=15, target_sparsity=0.5, target_params=9e3)),
+     r"set at most one budget target"),
+], ids=["distill_weight", "freeze_step", "heads_per_layer", "heads_per_layer_count",
+        "cluster_fraction_count", "cluster_fraction_range", "txl_d_ff", "dtype",
+        "gate_temperature", "budget_targets"])
+def test_each_check_lets_its_edge_through_and_names_what_is_past_it(accepted, refused,
+                                                                    named):
+  config_checks.check_config(run_of_demo(**accepted), 1)
+  with pytest.raises(ConfigError, match=named):
+    config_checks.check_config(run_of_demo(**refused), 1)
+
+
+@pytest.mark.parametrize("init_from", ["", run_config.FROM_SCRATCH])
+def test_a_distilling_run_without_a_teacher_is_refused(init_from):
+  config = run_config.derived_run(run_of_demo(distill=dict(weight=0.5)), init_from=init_from)
+  with pytest.raises(ConfigError, match=r"^config.distill \(weight=0.5, hidden_weight=0.0\) "
+                     r"asks to learn from a teacher.*--config.distill.weight=0"):
+    config_checks.check_starting_point(config)
+  config_checks.check_starting_point(run_config.derived_run(config, init_from="/baseline"))
+
+
 @pytest.mark.parametrize("section, keys, named", [
     ("prune_gates", dict(lam=-0.1),
      [f"{GATES[2:]}.lam=-0.1 is out of range", f"Set {GATES}.lam to a value >= 0"]),
