@@ -1,5 +1,7 @@
 """The run config's one schema: its defaults, and the one reader of a run's keys."""
+import dataclasses
 import json
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 
 from allatt_jax.config import config_base
+from allatt_jax.config import typed_section
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.runs import run_files
 from allatt_jax.training import config_checks
@@ -35,12 +38,41 @@ def test_a_key_whose_default_is_none_can_be_set():
     ("model", "num_head", 4, "Unknown key --config.model.num_head; known: kind,"),
     ("gates", "lam", "high", "--config.gates.lam is 'high'; it takes float."),
     ("train", "num_steps", 1.5, "--config.train.num_steps is 1.5; it takes int."),
+    ("train", "learning_rate", True, "--config.train.learning_rate is True; it takes float."),
 ])
 def test_a_key_or_value_the_schema_lacks_is_refused(section, key, value, message):
   values = config_base.base_config().to_dict()
   values[section][key] = value
   with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
     RunConfig.from_dict(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Suite:
+  """A section of the kinds the reader's tuples and mappings take (an experiment plan's)."""
+  budgets: tuple[tuple[str, float], ...] = ()
+  rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def test_the_reader_types_each_element_of_a_tuple_and_each_value_of_a_mapping():
+  suite = typed_section.read(_Suite, {"budgets": [["target_params", 5]], "rates": {"lr": 1}},
+                             "--config.suite")
+  assert suite.budgets == (("target_params", 5.0),) and type(suite.budgets[0][1]) is float
+  assert dict(suite.rates) == {"lr": 1.0} and type(suite.rates["lr"]) is float
+  with pytest.raises(ConfigError, match=r"^--config\.suite\.rates is \{'lr': 'fast'\}; it "
+                     r"takes a dict\.$"):
+    typed_section.read(_Suite, {"rates": {"lr": "fast"}}, "--config.suite")
+
+
+def test_the_relative_table_spans_the_longest_train_or_eval_context():
+  config = config_base.base_config()
+  config.train.update(dict(seq_len=16, mem_len=16))
+  config.eval.update(dict(seq_len=32, mem_len=24))
+  assert RunConfig.of(config).relative_table_len == 56
+  config.eval.update(dict(seq_len=8, mem_len=8))
+  assert RunConfig.of(config).relative_table_len == 32
+  config.model.max_relative_len = 40     # set: as it is
+  assert RunConfig.of(config).relative_table_len == 40
 
 
 def test_a_saved_config_with_an_unknown_key_is_refused_naming_the_file(tmp_path):
