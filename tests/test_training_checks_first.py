@@ -131,6 +131,12 @@ def test_the_pruning_stage_is_checked_with_the_baseline_naming_its_flags(section
   assert "--config.gates." not in message and "--config.distill." not in message, message
 
 
+def test_a_pruning_stage_that_turns_its_gates_off_is_refused():
+  with pytest.raises(ConfigError, match=r"^config\.pipeline\.prune_gates\.enabled=False, "
+                     r"but a pipeline's second stage is its pruning run.*Leave it True"):
+    assembly.checked_pipeline(demo("prune_gates", enabled=False))
+
+
 def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
   config = demo("prune_gates", freeze_step=40)
   with config.unlocked():   # the pruning stage then trains the baseline's steps
