@@ -133,7 +133,7 @@ def test_the_pruning_stage_is_checked_with_the_baseline_naming_its_flags(section
 
 def test_a_pruning_stage_that_turns_its_gates_off_is_refused():
   with pytest.raises(ConfigError, match=r"^config\.pipeline\.prune_gates\.enabled=False, "
-                     r"but a pipeline's second stage is its pruning run.*Leave it True"):
+                     r"but this is a pruning run, which trains the L0 gates\. Leave it True"):
     assembly.checked_pipeline(demo("prune_gates", enabled=False))
 
 
@@ -288,6 +288,9 @@ def planned_check(config, suite, **plan_keys):
      ["--suite=persistent, run budget_macs0.6_heads_groups5_s0 (0.6 of the baseline's",
       "config.experiments.persistent_group=5 does not divide config.model.num_persistent"
       "=32", "Choose one of [1, 2, 4, 8, 16, 32]"]),
+    # Refused as its pruning runs are made, before they are checked: named as a run's key.
+    ("heuristics", dict(prune_gates=dict(enabled=False)),
+     ["config.gates.enabled=False, but this is a pruning run"]),
     ("heuristics", dict(prune_gates=dict(freeze_step=10**6)),
      ["Set --config.experiments.prune_gates.freeze_step to at most",
       "raise --config.experiments.prune_train.num_steps"]),

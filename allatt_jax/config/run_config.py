@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from allatt_jax.config import typed_section
+from allatt_jax.config.errors import ConfigError
 
 # The gates keys that ask for a size instead of a λ (budget.py); at most one is set.
 BUDGET_TARGETS = ("target_sparsity", "target_params", "target_macs")
@@ -357,6 +358,16 @@ def pruning_stage(baseline: RunConfig, init_from: str, *, train=None,
                   gates=None, distill=None) -> RunConfig:
   """The pruning run of a baseline: its gates enabled (with `gates`' keys), its
   train section changed by `train`, starting from `init_from`, and learning from it
-  as its teacher where `distill` turns that on."""
+  as its teacher where `distill` turns that on.
+
+  Raises:
+    ConfigError: `gates` turns the gates off (a pipeline's or an experiment's
+      `prune_gates.enabled=False`), which the run would otherwise override.
+  """
+  if (gates or {}).get("enabled") is False:
+    raise ConfigError(
+        "config.gates.enabled=False, but this is a pruning run, which trains the L0 "
+        "gates. Leave it True; to train without gates, give python -m allatt_jax.main "
+        "a single run's config (configs/text8_base.py, say).")
   return derived_run(baseline, init_from=init_from, train=train, distill=distill,
                      gates={**(gates or {}), "enabled": True})

@@ -139,10 +139,10 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
 
   Raises:
     ConfigError: the config sets its own gates or distill section, which the baseline
-      does not use (the message names the pipeline's flag for it); its pruning stage
-      turns its gates off; or a stage's config fails its checks (ranges, names, a
-      budget no head count meets: the message names the flag of the pipeline section
-      that sets the key).
+      does not use (the message names the pipeline's flag for it); or a stage's
+      config fails its checks (ranges, names, a budget no head count meets, gates
+      turned off in the pruning stage: the message names the flag of the pipeline
+      section that sets the key).
   """
   defaults = config_base.base_config()
   for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
@@ -154,25 +154,18 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
           f"{section}; the pruning stage's are config.pipeline.{stage_section}. Use "
           f"--config.pipeline.{stage_section}.{key}={value} instead.")
   stages = config.pipeline
-  if not stages.prune_gates.enabled:
-    raise ConfigError(
-        "config.pipeline.prune_gates.enabled=False, but a pipeline's second stage is its "
-        "pruning run, which trains the L0 gates. Leave it True; to train a baseline "
-        "alone, give python -m allatt_jax.main a single run's config "
-        "(configs/text8_base.py, say).")
   baseline = checked_config(config)
-  # Its init_from, the baseline's folder, is the pipeline's to set (prepared_pipeline).
-  pruning = run_config.pruning_stage(
-      baseline, "", train=stages.prune_train.to_dict(),
-      gates=stages.prune_gates.to_dict(),
-      distill=stages.get("prune_distill", defaults.distill).to_dict())
   # Its errors name the pipeline's flags for the keys the pipeline section sets.
   flags = {"gates": "pipeline.prune_gates",
            **{f"train.{key}": f"pipeline.prune_train.{key}" for key in stages.prune_train}}
   if "prune_distill" in stages:
     flags["distill"] = "pipeline.prune_distill"
   try:
-    pruning = checked_config(pruning)
+    # Its init_from, the baseline's folder, is the pipeline's to set (prepared_pipeline).
+    pruning = checked_config(run_config.pruning_stage(
+        baseline, "", train=stages.prune_train.to_dict(),
+        gates=stages.prune_gates.to_dict(),
+        distill=stages.get("prune_distill", defaults.distill).to_dict()))
   except ConfigError as e:
     raise ConfigError(config_checks.named_as(str(e), flags)) from None
   return run_config.PipelineConfig(baseline=baseline, pruning=pruning,
