@@ -238,7 +238,7 @@ def test_a_stray_argument_is_one_error_line():
 def test_help_is_a_success_that_prints_the_commands_docstring(capsys):
   command_module = types.ModuleType("allatt_jax.some_command", "Does something.")
   with pytest.raises(SystemExit) as raised:
-    cli._parse_flags(command_module, ["some_command", "--helpshort"])  # pylint: disable=protected-access
+    cli._parse_flags(command_module, ["some_command", "--helpshort"])
   assert raised.value.code == 0
   assert capsys.readouterr().out.startswith("Does something.\nflags:\n")
 
