@@ -281,9 +281,14 @@ def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
   paths = jax.tree_util.tree_flatten_with_path(expected_updates)[0]
   assert any("persistent_key" in jax.tree_util.keystr(p) for p, _ in paths)
   # Through two layers, their norms and the micro-batches' sum: 1e-5 (as the fused
-  # kernels' test; observed 4e-6, the relative position projection's).
+  # kernels' test; observed ≤ 1.6e-6). The relative position projections' updates are
+  # sums that cancel: the XLA core alone, compiled at XLA's default optimization level
+  # instead of the tests' level 0, moves layer 0's by 5.7e-5 of its largest value on an
+  # AVX-512 CPU, where the split core differs from it by 1.4e-5 (4e-6 on another CPU). A merged
+  # statistic 0.1% off (δ, or the persistent part's scale) moves an update by 1e-3.
   for (path, expected), got in zip(paths, jax.tree.leaves(updates)):
-    assert_close(got, expected, jax.tree_util.keystr(path), tolerance=1e-5)
+    name = jax.tree_util.keystr(path)
+    assert_close(got, expected, name, tolerance=1e-4 if "['rel']" in name else 1e-5)
   again, _ = split_step()
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(updates)):
     np.testing.assert_array_equal(a, b)
