@@ -87,3 +87,11 @@ def test_process_rows_refuse_scattered_rows():
   mesh = fake_mesh([0, 0, 1, 1, 0, 0, 1, 1], (4, 2))      # process 0 holds blocks 0 and 2
   with pytest.raises(ConfigError, match="not one aligned block"):
     sharding.process_rows(mesh, 0)
+
+
+def test_process_rows_refuse_a_block_across_two_slices():
+  # Process 1 holds row blocks 1 and 2 of 4: contiguous, but the second half of the
+  # batch's first half and the first half of its second, which no slice of it is.
+  mesh = fake_mesh([0, 1, 1, 2], (4, 1))
+  with pytest.raises(ConfigError, match=r"process 1 the batch shards \[1, 2\] of 4"):
+    sharding.process_rows(mesh, 1)
