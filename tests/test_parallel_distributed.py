@@ -95,3 +95,9 @@ def test_process_rows_refuse_a_block_across_two_slices():
   mesh = fake_mesh([0, 1, 1, 2], (4, 1))
   with pytest.raises(ConfigError, match=r"process 1 the batch shards \[1, 2\] of 4"):
     sharding.process_rows(mesh, 1)
+
+
+def test_a_process_with_no_device_on_the_mesh_is_named():
+  mesh = fake_mesh([0, 0, 1, 1], (2, 2))
+  with pytest.raises(ConfigError, match="The mesh has no device of process 2"):
+    sharding.process_rows(mesh, 2)
