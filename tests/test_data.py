@@ -1,4 +1,5 @@
 """Datasets: tokenisation, the TFDS builder and its prepared ids, errors, the CLI."""
+import dataclasses
 import hashlib
 import json
 import logging
@@ -494,3 +495,20 @@ def test_earlier_layout_is_taken_over_or_encoded_again(tmp_path, encodings, capl
   messages = [r.getMessage() for r in caplog.records if 'earlier allatt_jax' in r.getMessage()]
   assert len(messages) == 1 and 'encoding it again' in messages[0]
   assert all(path.exists() for path in earlier)
+
+
+@pytest.mark.parametrize('official_lines, warned', [(4, False), (5, True)])
+def test_word_splits_count_their_lines_over_every_batch(caplog, official_lines, warned):
+  """Lines and unknown words are counted over all of a split's batches, and only a
+  train file of another length than the official one is warned about."""
+  caplog.set_level(logging.INFO)
+  lines = {'train': [[b'a b', b'b <unk>'], [b'a', b'c a']], 'valid': [[b'a x'], [b'y b']],
+           'test': [[b'c']]}
+  spec = dataclasses.replace(specs.WIKITEXT2, official_train_lines=official_lines)
+  vocab, splits = encoding.encode_lines(spec, lambda split: iter(lines[split]))
+  assert vocab[:3] == ('<eos>', 'a', 'b') and len(splits['valid']) == 6
+  messages = [r.getMessage() for r in caplog.records]
+  assert "Dataset 'wikitext2' train: 4 lines, 11 tokens, 0 words" in caplog.text
+  assert "Dataset 'wikitext2' valid: 2 lines, 6 tokens, 2 words not in the vocabulary" in (
+      caplog.text)
+  assert any('train has 4 lines, the official file 5' in m for m in messages) == warned

@@ -210,3 +210,24 @@ def test_two_processes_assemble_the_global_batch(tmp_path):
   for i, (worker, output) in enumerate(zip(workers, outputs)):
     assert worker.returncode == 0, output
     assert f'ok {i}' in output
+
+
+def test_rows_exactly_one_segment_long_are_enough():
+  tokens = np.arange(21, dtype=np.int32)      # 20 targets: 4 rows of 5
+  stream = SegmentStream(tokens, 4, 5)
+  first, second = _take(stream, 2)
+  np.testing.assert_array_equal(first[0], tokens[:20].reshape(4, 5))
+  np.testing.assert_array_equal(second[0], first[0])      # the next epoch
+  assert int(stream.get_state()['epoch']) == 2
+
+
+def test_eval_rows_split_the_targets_as_evenly_as_they_can():
+  # 100 targets over 4 rows: 25 each, so 5 segments of 5, none empty.
+  batches = list(eval_batches(np.arange(101, dtype=np.int32), 4, 5))
+  assert len(batches) == 5
+  np.testing.assert_array_equal(sum(b[2] for b in batches).sum(axis=1), [25.0] * 4)
+
+
+def test_too_few_tokens_to_evaluate_are_refused():
+  with pytest.raises(DataError, match='Cannot evaluate 1 tokens with segments of 4'):
+    eval_batches(np.arange(1, dtype=np.int32), 4, 4)
