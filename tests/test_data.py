@@ -105,6 +105,8 @@ def test_split_rule_official_proportional_or_refused():
   assert specs.ENWIK8.split_sizes(100_000_000) == (
       (90_000_000, 5_000_000, 5_000_000), 'official')
   assert specs.TEXT8.split_sizes(1000) == ((900, 50, 50), 'proportional 90/5/5')
+  # Train and valid round down; test takes the rest.
+  assert specs.TEXT8.split_sizes(1019)[0] == (917, 50, 52)
   with pytest.raises(DataError, match='more than the official'):
     specs.ENWIK8.split_sizes(100_000_001)
 

@@ -236,7 +236,10 @@ def test_characters_over_max_vocab_are_refused_and_up_to_it_kept(tmp_path):
     ('text_files', dict(level='char', min_count=2), 'word level only'),
     ('text_files', dict(clean='text8'), 'char level only'),
     ('text_files', dict(files='a.txt,b.txt'), 'three different files'),
+    ('text_files', dict(files='a.txt,a.txt,b.txt'), 'three different files'),
     ('ptb', dict(level='char'), "only applies to dataset 'text_files'"),
+    ('text8', dict(clean='text8'), r"--config.data.clean='text8' only applies to dataset "
+     "'text_files'"),
 ])
 def test_bad_options_fail_with_the_config_check(name, options, match):
   config = config_base.base_config()
