@@ -320,6 +320,9 @@ def test_the_plan_is_typed_and_read_only():
                                             r"'oracle'"),
     (dict(prune_train=dict(num_step=5)),
      r"Unknown key --config\.experiments\.prune_train\.num_step;"),
+    (dict(prune_gates=dict(lamda=0.1)),
+     r"Unknown key --config\.experiments\.prune_gates\.lamda; prune_gates takes keys of "
+     r"a run's gates section: "),
     (dict(distill_variants=dict(logit=dict(alpha=0.5))),
      r"Unknown key --config\.experiments\.distill_variants\.logit\.alpha;"),
     (dict(importance_batches=True), r"importance_batches is True; it takes int"),
