@@ -326,6 +326,8 @@ def test_the_plan_is_typed_and_read_only():
     (dict(distill_variants=dict(logit=dict(alpha=0.5))),
      r"Unknown key --config\.experiments\.distill_variants\.logit\.alpha;"),
     (dict(importance_batches=True), r"importance_batches is True; it takes int"),
+    (dict(persistent_distill="hidden"),
+     r"--config\.experiments\.persistent_distill names 'hidden'; the variants are "),
 ])
 def test_plan_errors_name_the_flag(changes, match):
   with pytest.raises(ConfigError, match=match):
