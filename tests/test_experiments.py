@@ -23,6 +23,7 @@ from allatt_jax.runs import run_files
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import heuristics
+from allatt_jax.experiments import persistent
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.experiments import suites
@@ -397,6 +398,44 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert f"({pathlib.Path(figure).name})" in text
   for record in report.records:
     assert np.isfinite(record.test) and record.params_non_embedding > 0
+
+
+def test_only_groups_alone_have_a_size_they_cannot_prune_below(experiment):
+  """Groups alone keep every head's projections and context attention; heads, alone
+  or with groups, can remove everything."""
+  assert persistent.reachable(experiment, 0.9, "groups")
+  assert not persistent.reachable(experiment, 0.01, "groups")
+  assert persistent.reachable(experiment, 0.01, "") and persistent.reachable(
+      experiment, 0.01, "both")
+
+
+@pytest.mark.slow
+def test_the_persistent_table_compares_each_kind_with_heads_only_at_its_size(experiment,
+                                                                            monkeypatch):
+  # Timings as if every export ran 3 times as many tokens a second as the baseline.
+  monkeypatch.setattr(persistent.demo_report, "measure_speed", lambda *args: {
+      "baseline_tokens_per_s": 1000.0, "pruned_tokens_per_s": 3000.0})
+  report = persistent.persistent(experiment)   # the suite's runs, reused
+  header, _, *rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                      for line in report.markdown.splitlines()
+                      if line.startswith("|")]
+  rows = [dict(zip(header, row)) for row in rows]
+  test = next(column for column in header if column.startswith("test "))
+  heads_only = {(r["MACs kept"], r["distill"]): float(r[test]) for r in rows
+                if r["pruned"] == "heads"}
+  assert heads_only and len(rows) > len(heads_only)
+  number = lambda text: float(text.split(" ")[0].replace(",", ""))
+  for r in rows:
+    assert r["measured speed-up"] == "3.00x"
+    if r["pruned"] == "heads":
+      assert r["Δ vs heads only"] == "-"
+      # Heads go with all their slots: the gates' MACs are as many whole heads.
+      gate_heads, _, gate_macs = r["gates alone: heads, groups, MACs"].split(", ")
+      assert number(gate_macs) / int(gate_heads) == pytest.approx(
+          number(r["MACs (/ baseline)"]) / number(r["heads kept (per layer)"]))
+    else:   # from the unrounded figures: within a rounding of each
+      reference = heads_only[r["MACs kept"], r["distill"]]
+      assert abs(float(r["Δ vs heads only"]) - (float(r[test]) - reference)) <= 1.5e-3
 
 
 @pytest.mark.slow
