@@ -4,8 +4,10 @@ fails as a whole, at once, when one process fails alone.
 Both processes run `python -m allatt_jax.main` with --coordinator_address,
 --num_processes and --process_id, as on two hosts: 3 steps, then a restart that
 resumes from the step-3 checkpoint and trains to step 6, with final evaluation and
-export. Each process has 2 fake CPU devices; the (2, 2) mesh puts the batch across
-the processes and the heads across each process's devices.
+export. Each process has 2 fake CPU devices. The first start's (2, 2) mesh puts the
+batch across the processes and the heads across each process's devices; the restart's
+(1, 4) mesh puts the heads across both processes, which then read the same batch rows
+and gather the variables they export from each other.
 """
 import json
 import os
@@ -88,8 +90,9 @@ cli.run(main)
 
 
 def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=None,
-            devices=1):
-  """Starts one `allatt_jax.main` process; output goes to a log file next to workdir."""
+            devices=1, mesh=(2, 2)):
+  """Starts one `allatt_jax.main` process (of 2 with `process_id`, on a (data, model)
+  `mesh`); output goes to a log file next to workdir."""
   # --verbosity=1: every process's metric lines (clu's logging writer), which
   # _LOSS_LINE reads.
   args = ["-m", "allatt_jax.main", f"--config={config_file}",
@@ -97,7 +100,8 @@ def _launch(config_file, workdir, data_dir, num_steps, *, process_id=None, port=
           f"--config.train.num_steps={num_steps}", "--verbosity=1"]
   if process_id is not None:
     args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-             f"--process_id={process_id}", "--config.mesh.data=2", "--config.mesh.model=2"]
+             f"--process_id={process_id}", f"--config.mesh.data={mesh[0]}",
+             f"--config.mesh.model={mesh[1]}"]
   return _start(args, pathlib.Path(f"{workdir}.{num_steps}.{process_id}.log"), devices)
 
 
@@ -178,8 +182,8 @@ def runs(tmp_path_factory):
   first = _wait([_launch(config_file, multi, data_dir, 3, process_id=i, port=port, devices=2)
                  for i in range(2)])
   port = helpers.free_port()
-  second = _wait([_launch(config_file, multi, data_dir, 6, process_id=i, port=port, devices=2)
-                  for i in range(2)])
+  second = _wait([_launch(config_file, multi, data_dir, 6, process_id=i, port=port, devices=2,
+                          mesh=(1, 4)) for i in range(2)])
   return single, multi, _wait([reference])[0], first, second
 
 

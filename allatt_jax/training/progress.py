@@ -19,6 +19,7 @@ from allatt_jax.config import console
 from allatt_jax.pruning import gate_values
 from allatt_jax.model import gates as gates_lib
 from allatt_jax.model import transformer as model_lib
+from allatt_jax.parallel import sharding
 from allatt_jax.runs import run_files
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.config.errors import TrainingError
@@ -108,8 +109,9 @@ class TrainProgress:
       summary["tokens_per_s"] = steps_per_s * self.tokens_per_step
     self.writer.write_scalars(done, summary)
     self.bar.set_postfix(loss=f"{summary['nll']:.3f}")
+    # Every process gathers them: a model axis across processes shards them too.
+    host_gates = sharding.on_host(gates) if self.gated else None
     if self.is_main:
-      host_gates = jax.device_get(gates) if self.gated else None
       read = gate_values.read(self.cfg, host_gates) if self.gated else None
       kept = read.surviving_heads if read else None
       decided = None if kept is None else sum(len(k) for k in kept)
