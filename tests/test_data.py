@@ -187,6 +187,20 @@ def test_failed_cache_write_leaves_old_cache_and_no_partial_one(tmp_path, monkey
   assert [p.name for p in cache_dir.parent.iterdir()] == ['1.0.0']
 
 
+def test_a_folder_set_aside_goes_also_when_its_rebuild_fails_after_making_the_new_one(
+    tmp_path):
+  folder = tmp_path / '1.0.0'
+  folder.mkdir()
+  (folder / 'train.npy').write_text('old')
+  with pytest.raises(OSError, match='late'):
+    with cache.set_aside(folder):
+      folder.mkdir()
+      (folder / 'train.npy').write_text('new')
+      raise OSError('late')
+  assert [p.name for p in tmp_path.iterdir()] == ['1.0.0']
+  assert (folder / 'train.npy').read_text() == 'new'
+
+
 def test_dataset_prepared_meanwhile_by_another_process_is_used(tmp_path, monkeypatch, caplog):
   caplog.set_level(logging.INFO)
   data_fixtures.tiny_wikitext(tmp_path / 'raw')

@@ -462,6 +462,17 @@ def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
   assert (cache / "train.npy").read_bytes() == train_npy
 
 
+def test_unreadable_dataset_metadata_is_rebuilt_not_trusted(text8_dirs, tmp_path):
+  manual_dir, data_dir = text8_dirs
+  data_dir = shutil.copytree(data_dir, tmp_path / "data")
+  cache = data_dir / "allatt_text" / "text8" / "1.0.0"
+  metadata = (cache / "metadata.json").read_text()
+  (cache / "metadata.json").write_text(metadata[:len(metadata) // 2])   # a cut-off write
+  corpus = data_lib.load_corpus("text8", str(data_dir), manual_dir)
+  assert len(corpus.splits["train"]) == 18000
+  assert json.loads((cache / "metadata.json").read_text()) == json.loads(metadata)
+
+
 def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert str(run_files.run_path("gs://bucket/runs/a") / "checkpoints") == (
