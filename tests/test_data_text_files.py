@@ -351,7 +351,8 @@ def test_ptb_counts_words_plus_one_eos_per_line(tmp_path, caplog):
   # <unk> and <eos> 6 times each (<unk> seen first), then the words 3 times each.
   assert corpus.vocab[:3] == ('<unk>', '<eos>', 'aer')
   assert len(corpus.vocab) == 7
-  assert 'differs from the official file' in caplog.text
+  for name in specs.PTB.files:
+    assert f"'ptb': {name} differs from the official file" in caplog.text
 
 
 def test_ptb_official_figures_and_checksums_are_recorded():

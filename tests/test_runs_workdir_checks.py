@@ -449,6 +449,34 @@ def test_truncated_xz_corpus(tmp_path):
     data_lib.load_corpus("wikitext_chars", str(tmp_path / "data"), str(tmp_path / "raw"))
 
 
+def test_an_xz_corpus_of_no_text(tmp_path):
+  (tmp_path / "raw").mkdir()
+  (tmp_path / "raw" / "wikitext_chars.txt.xz").write_bytes(lzma.compress(b""))
+  with pytest.raises(DataError, match=r"wikitext_chars.txt.xz holds no text"):
+    data_lib.load_corpus("wikitext_chars", str(tmp_path / "data"), str(tmp_path / "raw"))
+
+
+def test_a_text8_file_too_short_to_split(tmp_path):
+  data_fixtures.write_text8(tmp_path / "raw", "a" * 30)   # 27 / 1 / 2
+  with pytest.raises(DataError, match=r"only 30 bytes, too few to split"):
+    data_lib.load_corpus("text8", str(tmp_path / "data"), str(tmp_path / "raw"))
+
+
+def test_a_bad_character_past_the_checked_head_of_text8(tmp_path):
+  data_fixtures.write_text8(tmp_path / "raw", "a " * 40_000 + "X")
+  with pytest.raises(DataError, match=r"text8 holds b'X'; text8-style text has only "):
+    data_lib.load_corpus("text8", str(tmp_path / "data"), str(tmp_path / "raw"))
+
+
+def test_a_short_text8_file_is_split_in_proportion_and_says_so(tmp_path, caplog):
+  data_fixtures.write_text8(tmp_path / "raw", data_fixtures.sample_text8(20_000))
+  corpus = data_lib.load_corpus("text8", str(tmp_path / "data"), str(tmp_path / "raw"))
+  assert [len(corpus.splits[s]) for s in ("train", "valid", "test")] == [18_000, 1_000, 1_000]
+  assert ("the file has 20,000 bytes, not the official 100,000,000, so it is split "
+          "proportional 90/5/5 (18,000/1,000/1,000) instead of "
+          "90,000,000/5,000,000/5,000,000") in caplog.text
+
+
 def test_damaged_cache_is_rebuilt_not_used(text8_dirs, tmp_path):
   manual_dir, data_dir = text8_dirs
   data_dir = shutil.copytree(data_dir, tmp_path / "data")
