@@ -122,6 +122,23 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_grou
     np.testing.assert_array_equal(groups[2], groups[5])
 
 
+def test_steps_from_the_freeze_on_are_frozen_steps_and_the_last_step_logs(tmp_path, capsys):
+  """Gates frozen at step 2: the steps after it train without sampling or the L0 term,
+  so no line after the freeze shows a penalty; 5 steps logged every 2 end with a
+  line for step 5."""
+  text8 = data_fixtures.text8_data(tmp_path / "text8")
+  config = tiny_config(text8["data_dir"], num_steps=5, log_every_steps=2)
+  config.data.update(text8)
+  config.gates.update(dict(enabled=True, lam=0.1, freeze_step=2, l0_warmup_steps=0))
+  config.init_from = "none"
+  config.eval.every_steps = 0
+  train_run(config, tmp_path / "run")
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+  assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
+  assert "penalty" in lines[0]
+  assert not any("penalty" in line for line in lines[1:]), lines
+
+
 @pytest.mark.parametrize("persistent_group", [None, 4], ids=["baseline", "groups_pruned"])
 def test_resume_continues_exactly(tmp_path, persistent_group):
   """Restarting from a mid-run checkpoint ends with bit-identical parameters (and
