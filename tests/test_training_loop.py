@@ -139,6 +139,32 @@ def test_steps_from_the_freeze_on_are_frozen_steps_and_the_last_step_logs(tmp_pa
   assert not any("penalty" in line for line in lines[1:]), lines
 
 
+def test_a_finished_runs_evaluation_is_redone_only_for_another_state_or_evaluation(tmp_path):
+  """A rerun of a finished run takes its recorded final evaluation; another eval
+  section, or a last step trained again (its checkpoint lost), evaluates anew."""
+  text8 = data_fixtures.text8_data(tmp_path / "text8")
+  config = tiny_config(text8["data_dir"], num_steps=4)
+  config.data.update(text8)
+  config.checkpoint.every_steps = 2
+  config.eval.every_steps = 0
+  workdir = tmp_path / "run"
+  phases_file = workdir / "finished_phases.json"
+
+  def rerun_with_a_marked_record(config):
+    phases = json.loads(phases_file.read_text())
+    phases["final"]["marker"] = 1.0
+    phases_file.write_text(json.dumps(phases))
+    return train_run(config, workdir)
+
+  first = train_run(config, workdir)
+  assert rerun_with_a_marked_record(config)["marker"] == 1.0
+  config.eval.seq_len = 8
+  again = rerun_with_a_marked_record(config)
+  assert "marker" not in again and again["valid"] != first["valid"]
+  shutil.rmtree(workdir / "checkpoints" / "4")
+  assert "marker" not in rerun_with_a_marked_record(config)
+
+
 @pytest.mark.parametrize("persistent_group", [None, 4], ids=["baseline", "groups_pruned"])
 def test_resume_continues_exactly(tmp_path, persistent_group):
   """Restarting from a mid-run checkpoint ends with bit-identical parameters (and
