@@ -25,6 +25,7 @@ from allatt_jax.pruning import gate_values
 from allatt_jax.model import gates as gates_lib
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
+from allatt_jax.training import loop
 from allatt_jax.training import optim
 from allatt_jax.training import progress
 from allatt_jax.training import assembly
@@ -253,6 +254,9 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
   assert decision["by_gates"] + len(decision["opened"]) - len(decision["closed"]) == 4
   saved = run_files.load_config(workdir / "pruned")
   assert saved.gates.lam == 0.0 and saved.gates.target_sparsity == 0.5
+  # Decided as the gates freeze, so every step after it trains the model at its size.
+  recorded = json.loads((workdir / "pruned" / loop.BUDGET_FILE).read_text())
+  assert recorded["step"] == saved.gates.freeze_step
   assert saved.model.vocab_size == 27          # taken from the dataset (demo: 0)
   # Export, results, the gate figure's marks and Model.costs() agree on the heads.
   gated = checkpointing.read_model(workdir / "pruned")[1]
