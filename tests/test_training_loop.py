@@ -18,6 +18,7 @@ from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import assembly
+from allatt_jax.training import loop
 from allatt_jax.runs import run_files
 from allatt_jax.parallel import sharding
 
@@ -148,7 +149,7 @@ def test_a_finished_runs_evaluation_is_redone_only_for_another_state_or_evaluati
   config.checkpoint.every_steps = 2
   config.eval.every_steps = 0
   workdir = tmp_path / "run"
-  phases_file = workdir / "finished_phases.json"
+  phases_file = workdir / loop.PHASES_FILE
 
   def rerun_with_a_marked_record(config):
     phases = json.loads(phases_file.read_text())
