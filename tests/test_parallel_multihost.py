@@ -54,6 +54,24 @@ def get_config(arg=None):
   c.init_from = "none"   # pruning from scratch, on purpose
   return c
 '''
+# The demo's pipeline, shortened, with a budget: the pruning stage starts from the
+# baseline's checkpoint and decides its heads at the freeze; then both models are read
+# back for the speed comparison, and the gate figure reads the pruning run's checkpoint.
+PIPELINE_CONFIG = f'''
+from allatt_jax.config import config_base
+
+
+def get_config(arg=None):
+  c = config_base.load({str(REPO / "configs" / "demo.py")!r}, "tiny")
+  c.data.update(dict(name="text8", manual_dir=MANUAL_DIR))
+  c.train.update(dict(num_steps=6, warmup_steps=0, log_every_steps=3))
+  c.eval.update(dict(batch_size=128, seq_len=64, mem_len=32))
+  c.checkpoint.every_steps = 6
+  c.pipeline.prune_train.update(dict(num_steps=6, warmup_steps=0))
+  c.pipeline.prune_gates.update(dict(l0_warmup_steps=0, freeze_step=3,
+                                     target_sparsity=0.5))
+  return c
+'''
 # The LoggingWriter line of a logging step: "[step] ..., loss=..., ...".
 _LOSS_LINE = re.compile(r"\] \[(\d+)\] .*\bloss=([-+.\deE]+)")
 
@@ -253,3 +271,39 @@ def test_a_process_failing_alone_ends_the_run_at_once(tmp_path):
   assert "RuntimeError: process 1 fails alone" in failed and cli.BUG_REPORT in failed
   # Process 0's collective failed as process 1 left; it says so, as a failure.
   assert "process 1 fails alone" not in waiting and cli.BUG_REPORT in waiting
+
+
+def test_a_pipeline_across_processes_ends_as_in_one(tmp_path):
+  """The demo's pipeline (baseline, pruning to a budget from the baseline's
+  checkpoint, export, both models read back and timed, report and gate figure) on
+  two processes, each reading half of every batch, against one process.
+
+  One CPU device a process: with several, XLA:CPU's cross-process collectives stall
+  once a few of its programs are in flight (a whole split's evaluation), which the
+  accelerators' collectives do not.
+  """
+  manual_dir, data_dir = data_fixtures.prepared_text8(tmp_path, num_chars=200_000)
+  config_file = tmp_path / "pipeline.py"
+  config_file.write_text(PIPELINE_CONFIG.replace("MANUAL_DIR", repr(manual_dir)))
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  common = ["-m", "allatt_jax.main", f"--config={config_file}",
+            f"--config.data.data_dir={data_dir}"]
+  reference = _start([*common, f"--workdir={single}"], tmp_path / "single.log", 1)
+  port = helpers.free_port()
+  logs = _wait([_start([*common, f"--workdir={multi}", f"--coordinator_address=127.0.0.1:{port}",
+                        "--num_processes=2", f"--process_id={i}", "--config.mesh.data=2",
+                        "--config.mesh.model=1"], tmp_path / f"multi.{i}.log", 1)
+                for i in range(2)] + [reference], timeout=600)
+  assert all("Joined a 2-process run" in log for log in logs[:2])
+  ours, theirs = (json.loads((d / "report.json").read_text()) for d in (multi, single))
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  # The budget decided the same heads, and both models score as in one process.
+  assert ours["pruned"]["heads_per_layer"] == theirs["pruned"]["heads_per_layer"]
+  assert ours["pruned"]["sparsity"] == 0.5
+  for model in ("baseline", "pruned"):
+    np.testing.assert_allclose([ours[model]["valid"], ours[model]["test"]],
+                               [theirs[model]["valid"], theirs[model]["test"]], rtol=1e-5)
+  assert (multi / "gates.png").is_file()
+  exported = [checkpointing.read_variables(d / "pruned" / "export")[0] for d in (multi, single)]
+  for a, b in zip(*map(jax.tree.leaves, exported)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -200,7 +200,8 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
   end, by the rule export uses (`gate_values.Gates.surviving_heads` on the final
   checkpoint's gate logits). `workdir`: a pruning run, or a pipeline's workdir (its
   newest pruning stage: `gated_run`). Writes gates.png in the run drawn unless
-  `out_file` is given.
+  `out_file` is given. In a multi-process run every process calls it (reading the
+  checkpoint is collective) and process 0 draws.
 
   Raises:
     CheckpointError: `workdir` is not a pruning run with a gate history and a
@@ -213,7 +214,8 @@ def gate_figure(workdir, out_file=None) -> epath.Path:
   cfg = model_lib.ModelConfig.from_config(config)
   kept = gate_values.read(cfg, checkpointing.read_model(workdir)[1]["gates"]).surviving_heads
   out_file = epath.Path(out_file) if out_file else workdir / "gates.png"
-  _draw_gates(records, kept, cfg.layer_heads, config.gates, out_file)
+  if jax.process_index() == 0:
+    _draw_gates(records, kept, cfg.layer_heads, config.gates, out_file)
   return out_file
 
 

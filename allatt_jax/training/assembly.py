@@ -59,7 +59,9 @@ class RunSetup:
     if source_params is None:
       return state
 
-    def from_source(variables):
+    # The fresh state is an argument, not a constant: in a multi-process run its
+    # arrays span other processes' devices, which a traced function cannot close over.
+    def from_source(state, variables):
       teacher = None
       if state.teacher is not None:   # a copy: the student's params will change
         teacher = {**state.teacher, "params": jax.tree.map(jnp.copy, variables["params"])}
@@ -68,7 +70,7 @@ class RunSetup:
 
     with sharding.activate(self.mesh):
       return jax.jit(from_source, out_shardings=self.state_sharding)(
-          {**state.variables, "params": source_params})
+          state, {**state.variables, "params": source_params})
 
   def train_step(self, *, sample_gates: bool):
     """The jitted train step over this setup's mesh (to be called under
