@@ -27,6 +27,7 @@ from allatt_jax.data import specs
 from allatt_jax.data import builder
 from allatt_jax.data import sources
 from allatt_jax.config.errors import DataError
+from allatt_jax.config import run_config
 from allatt_jax.config.run_config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -322,6 +323,23 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   # A model too narrow for width d/64 in the last cluster gets d/8 there.
   narrow = word_level_demo(33_278, d_model=32, num_heads=4, num_layers=1)
   assert assembly.word_output(narrow)['div_val'] == 2
+
+
+def test_a_size_budget_on_own_words_measures_the_layers_beside_an_adaptive_softmax():
+  # The budget counts no vocabulary, so the completed model (adaptive, with its cluster
+  # shares) is measured as the plain one, whose layers are the same.
+  corpus = lambda run: types.SimpleNamespace(vocab_size=run.model.vocab_size,
+                                             splits={'train': np.arange(2000) % 1000})
+  for key in ('target_params', 'target_macs'):
+    adaptive, plain = (run_config.pruning_stage(word_level_demo(33_278, **model), 'base',
+                                                gates={key: 0.5})
+                       for model in ({}, dict(auto_cutoffs=False)))
+    (run, cfg, _), (plain_run, plain_cfg, _) = (
+        assembly.complete(r, corpus(r)) for r in (adaptive, plain))
+    assert cfg.cutoffs and cfg.cluster_fractions and not plain_cfg.cutoffs
+    unpruned = cost_model.unpruned_cost(plain_run, plain_cfg)
+    assert cost_model.unpruned_cost(run, cfg) == unpruned
+    assert cost_model.budget_note(run, cfg) == cost_model.budget_note(plain_run, plain_cfg)
 
 
 def test_a_run_saved_before_the_automatic_cutoffs_keeps_its_plain_softmax(tmp_path):

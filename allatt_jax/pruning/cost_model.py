@@ -194,7 +194,8 @@ def prune_uniformly(cfg: model_lib.ModelConfig, heads_kept: float) -> model_lib.
 def _budget_cost(cfg: model_lib.ModelConfig, key: str, eval_lengths) -> float:
   """Non-embedding params or MACs per token of `cfg`; the vocabulary (maybe not known
   yet: `model.vocab_size` 0) counts in neither."""
-  cfg = dataclasses.replace(cfg, vocab_size=1, cutoffs=(), div_val=1, tie_projs=None)
+  cfg = dataclasses.replace(cfg, vocab_size=1, cutoffs=(), div_val=1, tie_projs=None,
+                            cluster_fractions=())
   if key == "target_params":
     return param_counts(cfg)["params_non_embedding"]
   return macs_per_token(cfg, *eval_lengths)["macs_per_token_non_embedding"]
