@@ -289,10 +289,9 @@ def test_a_pipeline_across_processes_ends_as_in_one(tmp_path):
   common = ["-m", "allatt_jax.main", f"--config={config_file}",
             f"--config.data.data_dir={data_dir}"]
   reference = _start([*common, f"--workdir={single}"], tmp_path / "single.log", 1)
-  port = helpers.free_port()
-  logs = _wait([_start([*common, f"--workdir={multi}", f"--coordinator_address=127.0.0.1:{port}",
-                        "--num_processes=2", f"--process_id={i}", "--config.mesh.data=2",
-                        "--config.mesh.model=1"], tmp_path / f"multi.{i}.log", 1)
+  processes = [*common, f"--workdir={multi}", "--config.mesh.data=2", "--config.mesh.model=1",
+               f"--coordinator_address=127.0.0.1:{helpers.free_port()}", "--num_processes=2"]
+  logs = _wait([_start([*processes, f"--process_id={i}"], tmp_path / f"multi.{i}.log", 1)
                 for i in range(2)] + [reference], timeout=600)
   assert all("Joined a 2-process run" in log for log in logs[:2])
   ours, theirs = (json.loads((d / "report.json").read_text()) for d in (multi, single))
@@ -304,6 +303,8 @@ def test_a_pipeline_across_processes_ends_as_in_one(tmp_path):
     np.testing.assert_allclose([ours[model]["valid"], ours[model]["test"]],
                                [theirs[model]["valid"], theirs[model]["test"]], rtol=1e-5)
   assert (multi / "gates.png").is_file()
-  exported = [checkpointing.read_variables(d / "pruned" / "export")[0] for d in (multi, single)]
-  for a, b in zip(*map(jax.tree.leaves, exported)):
+  ours, theirs = (checkpointing.read_variables(d / "pruned" / "export")[0]
+                  for d in (multi, single))
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
