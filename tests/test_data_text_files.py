@@ -287,14 +287,19 @@ def word_level_demo(vocab_size, **model):
   return RunConfig.of(config)
 
 
+def head_cluster_corpus(run):
+  """A dataset of the run's vocabulary whose train split holds only the first 1,000
+  ids, all in an adaptive softmax's head cluster."""
+  return types.SimpleNamespace(vocab_size=run.model.vocab_size,
+                               splits={'train': np.arange(2000) % 1000})
+
+
 def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the_layers():
   # 33,278 types (WikiText-2's): the plain softmax, 4.3M MACs a token, is 7.5x the layers.
   run = word_level_demo(33_278)
   assert assembly.word_output(run) == dict(cutoffs=(2496, 4992, 24958), div_val=4)
   # The train split's tokens, all in the head cluster, size the tail capacities.
-  corpus = lambda run: types.SimpleNamespace(vocab_size=run.model.vocab_size,
-                                             splits={'train': np.arange(2000) % 1000})
-  completed, cfg, note = assembly.complete(run, corpus(run))
+  completed, cfg, note = assembly.complete(run, head_cluster_corpus(run))
   assert (completed.model.cutoffs, completed.model.div_val) == ((2496, 4992, 24958), 4)
   assert completed.model.cluster_fractions == (1.0, 0.0, 0.0, 0.0)
   # The model returned is the one the completed config builds (as a resumed run does).
@@ -314,7 +319,7 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
                 word_level_demo(33_278, cutoffs=(1000,)),
                 word_level_demo(33_278, div_val=2)):
     assert assembly.word_output(other) == {}
-    completed, cfg, note = assembly.complete(other, corpus(other))
+    completed, cfg, note = assembly.complete(other, head_cluster_corpus(other))
     assert note == '' and cfg == model_lib.ModelConfig.from_config(completed)
   words = word_level_demo(33_278)
   characters = RunConfig.from_dict({**words.to_dict(),
@@ -328,14 +333,12 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
 def test_a_size_budget_on_own_words_measures_the_layers_beside_an_adaptive_softmax():
   # The budget counts no vocabulary, so the completed model (adaptive, with its cluster
   # shares) is measured as the plain one, whose layers are the same.
-  corpus = lambda run: types.SimpleNamespace(vocab_size=run.model.vocab_size,
-                                             splits={'train': np.arange(2000) % 1000})
   for key in ('target_params', 'target_macs'):
     adaptive, plain = (run_config.pruning_stage(word_level_demo(33_278, **model), 'base',
                                                 gates={key: 0.5})
                        for model in ({}, dict(auto_cutoffs=False)))
     (run, cfg, _), (plain_run, plain_cfg, _) = (
-        assembly.complete(r, corpus(r)) for r in (adaptive, plain))
+        assembly.complete(r, head_cluster_corpus(r)) for r in (adaptive, plain))
     assert cfg.cutoffs and cfg.cluster_fractions and not plain_cfg.cutoffs
     unpruned = cost_model.unpruned_cost(plain_run, plain_cfg)
     assert cost_model.unpruned_cost(run, cfg) == unpruned

@@ -129,11 +129,11 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
     if is_main:
       console.banner(f"Report: {report_file}, {figure_file}")
       run_files.write_json(report_file, report)
-    figures.gate_figure(pruned_dir, figure_file)
-    if is_main:
       print(demo_report.summary_table(report))
       for warning in report["warnings"]:
         print(f"warning: {warning}", flush=True)
+    # On every process: it reads the pruning run's checkpoint, which they do together.
+    figures.gate_figure(pruned_dir, figure_file)
   return report
 
 
