@@ -7,7 +7,9 @@ r"""Throughput of a config's model: train steps, pruned models' inference, matmu
 Prints a summary and the JSON report; the config's `benchmark` section sets steps,
 rounds and head fractions. `--out` holds the report of the rounds done so far after
 each round (`rounds_done`), so a run stopped at a time limit keeps its figures.
-`--profile` adds where the baseline step's time goes;
+A pipeline config (configs/demo.py) has its baseline timed, and the gated and
+distilling steps of its pruning stage (`pipeline.prune_gates`, `prune_distill`,
+`prune_train`). `--profile` adds where the baseline step's time goes;
 `--variant=NAME:section.key=value,...` times the config with overrides beside it.
 """
 from collections.abc import Sequence
@@ -42,7 +44,13 @@ def main(argv: Sequence[str]) -> None:
   plan = dataclasses.replace(
       plan, profile=plan.profile or _PROFILE.value,
       variants=config_variants.from_flags(_VARIANT.value, plan.variants))
-  report = timing.measure(assembly.checked_config(_CONFIG.value), plan, on_round=_write)
+  config = _CONFIG.value
+  if config.get("pipeline"):
+    # The gated steps are timed as the pipeline's pruning stage trains.
+    stages = assembly.pipeline_with_vocab_size(assembly.checked_pipeline(config))
+    report = timing.measure(stages.baseline, plan, on_round=_write, pruning=stages.pruning)
+  else:
+    report = timing.measure(assembly.checked_config(config), plan, on_round=_write)
   _write(report)
   print(bench_report.summary(report))
   print(json.dumps(report, indent=2))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from allatt_jax.perf import bench_report
 from allatt_jax.perf import config_variants
 from allatt_jax.config import config_base
 from allatt_jax.training import assembly
@@ -112,6 +113,47 @@ def test_each_round_hands_over_the_report_of_the_rounds_so_far(tiny_run):
   assert [len(r["matmul"]["gflops_per_s_rounds"]) for r in reports] == [1, 2]
   assert reports[0]["inference"][0]["tokens_per_s"] > 0
   assert reports[-1] == final
+
+
+@pytest.mark.slow   # compiles three train steps and an evaluation
+def test_a_pipeline_config_times_its_pruning_stage_as_it_trains():
+  """The gated and distilling steps are the pruning stage's (its gates over persistent
+  groups, its distillation, its batch), named in the summary; a stage that does not
+  distill has the benchmark's own distillation timed, and the summary says so."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.pipeline.prune_gates.persistent_group = 4
+  config.pipeline.prune_train.batch_size = 8
+  stages = assembly.pipeline_with_vocab_size(assembly.checked_pipeline(config))
+  assert stages.pruning.model == stages.baseline.model
+  plan = timing.BenchmarkPlan(train_steps=1, eval_segments=1, rounds=1, heads_kept=(1.0,),
+                              matmul_size=64)
+  report = timing.measure(stages.baseline, plan, pruning=stages.pruning)
+  train = report["train"]
+  assert train["pruning_stage"] and not train["distill_is_benchmarks"]
+  assert train["gates_settings"] == {**stages.pruning.gates.to_dict(), "enabled": True}
+  assert train["gates_settings"]["persistent_group"] == 4
+  assert train["distill_settings"] == stages.pruning.distill.to_dict()
+  assert train["distill_settings"]["kl_clusters"] == "head"
+  assert train["distill_settings"]["hidden_weight"] == 0.0
+  # Per token: the pruning stage trains 8 rows a step, the baseline 4.
+  assert train["gated"]["tokens_per_s"] == pytest.approx(8 * 16 / train["gated"]["step_s"])
+  assert train["baseline"]["tokens_per_s"] == pytest.approx(
+      4 * 16 / train["baseline"]["step_s"])
+  assert train["gated_overhead"] == pytest.approx(
+      train["baseline"]["tokens_per_s"] / train["gated"]["tokens_per_s"] - 1)
+  lines = bench_report.summary(report).splitlines()
+  assert (f"gated step overhead {train['gated_overhead']:+.1%} per token (the pipeline's "
+          "pruning stage: heads and groups of 4 persistent slots)") in lines
+  distilling = next(line for line in lines if line.startswith("distilling step"))
+  assert distilling.endswith("(the pipeline's pruning stage: weight=0.5, temperature=1, "
+                             "hidden_weight=0, kl_clusters=head)")
+  train.update(distill_is_benchmarks=True, distill_settings=timing.DISTILL | {
+      "kl_clusters": "all"})
+  distilling = next(line for line in bench_report.summary(report).splitlines()
+                    if line.startswith("distilling step"))
+  assert distilling.endswith("(the benchmark's own: the pipeline's pruning stage does not "
+                             "distill: weight=0.5, temperature=1, hidden_weight=0.1, "
+                             "kl_clusters=all)")
 
 
 @pytest.mark.parametrize("overrides, message", [

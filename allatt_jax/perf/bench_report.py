@@ -24,6 +24,7 @@ class Timed:
   models: list                       # Inference, one per plan.heads_kept
   variants: dict                     # name -> (TrainStep, Inference)
   load_before: tuple[float, float, float]
+  pruning_stage: bool = False        # the gated steps are a pipeline's pruning stage's
   peaks: list[tuple[float, float]] = dataclasses.field(default_factory=list)
   usages: dict = dataclasses.field(default_factory=dict)        # step -> [timed usage]
   first_steps: dict = dataclasses.field(default_factory=dict)   # step -> [seconds]
@@ -65,14 +66,20 @@ def _train_entry(timed: Timed, step, peaks: tuple[float, float]) -> dict:
 
 
 def _train_report(timed: Timed, peaks: tuple[float, float]) -> dict:
-  """The config's train steps, and the gated and distilling steps' overheads."""
+  """The config's train steps, and the gated and distilling steps' overheads (per
+  token: a pipeline's pruning stage may train at another batch size), with the
+  settings they ran."""
   report = {name: _train_entry(timed, step, peaks) for name, step in timed.train_steps.items()}
   report["flops_per_token"] = report["baseline"]["model_flops_per_token"]
   if "gated" in report:
     distilled, gated = report["distill"], report["gated"]
-    report["gated_overhead"] = gated["step_s"] / report["baseline"]["step_s"] - 1
-    report["distill_settings"] = timed.train_steps["distill"].config.distill.to_dict()
-    report["distill_overhead"] = distilled["step_s"] / gated["step_s"] - 1
+    distill_step = timed.train_steps["distill"]
+    report["gated_overhead"] = report["baseline"]["tokens_per_s"] / gated["tokens_per_s"] - 1
+    report["pruning_stage"] = timed.pruning_stage
+    report["gates_settings"] = timed.train_steps["gated"].config.gates.to_dict()
+    report["distill_settings"] = distill_step.config.distill.to_dict()
+    report["distill_is_benchmarks"] = distill_step.own_distill
+    report["distill_overhead"] = gated["tokens_per_s"] / distilled["tokens_per_s"] - 1
     if distilled["xla_temp_bytes"] and gated["xla_temp_bytes"]:
       report["distill_temp_ratio"] = distilled["xla_temp_bytes"] / gated["xla_temp_bytes"]
   return report
@@ -137,6 +144,28 @@ def build(timed: Timed) -> dict:
   }
 
 
+def _gates_timed(train: dict) -> str:
+  """What the gated step gates, and whose settings those are."""
+  gates = train["gates_settings"]
+  group = gates["persistent_group"]
+  kinds = [*(["heads"] if gates["heads"] else []),
+           *([f"groups of {group} persistent slots"] if group else [])]
+  whose = "the pipeline's pruning stage" if train["pruning_stage"] else "the config's gates"
+  return f"{whose}: {' and '.join(kinds)}"
+
+
+def _distill_timed(train: dict) -> str:
+  """The distilling step's settings, and whose they are."""
+  d = train["distill_settings"]
+  if train["distill_is_benchmarks"]:
+    whose = ("the benchmark's own: the pipeline's pruning stage does not distill"
+             if train["pruning_stage"] else "the benchmark's own: the config does not distill")
+  else:
+    whose = "the pipeline's pruning stage" if train["pruning_stage"] else "the config's"
+  return f"{whose}: " + ", ".join(f"{key}={value:g}" if isinstance(value, float)
+                                   else f"{key}={value}" for key, value in d.items())
+
+
 def _rss_peak_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
 
@@ -167,9 +196,11 @@ def summary(report: dict) -> str:
   lines += _proxy(t["baseline"]["proxy"])
   lines += step_profile.summary(t["baseline"]["profile"]) if "profile" in t["baseline"] else []
   if "gated_overhead" in t:
-    lines.append(f"gated step overhead {t['gated_overhead']:+.1%}")
+    lines.append(f"gated step overhead {t['gated_overhead']:+.1%} per token "
+                 f"({_gates_timed(t)})")
     lines.append(f"distilling step against the gated one: {t['distill_overhead']:+.1%} "
-                 f"time, XLA temporaries x{t.get('distill_temp_ratio', float('nan')):.2f}")
+                 f"time per token, XLA temporaries "
+                 f"x{t.get('distill_temp_ratio', float('nan')):.2f} ({_distill_timed(t)})")
   for r in report["inference"]:
     lines.append(f"eval {r['heads_kept']:4.0%} heads {r['tokens_per_s']:9.0f} tokens/s  "
                  f"MACs x{r['mac_ratio']:.2f} (bytes x{r['proxy_bytes_ratio']:.2f})  "

@@ -124,10 +124,12 @@ class TrainStep:
     shapes, dtypes and shardings (a variant that changes how the model computes, not
     what it holds), which skips compiling the initialiser: on a GPU a large model's
     takes seconds to tens of seconds."""
+    # Where the config does not distill, the distilling step is the benchmark's DISTILL.
+    self.own_distill = distill and not config.distill.enabled
     if not distill:
       distill_keys = dict(weight=0.0, hidden_weight=0.0)
     else:
-      distill_keys = None if config.distill.enabled else DISTILL
+      distill_keys = DISTILL if self.own_distill else None
     config = run_config.derived_run(
         config, gates=dict(enabled=gated), distill=distill_keys,
         init_from="",   # a teacher starts as a copy of the random params
@@ -275,27 +277,32 @@ def _ready(what: str, build):
 
 
 def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
-            on_round: Callable[[dict], None] = lambda report: None) -> dict:
+            on_round: Callable[[dict], None] = lambda report: None,
+            pruning: run_config.RunConfig | None = None) -> dict:
   """The benchmark report of `config`'s model (bench_report.py), timed as `plan` says
   (see the module docstring), with its variants' (config_variants.py) beside it.
 
   `on_round` is handed the report of the rounds so far after each round, so that a
   benchmark stopped at a time limit keeps what it measured.
 
+  `pruning`: the run whose gated and distilling steps are timed, a pipeline's pruning
+  stage (its gates, distillation and train section); by default `config` itself.
+
   Raises:
     ConfigError: a variant overrides a key the config lacks, or fails the config's
       checks (before anything compiles).
   """
   config = assembly.with_vocab_size(config)
+  pruned = config if pruning is None else assembly.with_vocab_size(pruning)
   variant_configs = config_variants.resolve(config, plan.variants)
   load_before = os.getloadavg()
   matmul = Matmul(plan.matmul_size, jnp.dtype(config.model.dtype))
   train_steps = {"baseline": _ready("train step", lambda: TrainStep(config, gated=False))}
   if plan.gated_steps:
     train_steps.update(
-        gated=_ready("gated train step", lambda: TrainStep(config, gated=True)),
+        gated=_ready("gated train step", lambda: TrainStep(pruned, gated=True)),
         distill=_ready("distilling train step",
-                       lambda: TrainStep(config, gated=True, distill=True)))
+                       lambda: TrainStep(pruned, gated=True, distill=True)))
   model = random_model(config)
   models = [_ready(f"evaluation, {f:.0%} of the heads",
                    lambda f=f: Inference(config, model, f, plan.eval_segments))
@@ -306,7 +313,8 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
                      _ready(f"variant {name}: evaluation", lambda c=c: Inference(
                          c, random_model(c), 1.0, plan.eval_segments)))
               for name, c in variant_configs.items()}
-  timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before)
+  timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before,
+                             pruning_stage=pruning is not None)
   steps = list(timed.usages)   # the config's train steps, then the variants'
   evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
 

@@ -239,6 +239,15 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
   return run_config.derived_run(run, model=word_output(run))
 
 
+def pipeline_with_vocab_size(stages: run_config.PipelineConfig) -> run_config.PipelineConfig:
+  """`with_vocab_size` of both stages of a checked pipeline, from one read of their
+  dataset."""
+  baseline = with_vocab_size(stages.baseline)
+  pruning = run_config.derived_run(stages.pruning,
+                                   model=dict(vocab_size=baseline.model.vocab_size))
+  return dataclasses.replace(stages, baseline=baseline, pruning=with_vocab_size(pruning))
+
+
 def _prepared(run: RunConfig, corpus: data_lib.Corpus,
               init_from: str | None = None, first_note: str = "") -> PreparedRun:
   run, cfg, output_note = complete(run, corpus, init_from)
