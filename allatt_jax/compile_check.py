@@ -2,7 +2,9 @@ r"""Compiles a config's train step for a large mesh without running it or alloca
 
   python -m allatt_jax.compile_check --config=configs/wt103_base.py --devices=32 --mesh=8,4
 
-Compiles the sharded step for `--devices` fake CPU devices as a (data, model) mesh from
+A pipeline config (configs/demo.py) compiles both stages' steps, the pruning stage's
+with its gates (and teacher, where it distills), and `--json` holds both reports by
+stage. Compiles the sharded step for `--devices` fake CPU devices as a (data, model) mesh from
 abstract shapes, so a sharding mistake shows in a minute on a laptop. Prints compile
 time, XLA's per-device memory plan and FLOPs: XLA:CPU's figures, a sanity check of the
 sharding, not an exact HBM budget.
@@ -46,11 +48,18 @@ def main(argv):
   if wanted and devices != wanted:
     raise errors.ConfigError(f"--devices={wanted}, but JAX sees {devices} devices.")
   mesh = _mesh_shape(_MESH.value, devices) if _MESH.value else (devices, 1)
-  report = compile_report.check(_CONFIG.value, mesh, name=cli.config_file_name("config"))
-  print(report.summary())
+  config, name = _CONFIG.value, cli.config_file_name("config")
+  if config.get("pipeline"):
+    reports = compile_report.check_pipeline(config, mesh, name)
+    print("\n".join(report.summary() for report in reports.values()))
+    written = {stage: dataclasses.asdict(report) for stage, report in reports.items()}
+  else:
+    report = compile_report.check(config, mesh, name)
+    print(report.summary())
+    written = dataclasses.asdict(report)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump(dataclasses.asdict(report), f, indent=2)
+      json.dump(written, f, indent=2)
 
 
 def run(argv=None) -> None:

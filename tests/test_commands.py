@@ -151,6 +151,16 @@ def test_benchmark_unknown_flag():
   assert_one_error_line(result, "'rounds'")
 
 
+@pytest.mark.parametrize("module", ["allatt_jax.benchmark", "allatt_jax.compile_check"])
+def test_a_pipeline_config_is_checked_as_the_pipeline_checks_it(module):
+  """Its pruning stage is timed or compiled too: a wrong pruning setting is refused
+  with the pipeline's flag, before anything compiles."""
+  result = command(module, "--config=configs/demo.py:tiny",
+                   "--config.pipeline.prune_gates.persistent_group=5")
+  assert_one_error_line(result, "config.pipeline.prune_gates.persistent_group=5",
+                        "does not divide config.model.num_persistent=16")
+
+
 def test_compile_check_bad_mesh():
   result = command("allatt_jax.compile_check", "--config=configs/wt103_base.py:tiny",
                    "--mesh=3")

@@ -27,6 +27,7 @@ class Report:
   devices: int
   mesh: tuple[int, int]
   gated: bool
+  distills: bool                    # the step also runs a teacher (distill section)
   params: int                       # global parameter count
   state_bytes_per_device: int       # from the shardings: what each device stores
   lower_s: float
@@ -36,11 +37,15 @@ class Report:
   # hlo_counts.step_proxy per token: one device's counts over its share of the tokens
   proxy: dict
 
+  @property
+  def _kind(self) -> str:
+    return ("gated" if self.gated else "baseline") + (", distilling" if self.distills else "")
+
   def summary(self) -> str:
     m = self.memory
     lines = [
         f"{self.config}: train step for {self.devices} devices, mesh data={self.mesh[0]} x "
-        f"model={self.mesh[1]} ({'gated' if self.gated else 'baseline'})",
+        f"model={self.mesh[1]} ({self._kind})",
         f"  parameters            {self.params:,}",
         f"  lower / compile       {self.lower_s:.1f} s / {self.compile_s:.1f} s",
         f"  state per device      {self.state_bytes_per_device / _GIB:.3f} GiB (from shardings)",
@@ -77,6 +82,22 @@ def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
   # The mesh first: the config is checked on the mesh it compiles for, not its own.
   config = assembly.with_vocab_size(assembly.checked_config(dataclasses.replace(
       run_config.RunConfig.of(config), mesh=run_config.MeshSection(*mesh_shape))))
+  return _compiled(config, mesh_shape, name)
+
+
+def check_pipeline(config, mesh_shape: tuple[int, int], name: str = "") -> dict[str, Report]:
+  """`check` of both stages of a pipeline config (a ConfigDict: configs/demo.py), each
+  checked as the pipeline checks it: {'baseline': its step, 'pruning': the pruning
+  stage's, with its gates and its teacher where it distills}."""
+  config = config.copy_and_resolve_references()
+  config.mesh.update(dict(data=mesh_shape[0], model=mesh_shape[1]))
+  stages = assembly.pipeline_with_vocab_size(assembly.checked_pipeline(config))
+  return {stage: _compiled(run, mesh_shape, f"{name} ({stage} stage)")
+          for stage, run in (("baseline", stages.baseline), ("pruning", stages.pruning))}
+
+
+def _compiled(config: run_config.RunConfig, mesh_shape: tuple[int, int], name: str) -> Report:
+  """`check`'s report of a checked config with its vocabulary size."""
   setup = assembly.run_setup(config)
   mesh, abstract = setup.mesh, setup.abstract_state
   batch = sharding.batch_sharding(mesh)
@@ -96,6 +117,7 @@ def check(config, mesh_shape: tuple[int, int], name: str = "") -> Report:
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return Report(
       config=name, devices=mesh.size, mesh=tuple(mesh_shape), gated=gated,
+      distills=config.distill.enabled,
       params=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.variables["params"])),
       state_bytes_per_device=_shard_bytes(abstract),
       lower_s=lowered_at - start, compile_s=compiled_at - lowered_at,
