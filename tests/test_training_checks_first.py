@@ -10,7 +10,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
 from allatt_jax.config import config_base
@@ -345,6 +347,50 @@ def test_a_pipeline_checks_each_stage_once_and_reads_its_dataset_once(tmp_path, 
   assert stages.pruning.corpus is stages.baseline.corpus
   assert stages.pruning.run.init_from == str(tmp_path / "run" / "baseline")
   assert stages.pruning.run.model.vocab_size == stages.baseline.run.model.vocab_size == 27
+
+
+def test_pruning_lengths_that_resize_the_relative_table_are_refused_before_the_baseline():
+  """The pruning stage starts from the baseline's params: a longer context there would
+  need a longer learned table than the baseline trains (it used to fail after the
+  baseline had trained, at the pruning stage's init_from check)."""
+  config = demo()
+  config.pipeline.prune_train.seq_len = 32   # 32 + 16 positions; the baseline's 16 + 16
+  with pytest.raises(ConfigError, match=(
+      r"^config\.pipeline\.prune_train\.seq_len \+ config\.train\.mem_len = 48 gives the "
+      r"pruning stage a learned relative position table of 48 distances, but the "
+      r"baseline's, whose params it starts from, holds 32\. Set "
+      r"--config\.model\.max_relative_len=48 \(both stages\), or prune at the baseline's "
+      r"lengths\.$")):
+    assembly.checked_pipeline(config)
+  # Its two ways out pass: one table for both stages, or positions that learn nothing.
+  config.model.max_relative_len = 48
+  stages = assembly.checked_pipeline(config)
+  assert stages.baseline.relative_table_len == stages.pruning.relative_table_len == 48
+  config.model.update(dict(max_relative_len=0, rel_pos="sinusoidal"))
+  assembly.checked_pipeline(config)
+
+
+def test_the_pruning_stage_keeps_the_output_layer_the_baseline_chose(tmp_path, monkeypatch):
+  """Own text at word level, 6,000 types: at the baseline's 32 positions a plain
+  softmax costs more than all the layers (so it gets an adaptive one), at the pruning
+  stage's 128 it does not; the pruning stage starts from the baseline's params, so it
+  keeps the baseline's output layer."""
+  from allatt_jax import data as data_lib   # pylint: disable=g-import-not-at-top
+  config = config_base.load(ROOT / "configs" / "demo.py")
+  config.data.update(dict(name="text_files", level="word"))
+  config.model.update(dict(vocab_size=6000, rel_pos="sinusoidal"))
+  config.pipeline.prune_train.update(dict(seq_len=128, mem_len=128))
+  stages = assembly.checked_pipeline(config)
+  assert assembly.word_output(stages.baseline) and not assembly.word_output(stages.pruning)
+  # Its train split: the first 1,000 ids, all in the head cluster; no <unk> anywhere.
+  monkeypatch.setattr(data_lib, "load_run_corpus", lambda run: types.SimpleNamespace(
+      vocab_size=6000, level="word", unk_counts=lambda: None,
+      splits={"train": np.arange(2000) % 1000}))
+  prepared = assembly.prepared_pipeline(stages, tmp_path / "baseline")
+  baseline, pruning = prepared.baseline.run.model, prepared.pruning.run.model
+  assert (baseline.cutoffs, baseline.div_val) == ((450, 900, 4500), 4)
+  assert pruning == baseline and prepared.pruning.setup.lm.cfg.cutoffs == baseline.cutoffs
+  assert prepared.pruning.run.train.seq_len == 128
 
 
 def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_keeps_one():

@@ -144,7 +144,8 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
       does not use (the message names the pipeline's flag for it); or a stage's
       config fails its checks (ranges, names, a budget no head count meets, gates
       turned off in the pruning stage: the message names the flag of the pipeline
-      section that sets the key).
+      section that sets the key), or the pruning stage's train lengths give it
+      another model than the baseline's.
   """
   defaults = config_base.base_config()
   for section, stage_section in (("gates", "prune_gates"), ("distill", "prune_distill")):
@@ -168,6 +169,7 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
         baseline, "", train=stages.prune_train.to_dict(),
         gates=stages.prune_gates.to_dict(),
         distill=stages.get("prune_distill", defaults.distill).to_dict()))
+    config_checks.check_stages(baseline, pruning)
   except ConfigError as e:
     raise ConfigError(config_checks.named_as(str(e), flags)) from None
   return run_config.PipelineConfig(baseline=baseline, pruning=pruning,
@@ -197,9 +199,13 @@ def prepared_pipeline(config: run_config.PipelineConfig, baseline_dir) -> Prepar
   dataset, the pruning stage starting from `baseline_dir`, the baseline's folder,
   which is also its teacher when it distills."""
   corpus = _read_corpus(config.baseline)
+  baseline = _prepared(config.baseline, corpus)
+  # It starts from the baseline's params: its model is the baseline's as completed,
+  # not one completed at its own train lengths (which can choose another output layer
+  # for own text at word level: `word_output`).
+  pruning = dataclasses.replace(config.pruning, model=baseline.run.model)
   return PreparedPipeline(
-      baseline=_prepared(config.baseline, corpus),
-      pruning=_prepared(config.pruning, corpus, init_from=str(baseline_dir)),
+      baseline=baseline, pruning=_prepared(pruning, corpus, init_from=str(baseline_dir)),
       speed_batches=config.speed_batches)
 
 
