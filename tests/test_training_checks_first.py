@@ -290,6 +290,14 @@ def planned_check(config, suite, **plan_keys):
      ["--suite=persistent, run budget_macs0.6_heads_groups5_s0 (0.6 of the baseline's",
       "config.experiments.persistent_group=5 does not divide config.model.num_persistent"
       "=32", "Choose one of [1, 2, 4, 8, 16, 32]"]),
+    # A longer context than the baseline's, whose relative position table it starts from.
+    ("lambda_sweep", dict(prune_train=dict(num_steps=100, seq_len=32)),
+     ["--suite=lambda_sweep, run continued_s0", "config.experiments.prune_train.seq_len + "
+      "config.train.mem_len = 48 sizes a learned relative position table of 48 distances",
+      "holds 32. Set --config.model.max_relative_len=48"]),
+    ("heuristics", dict(prune_train=dict(num_steps=100, mem_len=24)),
+     ["--suite=heuristics, run l0_lam", "config.train.seq_len + "
+      "config.experiments.prune_train.mem_len = 40 sizes", "holds 32"]),
     # Refused as its pruning runs are made, before they are checked: named as a run's key.
     ("heuristics", dict(prune_gates=dict(enabled=False)),
      ["config.gates.enabled=False, but this is a pruning run"]),
@@ -356,11 +364,10 @@ def test_pruning_lengths_that_resize_the_relative_table_are_refused_before_the_b
   config = demo()
   config.pipeline.prune_train.seq_len = 32   # 32 + 16 positions; the baseline's 16 + 16
   with pytest.raises(ConfigError, match=(
-      r"^config\.pipeline\.prune_train\.seq_len \+ config\.train\.mem_len = 48 gives the "
-      r"pruning stage a learned relative position table of 48 distances, but the "
-      r"baseline's, whose params it starts from, holds 32\. Set "
-      r"--config\.model\.max_relative_len=48 \(both stages\), or prune at the baseline's "
-      r"lengths\.$")):
+      r"^config\.pipeline\.prune_train\.seq_len \+ config\.train\.mem_len = 48 sizes a "
+      r"learned relative position table of 48 distances, but the baseline's, whose "
+      r"params the run starts from, holds 32\. Set --config\.model\.max_relative_len=48 "
+      r"\(the baseline's too\), or train at the baseline's lengths\.$")):
     assembly.checked_pipeline(config)
   # Its two ways out pass: one table for both stages, or positions that learn nothing.
   config.model.max_relative_len = 48

@@ -189,7 +189,9 @@ class Experiment:
     made for every run of a suite before its first run trains."""
     for run in runs:
       try:
-        assembly.checked_config(run.config)
+        checked = assembly.checked_config(run.config)
+        if checked.init_source:   # the baseline's params, or a masked copy of them
+          config_checks.check_from_baseline(self.base, checked)
       except ConfigError as e:
         origin = f" ({run.origin})" if run.origin else ""
         raise ConfigError(f"--suite={suite}, run {run.name}{origin}: "

@@ -169,7 +169,7 @@ def checked_pipeline(config) -> run_config.PipelineConfig:
         baseline, "", train=stages.prune_train.to_dict(),
         gates=stages.prune_gates.to_dict(),
         distill=stages.get("prune_distill", defaults.distill).to_dict()))
-    config_checks.check_stages(baseline, pruning)
+    config_checks.check_from_baseline(baseline, pruning)
   except ConfigError as e:
     raise ConfigError(config_checks.named_as(str(e), flags)) from None
   return run_config.PipelineConfig(baseline=baseline, pruning=pruning,

@@ -106,20 +106,21 @@ def check_vocab_size_set(config: run_config.RunConfig) -> None:
         "allatt_jax.data --dataset=NAME prints V).")
 
 
-def check_stages(baseline: run_config.RunConfig, pruning: run_config.RunConfig) -> None:
-  """A pipeline's pruning stage starts from the baseline's params, so the train lengths
-  it changes must leave the learned relative position table as long as the baseline's
-  (its length is the longest context where `model.max_relative_len` is 0)."""
-  base, pruned = baseline.relative_table_len, pruning.relative_table_len
-  if baseline.model.rel_pos != "learned" or base == pruned:
+def check_from_baseline(baseline: run_config.RunConfig, run: run_config.RunConfig) -> None:
+  """A run that starts from the baseline's params (a pipeline's pruning stage, an
+  experiment's runs) must keep its learned relative position table as long as the
+  baseline's: the train lengths it changes size the table where
+  `model.max_relative_len` is 0."""
+  base, own = baseline.relative_table_len, run.relative_table_len
+  if baseline.model.rel_pos != "learned" or base == own:
     return
-  t = pruning.train
+  t = run.train
   raise ConfigError(
-      f"config.train.seq_len + config.train.mem_len = {t.seq_len + t.mem_len} gives the "
-      f"pruning stage a learned relative position table of {pruned} distances, but the "
-      f"baseline's, whose params it starts from, holds {base}. Set "
-      f"--config.model.max_relative_len={max(base, pruned)} (both stages), or prune at "
-      "the baseline's lengths.")
+      f"config.train.seq_len + config.train.mem_len = {t.seq_len + t.mem_len} sizes a "
+      f"learned relative position table of {own} distances, but the baseline's, whose "
+      f"params the run starts from, holds {base}. Set "
+      f"--config.model.max_relative_len={max(base, own)} (the baseline's too), or train "
+      "at the baseline's lengths.")
 
 
 def named_as(message: str, flags: Mapping[str, str]) -> str:
