@@ -365,7 +365,8 @@ def test_pruning_lengths_that_resize_the_relative_table_are_refused_before_the_b
   config.pipeline.prune_train.seq_len = 32   # 32 + 16 positions; the baseline's 16 + 16
   with pytest.raises(ConfigError, match=(
       r"^config\.pipeline\.prune_train\.seq_len \+ config\.train\.mem_len = 48 sizes a "
-      r"learned relative position table of 48 distances, but the baseline's, whose "
+      r"learned relative position table of 48 distances \(the longest train or eval "
+      r"context\), but the baseline's, whose "
       r"params the run starts from, holds 32\. Set --config\.model\.max_relative_len=48 "
       r"\(the baseline's too\), or train at the baseline's lengths\.$")):
     assembly.checked_pipeline(config)

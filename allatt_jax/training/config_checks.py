@@ -117,7 +117,8 @@ def check_from_baseline(baseline: run_config.RunConfig, run: run_config.RunConfi
   t = run.train
   raise ConfigError(
       f"config.train.seq_len + config.train.mem_len = {t.seq_len + t.mem_len} sizes a "
-      f"learned relative position table of {own} distances, but the baseline's, whose "
+      f"learned relative position table of {own} distances (the longest train or eval "
+      "context), but the baseline's, whose "
       f"params the run starts from, holds {base}. Set "
       f"--config.model.max_relative_len={max(base, own)} (the baseline's too), or train "
       "at the baseline's lengths.")
