@@ -382,7 +382,7 @@ def test_the_pruning_stage_keeps_the_output_layer_the_baseline_chose(tmp_path, m
   """Own text at word level, 6,000 types: at the baseline's 32 positions a plain
   softmax costs more than all the layers (so it gets an adaptive one), at the pruning
   stage's 128 it does not; the pruning stage starts from the baseline's params, so it
-  keeps the baseline's output layer."""
+  keeps the baseline's output layer, in a run and in the commands that measure one."""
   from allatt_jax import data as data_lib   # pylint: disable=g-import-not-at-top
   config = config_base.load(ROOT / "configs" / "demo.py")
   config.data.update(dict(name="text_files", level="word"))
@@ -390,6 +390,10 @@ def test_the_pruning_stage_keeps_the_output_layer_the_baseline_chose(tmp_path, m
   config.pipeline.prune_train.update(dict(seq_len=128, mem_len=128))
   stages = assembly.checked_pipeline(config)
   assert assembly.word_output(stages.baseline) and not assembly.word_output(stages.pruning)
+  # As the benchmark and compile_check build both stages, without the dataset.
+  measured = assembly.pipeline_with_vocab_size(stages)
+  assert measured.pruning.model == measured.baseline.model
+  assert measured.baseline.model.cutoffs == (450, 900, 4500)
   # Its train split: the first 1,000 ids, all in the head cluster; no <unk> anywhere.
   monkeypatch.setattr(data_lib, "load_run_corpus", lambda run: types.SimpleNamespace(
       vocab_size=6000, level="word", unk_counts=lambda: None,

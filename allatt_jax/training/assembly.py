@@ -246,12 +246,11 @@ def with_vocab_size(run: RunConfig) -> RunConfig:
 
 
 def pipeline_with_vocab_size(stages: run_config.PipelineConfig) -> run_config.PipelineConfig:
-  """`with_vocab_size` of both stages of a checked pipeline, from one read of their
-  dataset."""
+  """`with_vocab_size` of a checked pipeline's baseline, from one read of their dataset;
+  the pruning stage takes its model, as `prepared_pipeline` gives it."""
   baseline = with_vocab_size(stages.baseline)
-  pruning = run_config.derived_run(stages.pruning,
-                                   model=dict(vocab_size=baseline.model.vocab_size))
-  return dataclasses.replace(stages, baseline=baseline, pruning=with_vocab_size(pruning))
+  return dataclasses.replace(stages, baseline=baseline, pruning=dataclasses.replace(
+      stages.pruning, model=baseline.model))
 
 
 def _prepared(run: RunConfig, corpus: data_lib.Corpus,
