@@ -33,6 +33,9 @@ def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
     timing.BenchmarkPlan.from_dict({"round": 2})
   with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is '3'; it takes int"):
     timing.BenchmarkPlan.from_dict({"rounds": "3"})
+  with pytest.raises(ConfigError, match=r"--config\.benchmark\.rounds is 0; it takes a count "
+                     "of at least 1"):
+    timing.BenchmarkPlan.from_dict({"rounds": 0})
   plan = timing.BenchmarkPlan.from_dict(
       {"profile": True, "variants": {"two": {"model": {"head_block": 2}}}})
   assert plan.profile and plan.variants == {"two": {"model": {"head_block": 2}}}

@@ -29,6 +29,7 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.parallel import sharding
 from allatt_jax.perf import step_profile
 from allatt_jax.evaluation import stream_eval
@@ -61,6 +62,12 @@ class BenchmarkPlan:
     """
     values = section.to_dict() if hasattr(section, "to_dict") else dict(section)
     return typed_section.read(cls, values, "--config.benchmark")
+
+  def __post_init__(self):
+    for key in ("train_steps", "eval_segments", "rounds", "profile_steps", "matmul_size"):
+      if getattr(self, key) < 1:
+        raise ConfigError(f"--config.benchmark.{key} is {getattr(self, key)}; it takes "
+                          f"a count of at least 1.")
 
 
 # The distillation the benchmark times for configs that do not turn it on: both terms,
@@ -331,7 +338,8 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
     for model in order(evaluations):
       model.warm()
       model.seconds.append(model.run())
-    on_round(bench_report.build(timed))
+    report = bench_report.build(timed)   # its load average 'after' is read now
+    on_round(report)
 
   # Traced after the rounds, so that tracing slows none of them.
   if plan.profile:
@@ -340,4 +348,5 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
     timed.profiles.update({step: step_profile.profile(step.run, step.compiled.as_text(),
                                                       plan.profile_steps)
                            for step in profiled})
-  return bench_report.build(timed)
+    report = bench_report.build(timed)
+  return report
