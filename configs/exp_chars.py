@@ -23,7 +23,8 @@ def get_config(arg=None):
   args = config_base.parse_arg(arg, tiny=False)
   c = config_base.base_config()
   c.data.name = "wikitext_chars"
-  c.model.update(dict(kind="allatt", vocab_size=27, num_layers=4, d_model=128, num_heads=8,
+  # vocab_size 0: the dataset's (27 here), so a suite runs on your own text as it is.
+  c.model.update(dict(kind="allatt", vocab_size=0, num_layers=4, d_model=128, num_heads=8,
                       num_persistent=512, dropout=0.0, dropout_attn=0.0, dropout_emb=0.0,
                       head_block=1))
   c.train.update(dict(batch_size=16, seq_len=32, mem_len=32, num_steps=3000,

@@ -194,6 +194,7 @@ def test_michel_rescores_under_the_mask_with_scores_normalised_per_layer(tiny_mo
 def budget_config(**gates) -> run_config.RunConfig:
   config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
   config.gates.update({"enabled": True, "lam": 0.0, **gates})
+  config.model.vocab_size = 27   # wikitext_chars's, which a run reads from its dataset
   return run_config.RunConfig.of(config)
 
 
