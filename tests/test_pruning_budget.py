@@ -32,6 +32,7 @@ from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
 from allatt_jax.runs import workdir_checks
+from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.reports import demo_report
 from allatt_jax.experiments import plan as plan_lib
@@ -100,6 +101,36 @@ def test_soft_gates_and_a_budget_out_of_range():
   assert decision["by_gates"] == 3 and open_heads(soft, new) == [[2, 3], [], []]
   with pytest.raises(ConfigError, match="13 open heads does not fit a model of 12"):
     freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
+
+
+
+def test_the_budgets_line_says_whether_it_changed_the_gates_decisions():
+  agreeing = gates_of([3.0, -0.5, -1.0, 2.0], [0.1, 4.0, -0.2, -2.0], [1.0, -1.5, -0.3, 0.4])
+  penalty = lambda allowed: budget.Penalty(optax.constant_schedule(0.0), CFG.gate,
+                                           allowed=allowed)
+  line = freeze.keep_budgeted(CFG, gate_values.read(CFG, agreeing), penalty(6))[2]
+  assert line == ("budget: the gates keep 6 of 12 heads at the freeze, the budget allows "
+                  "6: kept as they are")
+  line = freeze.keep_budgeted(CFG, gate_values.read(CFG, agreeing), penalty(4))[2]
+  assert line.endswith(": 2 head decision(s) changed by logit rank (opened 0, closed 2)")
+
+
+def test_heads_closed_by_index_are_closed_for_certain_with_soft_gates_too():
+  """`read(closed=...)` (the API's prune_heads) closes a head whatever its logit, in
+  soft mode too, where a logit just below 0 still leaves its gate open."""
+  soft = dataclasses.replace(CFG, gate=run_config.GatesSection(hard=False))
+  gates = gates_of([2.0] * 4, [2.0] * 4, [2.0] * 4)
+  read = gate_values.read(soft, gates, closed={0: [1, 2], 2: [0]})
+  assert read.head_values[0][1] == read.head_values[0][2] == read.head_values[2][0] == 0.0
+  assert [list(h) for h in read.surviving_heads] == [[0, 3], [0, 1, 2, 3], [1, 2, 3]]
+  np.testing.assert_array_equal(read.out_factors[0][[1, 2]], 0.0)
+
+
+def test_gate_logits_of_another_shape_are_refused():
+  gates = gates_of([[2.0] * 4], [2.0] * 4, [2.0] * 4)   # (1, 4), not (4,)
+  with pytest.raises(CheckpointError, match=r"Gate logits of layer_0 have shape \(1, 4\), "
+                     "but the config gives that layer 4 heads"):
+    gate_values.read(CFG, gates)
 
 
 # --- What the controller counts.
@@ -466,6 +497,12 @@ def test_pruning_warnings_name_the_budget_and_its_value():
                                             "--config.gates")
   assert "--config.gates.freeze_step (now 100" in warning
   assert "--config.gates.budget_warmup_steps (now 60)" in warning
+  assert "with --config.train.num_steps after it" in warning
+  # A pipeline's pruning stage names its own sections' flags.
+  [warning] = model_export.pruning_warnings(setup.run, total, total // 2, far,
+                                            "--config.pipeline.prune_gates")
+  assert ("--config.pipeline.prune_gates.freeze_step (now 100, with "
+          "--config.pipeline.prune_train.num_steps after it)") in warning, warning
   # What each number is: the gates' own count, the budget's, the decisions reversed.
   assert (f"the gates alone kept {total} heads at the freeze, far from the budget's "
           f"{total // 2}: to keep exactly those, the budget reversed {total // 2} of the "

@@ -1,5 +1,7 @@
-"""Head surgery: chosen and closed heads removed, gates folded into W_O, outputs unchanged."""
+"""Head surgery: chosen and closed heads removed, gates folded into W_O, outputs unchanged;
+the config an export is saved with."""
 import dataclasses
+import pathlib
 
 import flax.linen as nn
 from flax import traverse_util
@@ -8,13 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from allatt_jax.config import config_base
 from allatt_jax.config import errors
 from allatt_jax.pruning import gate_values
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
+from allatt_jax.pruning import model_export
 from allatt_jax.config import run_config
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 41
 SEQ_LEN = 8
 # Layer 0 mixes open and closed heads in both modes (-4 is closed even in soft mode,
@@ -229,3 +234,22 @@ def test_masks_of_another_shape_are_refused(mask, match):
   _, variables = gated_model("allatt")
   with pytest.raises(errors.ConfigError, match=match):
     head_removal.remove_heads(cfg, {"params": variables["params"]}, mask)
+
+
+def test_an_exports_config_is_the_smaller_model_standing_alone():
+  """Its own head counts and relative table, no gates, no init_from and so no teacher:
+  a config that loads and trains without the run it came from."""
+  config = run_config.RunConfig.of(config_base.load(ROOT / "configs" / "demo.py", "tiny"))
+  config = run_config.derived_run(
+      config, init_from="/runs/baseline", model=dict(vocab_size=27),
+      gates=dict(enabled=True, lam=0.1), distill=dict(weight=0.5, hidden_weight=0.1))
+  cfg = model_lib.ModelConfig.from_config(config)
+  assert not config.model.max_relative_len   # the run's lengths size the table
+  pruned_cfg = dataclasses.replace(cfg, heads_per_layer=(3, 1), gated=False)
+  exported = model_export.exported_config(config, pruned_cfg)
+  assert (exported.init_from, exported.init_source, exported.gates.enabled) == ("", "", False)
+  assert (exported.distill.weight, exported.distill.hidden_weight) == (0.0, 0.0)
+  assert exported.model.heads_per_layer == (3, 1)
+  assert exported.model.max_relative_len == cfg.max_relative_len > 0
+  assert model_lib.ModelConfig.from_config(exported) == dataclasses.replace(
+      pruned_cfg, gate=exported.gates)

@@ -1,6 +1,7 @@
 """Gates on groups of persistent slots: their variables, the softmax without closed
 groups, the export that cuts them, their costs and the budget's rule over both kinds."""
 import dataclasses
+import math
 import pathlib
 import re
 
@@ -287,6 +288,12 @@ def test_the_decision_line_says_which_kind_each_change_is_and_adds_up():
                        "the freeze (86); the budget 98 keeps 8 heads and 17 groups (97): "
                        "1 decision(s) changed by logit rank (opened 1 head(s) with their "
                        "1 open group(s); closed none)"), line
+  # One unit over: the lowest-ranked open group closes, and the line says which kind.
+  penalty = dataclasses.replace(penalty, allowed=85.0)
+  _, decision, line = freeze.keep_budgeted(cfg, gate_values.read(cfg, gates), penalty)
+  assert [len(unit) for unit in decision["closed"]] == [3] and decision["cost"] == 85
+  assert line.endswith("1 decision(s) changed by logit rank (opened none; closed 1 "
+                       "persistent group(s))"), line
   for budget_value, head_logits in ((80.0, HEAD_LOGITS), (70.0, ((3.0, -4.0, 1.0, 2.0),
                                                                  (2.0, 2.0, 2.0, 0.1))),
                                     (101.0, HEAD_LOGITS), (97.5, heads)):
@@ -397,6 +404,11 @@ def _group_config(**gates):
     (dict(target_sparsity=0.5), {}, r"target_sparsity=0.5 is a fraction of heads.*"
      r"--config.gates.target_params or --config.gates.target_macs"),
     ({}, dict(kind="txl", num_persistent=0, d_ff=64), r"this model has none of"),
+    ({}, dict(num_persistent=0), r"this model has none of \(config.model.kind='allatt', "
+     r"num_persistent=0\)"),
+    ({}, dict(persistent_slots=((16, 8, 16, 16), (16, 16, 16, 16))),
+     r"needs every head's 16 persistent slots, but this model \(an export\) keeps "
+     r"\[56, 64\] per layer"),
     (dict(heads=False, target_macs=1.0), {}, r"below the .* that pruning persistent "
      r"groups alone leaves.*The smallest budget that is met: --config.gates.target_macs="),
     (dict(target_params=10), {}, r"no head holds"),
@@ -422,6 +434,36 @@ def test_a_groups_only_budget_below_its_floor_names_one_that_is_met():
   named = re.search(r"smallest budget that is met: --config.gates.target_macs=(\d+) ",
                     str(error.value))
   config.gates.target_macs = float(named.group(1))
+  config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_a_groups_only_budget_just_under_its_floor_is_refused():
+  run = run_config.RunConfig.of(_group_config(heads=False, target_macs=1.0))
+  cfg = model_lib.ModelConfig.from_config(run)
+  floor = cost_model.budget_units(run, cfg).cost(cfg.layer_heads, (0, 0))
+  config = _group_config(heads=False, target_macs=floor - 0.5)
+  with pytest.raises(ConfigError, match="that pruning persistent groups alone leaves"):
+    config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_a_group_budget_below_what_no_head_holds_names_that_floor_when_empty_is_allowed():
+  run = run_config.RunConfig.of(_group_config(target_params=1))
+  units = cost_model.budget_units(run, model_lib.ModelConfig.from_config(run))
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(run, 1)
+  assert (f"smallest budget that is met: --config.gates.target_params="
+          f"{math.ceil(units.empty + units.layer + units.head)};") in str(error.value)
+  empty = run_config.RunConfig.of(_group_config(target_params=1, allow_empty=True))
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(empty, 1)
+  assert (f"smallest budget that is met: --config.gates.target_params="
+          f"{math.ceil(units.empty)}.") in str(error.value), str(error.value)
+
+
+def test_a_baseline_ignores_the_persistent_group_of_its_gates_section():
+  """Gates turned off gate nothing: a group size that would not divide N is no error."""
+  config = _group_config(persistent_group=5, hard=False)
+  config.gates.enabled = False
   config_checks.check_config(run_config.RunConfig.of(config), 1)
 
 

@@ -226,6 +226,11 @@ def test_a_run_that_stopped_short_is_named_as_init_from_with_its_step(baseline, 
   run_files.save_config(export, model[0])
   assert workdir_checks.init_from_note(pruning(finished)) == ""
   assert workdir_checks.init_from_note(pruning(export)) == ""
+  # One step short is short.
+  run_files.save_config(finished, run_config.derived_run(run_files.load_config(baseline),
+                                                         train=dict(num_steps=2)))
+  assert workdir_checks.init_from_note(pruning(finished)).startswith(
+      f"warning: config.init_from={finished} is a run that stopped at step 1 of its 2:")
 
 
 def _with_file(directory, name, text):
@@ -345,6 +350,40 @@ def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_trains():
       saved, gated(model=dict(d_model=48), gates=dict(lam=0.2))) == [
           f"gates.lam: {saved.gates.lam!r} -> 0.2",
           f"model.d_model: {saved.model.d_model} -> 48"]
+
+
+def test_turning_the_gates_or_a_budget_on_or_off_is_a_change_of_what_a_run_trains():
+  """Gate settings count once either run has gates, and the controller's once either
+  has a budget."""
+  def run(**gates):
+    config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+    config.gates.update(gates)
+    return run_config.RunConfig.of(config)
+  baseline, gated = run(), run(enabled=True)
+  assert workdir_checks.setting_differences(baseline, run(lam=0.5)) == []
+  assert workdir_checks.setting_differences(baseline, gated) == [
+      "gates.enabled: False -> True"]
+  assert workdir_checks.setting_differences(gated, baseline) == [
+      "gates.enabled: True -> False"]
+  budgeted = run(enabled=True, target_sparsity=0.5, budget_sharpness=5.0)
+  assert workdir_checks.setting_differences(budgeted, run(enabled=True)) == [
+      "gates.budget_sharpness: 5.0 -> 10.0", "gates.target_sparsity: 0.5 -> None"]
+  assert workdir_checks.setting_differences(gated, run(enabled=True, budget_sharpness=5.0)) == []
+
+
+def test_a_pruning_run_from_scratch_has_no_init_from_to_check(tmp_path):
+  check_run(tiny_config(gates=dict(enabled=True, freeze_step=15), init_from="none"),
+            tmp_path / "run")
+
+
+def test_a_resume_on_another_vocabulary_names_the_data(baseline, tmp_path):
+  """Every embedding's shape differs then: the message names the cause, not the list."""
+  workdir = tmp_path / "run"
+  shutil.copytree(baseline, workdir)
+  with pytest.raises(CheckpointError, match=(
+      r"holds a checkpoint \(step 1\) of a run on another vocabulary \(27 tokens, dataset "
+      r"'text8'; this config: 28, dataset 'text8'\)\. To resume it, rerun with its data")):
+    check_run(tiny_config(model=dict(vocab_size=28)), workdir)
 
 
 def test_a_run_saved_before_the_new_keys_resumes(baseline, tmp_path):

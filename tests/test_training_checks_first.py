@@ -175,6 +175,31 @@ def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, n
     assert text in str(error.value), str(error.value)
 
 
+@pytest.mark.parametrize("sections, named", [
+    # A size asked of a run without gates, which would train the baseline unpruned.
+    (dict(gates=dict(target_sparsity=0.5)),
+     "config.gates.target_sparsity=0.5 asks a pruning run for a size, but "
+     "config.gates.enabled is False. Set --config.gates.enabled=True"),
+    # An export of pruned persistent groups: its heads cost different amounts.
+    (dict(gates=dict(enabled=True, freeze_step=20, target_params=2000),
+          model=dict(persistent_slots=((16, 8, 16, 16), (16, 16, 16, 16)))),
+     "config.gates.target_params=2000.0: a budget counts heads of equal cost, but this "
+     "model's heads keep different numbers of persistent vectors"),
+    # 1 is a count, not the fraction 1 of the unpruned model: named as it was given.
+    (dict(gates=dict(enabled=True, freeze_step=20, target_params=1)),
+     "config.gates.target_params=1 is below the 64 non-embedding parameters"),
+    # Below 0 the nearest sparsity met keeps every head.
+    (dict(gates=dict(enabled=True, freeze_step=20, target_sparsity=-0.25)),
+     "target_sparsity=-0.25 is out of range: it is the fraction of the model's 8 heads to "
+     "remove, in [0, 1]. The nearest budget that is met: --config.gates.target_sparsity=0 "
+     "(8 of 8 heads)."),
+])
+def test_a_single_runs_budget_is_refused_with_the_fix(sections, named):
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(run_of_demo(**sections), 1)
+  assert named in str(error.value), str(error.value)
+
+
 @pytest.mark.parametrize("keys", [dict(target_sparsity=0.99), dict(target_sparsity=1.0),
                                   dict(target_params=64), dict(target_params=1000)])
 def test_an_empty_model_is_made_when_asked_for(keys):
