@@ -25,6 +25,7 @@ from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.config import run_config
+from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -226,6 +227,16 @@ def test_the_rule_keeps_the_gates_decision_where_it_fits_and_nothing_more_would(
   # With room for one more group, the best-ranked closed one opens.
   _, _, (_, decision) = _decide(87.0)
   assert decision["opened"] == [[0, 2, 2]] and decision["cost"] == 87
+
+
+def test_group_logits_of_another_shape_are_refused():
+  gates = {f"layer_{i}": {"attention": {
+      "logits": np.array(HEAD_LOGITS[i], np.float32),
+      "persistent_logits": np.zeros((4, 5 if i else 4), np.float32)}} for i in range(2)}
+  with pytest.raises(CheckpointError, match=(
+      r"The gates of layer_1 hold shape \(4, 5\) at gates/layer_1/attention/"
+      r"persistent_logits, but the config gives that layer 4 heads of 4 persistent groups")):
+    gate_values.read(make_cfg(), gates)
 
 
 def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():

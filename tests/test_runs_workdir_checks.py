@@ -280,6 +280,13 @@ def test_resume_with_shape_changing_config(baseline, tmp_path):
   assert "train.num_steps" not in message
   # A change that keeps the shapes (a longer run) resumes.
   check_run(tiny_config(train=dict(num_steps=60)), workdir)
+  # Parameters the config no longer has are named, parameters before optimizer state.
+  with pytest.raises(CheckpointError) as error:
+    check_run(tiny_config(model=dict(num_layers=1)), workdir)
+  shapes = str(error.value).split("Shapes that differ: ")[1].split("; ")
+  only_saved = [line for line in shapes if line.endswith(": only saved")]
+  assert only_saved and all(line.startswith("variables/params/layer_1/")
+                            for line in only_saved), shapes
 
 
 def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_path,
@@ -350,6 +357,8 @@ def test_a_resumed_run_may_change_how_it_runs_but_not_what_it_trains():
       saved, gated(model=dict(d_model=48), gates=dict(lam=0.2))) == [
           f"gates.lam: {saved.gates.lam!r} -> 0.2",
           f"model.d_model: {saved.model.d_model} -> 48"]
+  assert workdir_checks.setting_differences(saved, gated(model=dict(dropout=0.3))) == [
+      f"model.dropout: {saved.model.dropout!r} -> 0.3"]
 
 
 def test_turning_the_gates_or_a_budget_on_or_off_is_a_change_of_what_a_run_trains():
