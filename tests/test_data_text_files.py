@@ -325,6 +325,15 @@ def test_own_words_get_an_adaptive_softmax_where_a_plain_one_costs_more_than_the
   characters = RunConfig.from_dict({**words.to_dict(),
                                     'data': {**words.data.to_dict(), 'level': 'char'}})
   assert assembly.word_output(characters) == {}
+  # The level left unset is words, text_files' default.
+  unset = RunConfig.from_dict({**words.to_dict(), 'data': {**words.data.to_dict(), 'level': ''}})
+  assert assembly.word_output(unset) == assembly.word_output(words)
+  # Cluster shares a config sets are its own: the train split does not replace them.
+  shares = (0.7, 0.1, 0.1, 0.1)
+  own = word_level_demo(33_278, cutoffs=(2496, 4992, 24958), div_val=4,
+                        cluster_fractions=shares)
+  completed, cfg, _ = assembly.complete(own, head_cluster_corpus(own))
+  assert completed.model.cluster_fractions == cfg.cluster_fractions == shares
   # A model too narrow for width d/64 in the last cluster gets d/8 there.
   narrow = word_level_demo(33_278, d_model=32, num_heads=4, num_layers=1)
   assert assembly.word_output(narrow)['div_val'] == 2

@@ -227,6 +227,17 @@ def test_the_nearest_budgets_named_are_met():
           == cost_model.param_counts(empty)["params_non_embedding"] == 64)
 
 
+def test_a_budget_run_says_first_the_size_it_prunes_to():
+  config = demo()
+  config.model.vocab_size = 27
+  config.gates.update(dict(enabled=True, freeze_step=20, target_params=0.5))
+  config.init_from = "none"   # from scratch: no model to read
+  corpus = types.SimpleNamespace(vocab_size=27, splits={"train": np.arange(100) % 27})
+  note = assembly.prepared_run(assembly.checked_config(config), corpus).note
+  assert note == ("Budget target_params: 6,304 non-embedding parameters, 0.50 of the "
+                  "unpruned model's 12,608."), note
+
+
 def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
   """target_params and target_macs in (0, 1) are fractions of the unpruned model's
   non-embedding count, as target_sparsity is of its heads: the checked config holds
