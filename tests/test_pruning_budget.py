@@ -103,7 +103,6 @@ def test_soft_gates_and_a_budget_out_of_range():
     freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
 
 
-
 def test_the_budgets_line_says_whether_it_changed_the_gates_decisions():
   agreeing = gates_of([3.0, -0.5, -1.0, 2.0], [0.1, 4.0, -0.2, -2.0], [1.0, -1.5, -0.3, 0.4])
   penalty = lambda allowed: budget.Penalty(optax.constant_schedule(0.0), CFG.gate,
