@@ -67,7 +67,7 @@ class BenchmarkPlan:
     for key in ("train_steps", "eval_segments", "rounds", "profile_steps", "matmul_size"):
       if getattr(self, key) < 1:
         raise ConfigError(f"--config.benchmark.{key} is {getattr(self, key)}; it takes "
-                          f"a count of at least 1.")
+                          "a count of at least 1.")
 
 
 # The distillation the benchmark times for configs that do not turn it on: both terms,
