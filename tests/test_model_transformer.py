@@ -115,6 +115,86 @@ def test_memory_is_truncated_and_counts_valid_slots():
   assert int(memory["length"]) == 6
 
 
+def test_a_model_without_memory_hands_on_an_empty_memory():
+  cfg = make_cfg()
+  lm, variables = init(cfg, seq_len=4, mem_len=0)
+  empty = model_lib.init_memory(cfg, 2, 0)
+  _, memory, _ = lm.apply(variables, tokens(0, (2, 4)), tokens(1, (2, 4)), empty)
+  # So a stream without memory keeps one shape: a train loop's state, a scan's carry.
+  assert memory["hidden"].shape == (2, 2, 0, 32) and int(memory["length"]) == 0
+
+
+def test_no_gradient_flows_back_through_the_memory():
+  """Transformer-XL's memory is SG(h): a loss on segment 2 has, through the memory
+  that segment 1 left, the gradient it has with that memory as a constant."""
+  cfg = make_cfg(same_length=False)
+  lm, variables = init(cfg, seq_len=4, mem_len=4)
+  x, y = tokens(0, (2, 8)), tokens(1, (2, 8))
+  empty = model_lib.init_memory(cfg, 2, 4)
+
+  def second_segment_loss(params, memory=None):
+    if memory is None:
+      _, memory, _ = lm.apply({"params": params}, x[:, :4], y[:, :4], empty)
+    return lm.apply({"params": params}, x[:, 4:], y[:, 4:], memory)[0].mean()
+
+  constant = lm.apply(variables, x[:, :4], y[:, :4], empty)[1]
+  through = jax.grad(second_segment_loss)(variables["params"])
+  stopped = jax.grad(second_segment_loss)(variables["params"], constant)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               through, stopped)
+
+
+def test_the_learned_table_reads_up_to_its_length_and_names_the_fix_beyond():
+  cfg = make_cfg(max_relative_len=12)
+  lm, variables = init(cfg, seq_len=4, mem_len=8)
+  x = tokens(0, (2, 4))
+  lm.apply(variables, x, x, model_lib.init_memory(cfg, 2, 8))     # 12 keys: the table
+  with pytest.raises(ValueError, match=r"Segment plus memory length 13 exceeds the learned "
+                     r"relative position table \(12\); raise model.max_relative_len"):
+    lm.apply(variables, x, x, model_lib.init_memory(cfg, 2, 9))
+
+
+def test_the_sown_layer_outputs_are_what_each_layer_hands_on():
+  """Distillation's hidden-state term reads them: layer i's output is what enters
+  layer i + 1 (the memory of a segment as long as it), the last one the final norm's
+  input."""
+  cfg = make_cfg(num_layers=3, final_norm=False)
+  lm, variables = init(cfg)
+  (hidden, memory, _), sown = lm.apply(
+      variables, tokens(0, (2, 8)), model_lib.init_memory(cfg, 2, 8), method=lm.hidden,
+      mutable="intermediates")
+  outputs = sown["intermediates"]["layer_outputs"]
+  assert len(outputs) == 3
+  for i in range(2):
+    np.testing.assert_array_equal(outputs[i], memory["hidden"][i + 1])
+  np.testing.assert_array_equal(outputs[2], hidden)
+
+
+@pytest.mark.parametrize("kind", ["allatt", "txl"])
+def test_training_drops_out_where_the_recipe_says(kind):
+  """Transformer-XL's dropout sites: the embeddings and the relative positions at
+  dropout_emb; each residual branch, the feed-forward's hidden layer and the final
+  hidden states at dropout (attention weights: dropout_attn, in the core)."""
+  cfg = make_cfg(kind, dropout=0.1, dropout_emb=0.2)
+  lm, variables = init(cfg)
+  applied = []
+
+  def record(call, args, kwargs, context):
+    if isinstance(context.module, nn.Dropout) and context.method_name == "__call__":
+      if not kwargs.get("deterministic", context.module.deterministic):
+        applied.append((context.module.rate, args[0].shape))
+    return call(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    lm.apply(variables, tokens(0, (2, 8)), tokens(1, (2, 8)),
+             model_lib.init_memory(cfg, 2, 8), deterministic=False,
+             rngs={"dropout": jax.random.key(0)})
+  per_layer = [(0.1, (2, 8, 32))] + (
+      [(0.1, (2, 8, 64)), (0.1, (2, 8, 32))] if kind == "txl" else [])
+  expected = [(0.2, (16, 32)), (0.2, (2, 8, 32)), *per_layer * 2, (0.1, (2, 8, 32))]
+  assert sorted(applied) == sorted(expected)
+
+
 def test_hard_gate_open_rate_is_sigmoid_of_logit():
   cfg = run_config.GatesSection(temperature=1 / 3, hard=True)
   logits = jnp.array([-2.0, -0.5, 0.0, 1.0, 2.0])
@@ -234,6 +314,13 @@ def test_uneven_heads_and_empty_layer_is_identity(out_bias):
   assert hidden.shape == (2, 8, 32)
   # Layer 1 is the identity: what enters layer 2 is what entered layer 1.
   np.testing.assert_array_equal(new_memory["hidden"][1], new_memory["hidden"][2])
+  if out_bias:
+    # A trained bias, as an export keeps it: added at every position.
+    bias_D = jnp.linspace(-1.0, 1.0, 32)
+    variables["params"]["layer_1"] = {model_lib.HEADLESS_OUT_BIAS: bias_D}
+    _, new_memory, _ = lm.apply(variables, x, memory, method=lm.hidden)
+    np.testing.assert_allclose(new_memory["hidden"][2], new_memory["hidden"][1] + bias_D,
+                               rtol=1e-6)
 
 
 def test_bfloat16_compute_keeps_float32_params():
