@@ -14,6 +14,7 @@ import pytest
 
 from helpers import GROUP_LOGITS
 from helpers import HEAD_LOGITS
+from allatt_jax import data as data_lib
 from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
 from allatt_jax.pruning import budget
@@ -24,7 +25,10 @@ from allatt_jax.pruning import gate_values
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
+from allatt_jax.pruning import model_export
 from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
+from allatt_jax.runs import run_files
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 
@@ -180,6 +184,33 @@ def test_an_export_with_uneven_slots_prunes_and_costs_as_it_runs():
   assert counts["params_non_embedding"] == expected
   with pytest.raises(Exception, match="no persistent slot"):
     head_removal.remove_heads(pruned_cfg, {"params": params}, slots={0: {2: [0]}})
+
+
+@pytest.mark.slow   # saves a model and scores it
+def test_an_exports_results_name_the_slots_it_keeps_and_its_model_reads_them(tmp_path):
+  """What results.json tells of a group-gated model's export, and the export's own
+  config, against the slots its gates keep (`head_removal`)."""
+  cfg, variables = gated_model()
+  pruned_cfg, _ = head_removal.remove_heads(cfg, variables)
+  config = config_base.base_config()
+  config.model.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(
+      run_config.ModelSection) if f.name in config.model})
+  config.gates.update(enabled=True, hard=True, persistent_group=GROUP)
+  config.eval.update(batch_size=1, seq_len=SEQ_LEN, mem_len=SEQ_LEN)
+  splits = {split: np.asarray(tokens(i, (3 * SEQ_LEN,)), np.int32)
+            for i, split in enumerate(("train", "valid", "test"))}
+  corpus = data_lib.Corpus("text_files", "char", tuple(chr(97 + i) for i in range(VOCAB)),
+                           splits)
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  results = model_export.export_and_evaluate(
+      tmp_path / "export", run_config.RunConfig.of(config), cfg, variables, corpus, mesh)
+  assert results["heads_per_layer"] == list(pruned_cfg.layer_heads)
+  assert results["persistent_per_layer"] == pruned_cfg.layer_slots != cfg.layer_slots
+  assert results["directory"] == str(tmp_path / "export")
+  assert {"valid", "test", "valid_nll", "test_nll"} <= set(results)
+  saved = model_lib.ModelConfig.from_config(run_files.load_config(tmp_path / "export"))
+  assert saved.persistent_slots == pruned_cfg.persistent_slots and not saved.gated
 
 
 @pytest.mark.parametrize("key", ["target_params", "target_macs"])
