@@ -3,6 +3,7 @@ end (tiny)."""
 import dataclasses
 import json
 import pathlib
+import re
 import types
 
 import flax.linen as nn
@@ -17,6 +18,7 @@ from allatt_jax import data as data_lib
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
+from allatt_jax.pruning import model_export
 from allatt_jax.training import assembly
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
@@ -243,6 +245,143 @@ def exp_chars_plan(**changes) -> dict:
   return {**values, **changes}
 
 
+def planned_experiment(tmp_path, **plan_changes) -> runs_lib.Experiment:
+  """configs/exp_chars.py:tiny's experiment as its runs are planned and checked,
+  before any data is read."""
+  config = config_base.load(ROOT / "configs" / "exp_chars.py", "tiny")
+  config.model.vocab_size = 27   # wikitext_chars's, which a run reads from its dataset
+  return runs_lib.Experiment(
+      assembly.checked_config(config),
+      plan_lib.ExperimentPlan.from_dict(exp_chars_plan(**plan_changes)), tmp_path,
+      read_data=False)
+
+
+def test_each_ablation_turns_off_its_technique_and_vanilla_all_three(tmp_path):
+  """The paper's Table 3: λ warm-up, π = 2 at init and the output scaling s_g."""
+  experiment = planned_experiment(tmp_path)
+
+  def techniques(variant):
+    gates = experiment.l0_run(0.2, variant=variant).config.gates
+    return gates.l0_warmup_steps, gates.init, gates.scale_output
+
+  assert {variant: techniques(variant) for variant in runs_lib.ABLATIONS} == {
+      "full": (20, 2.0, True), "no_warmup": (0, 2.0, True), "no_init": (20, 0.0, True),
+      "no_scaling": (20, 2.0, False), "vanilla": (0, 0.0, False)}
+
+
+def test_each_planned_run_has_a_folder_and_a_seed_of_its_own(tmp_path):
+  experiment = planned_experiment(tmp_path, seeds=[0, 1])
+  runs = [*(experiment.continued_run(seed) for seed in (0, 1)),
+          *(experiment.l0_run(lam, seed, variant) for lam in (0.1, 0.2) for seed in (0, 1)
+            for variant in ("full", "vanilla")),
+          *(experiment.budget_run(key, 0.5, seed, groups=groups)
+            for key in ("target_sparsity", "target_macs") for seed in (0, 1)
+            for groups in ("", "groups", "both")),
+          experiment.budget_run("target_sparsity", 0.5, distill="logit")]
+  assert len({run.name for run in runs}) == len(runs)
+  assert all(run.config.train.seed == int(re.search(r"_s(\d+)", run.name)[1])
+             for run in runs)
+  # Each starts from the baseline's folder, on the plan's pruning recipe.
+  assert {run.config.init_from for run in runs} == {str(experiment.run_dir("baseline"))}
+  assert {run.config.train.num_steps for run in runs} == {100}
+
+
+def test_a_size_budget_is_its_fraction_of_the_baselines_and_says_so(tmp_path):
+  experiment = planned_experiment(tmp_path, persistent_group=8)
+  e = experiment.base.eval
+  full, _ = cost_model.head_cost(experiment.base_model, "target_macs",
+                                 (e.seq_len, e.mem_len, e.batch_size))
+  run = experiment.budget_run("target_macs", 0.6)
+  assert run.config.gates.target_macs == pytest.approx(0.6 * full)
+  # The figure is the plan's fraction made absolute: errors say where it comes from.
+  assert run.origin == (f"0.6 of the baseline's {full:,.0f} from "
+                        "--config.experiments.budgets")
+  assert "gates.target_macs" not in run.flags
+  sparsity = experiment.budget_run("target_sparsity", 0.5)
+  assert sparsity.flags["gates.target_sparsity"] == "experiments.budgets"
+  assert sparsity.config.gates.target_sparsity == 0.5 and not sparsity.origin
+  # Groups alone keep every head; both gate heads beside the groups.
+  groups = experiment.budget_run("target_macs", 0.6, groups="groups").config.gates
+  both = experiment.budget_run("target_macs", 0.6, groups="both").config.gates
+  assert (groups.persistent_group, groups.heads) == (8, False)
+  assert (both.persistent_group, both.heads) == (8, True)
+  distilled = experiment.budget_run("target_sparsity", 0.5, distill="logit_hidden")
+  assert distilled.config.distill.hidden_weight == 0.1
+  assert distilled.flags["distill.hidden_weight"] == (
+      "experiments.distill_variants.logit_hidden.hidden_weight")
+
+
+def test_a_suites_runs_are_checked_naming_the_experiments_flags_and_origins(tmp_path):
+  longer = planned_experiment(
+      tmp_path, prune_train={**exp_chars_plan()["prune_train"], "seq_len": 32})
+  # The baseline's learned table is 32 long: runs that start from it must keep it.
+  with pytest.raises(ConfigError, match=r"^--suite=lambda_sweep, run l0_lam0.2_full_s0: "
+                     r"config.experiments.prune_train.seq_len \+ config.train.mem_len = 48 "
+                     r"sizes a learned relative position table of 48 distances"):
+    longer.check([longer.l0_run(0.2)], "lambda_sweep")
+  tiny = planned_experiment(tmp_path)
+  with pytest.raises(ConfigError, match=r"^--suite=budget, run budget_macs0.0001_s0 "
+                     r"\(0.0001 of the baseline's 22,560 from --config.experiments.budgets\): "
+                     r".* leaves none of the model's 8 heads"):
+    tiny.check([tiny.budget_run("target_macs", 0.0001)], "budget")
+
+
+def finished(workdir, config, results, wall_s=0.0):
+  """A run folder as a finished run leaves it, to be read back."""
+  run_files.save_config(workdir, config)
+  (workdir / runs_lib.RESULTS_FILE).write_text(json.dumps(results))
+  (workdir / runs_lib.SUMMARY_FILE).write_text(json.dumps({"wall_s": wall_s}))
+
+
+def finished_pruning_run(experiment, planned, heads_per_layer, **export):
+  """A finished pruning run of `planned` beside a finished baseline, its export
+  keeping `heads_per_layer`; returns (its checked config, the export's model)."""
+  finished(experiment.run_dir("baseline"), experiment.base,
+           {"valid": 1.5, "test": 1.6, "metric": "bpc"})
+  config = assembly.checked_config(planned.config)
+  exported_cfg = dataclasses.replace(model_lib.ModelConfig.from_config(config),
+                                     heads_per_layer=heads_per_layer)
+  export_dir = experiment.workdir / "export"
+  run_files.save_config(export_dir, model_export.exported_config(config, exported_cfg))
+  finished(experiment.run_dir(planned.name), config,
+           {"valid": 1.7, "test": 1.8, "metric": "bpc",
+            "export": {"valid": 1.9, "test": 2.0, "directory": str(export_dir), **export}},
+           wall_s=12.5)
+  return config, exported_cfg
+
+
+def test_a_finished_pruning_run_is_read_back_as_its_export(tmp_path):
+  experiment = planned_experiment(tmp_path)
+  config, exported_cfg = finished_pruning_run(experiment, experiment.l0_run(0.2), (3, 1))
+  record = experiment.l0(0.2)
+  e = config.eval
+  assert (record.kind, record.metric, record.valid, record.test) == ("l0", "bpc", 1.9, 2.0)
+  assert record.heads_per_layer == [3, 1] and record.persistent_per_layer == [96, 32]
+  assert record.params_non_embedding == cost_model.param_counts(exported_cfg)[
+      "params_non_embedding"]
+  assert record.macs_per_token == cost_model.macs_per_token(
+      exported_cfg, e.seq_len, e.mem_len, e.batch_size)["macs_per_token_non_embedding"]
+  assert record.wall_s == 12.5
+  assert record.extra == {"gated_test": 1.8, "lam": 0.2, "seed": 0, "variant": "full"}
+  # A finished run stands only for the settings it was trained with.
+  prune_train = {**exp_chars_plan()["prune_train"], "learning_rate": 5e-4}
+  with pytest.raises(ConfigError, match=r"train.learning_rate: 0.001 -> 0.0005"):
+    planned_experiment(tmp_path, prune_train=prune_train).l0(0.2)
+
+
+def test_a_finished_budget_run_records_its_target_and_what_it_decided(tmp_path):
+  experiment = planned_experiment(tmp_path)
+  decision = {"allowed": 4, "by_gates": 3, "changed": 1}
+  finished_pruning_run(experiment, experiment.budget_run("target_sparsity", 0.5), (2, 2),
+                       budget=decision)
+  record = experiment.budget("target_sparsity", 0.5)
+  assert record.heads_per_layer == [2, 2]
+  assert record.extra == {
+      "gated_test": 1.8, "target_key": "target_sparsity", "fraction": 0.5, "target": 0.5,
+      "seed": 0, "distill": "", "groups": "", "target_heads": 4, "by_gates": 3,
+      "changed": 1, "decision": decision}
+
+
 def test_the_lambda_table_compares_each_lambda_with_the_continued_baseline(tmp_path):
   def record(name, kind, valid, test, heads, params):
     return runs_lib.Record(name, kind, "ppl", valid, test, heads, [0, 0], params, 1.0, 8,
@@ -399,6 +538,13 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert f"({pathlib.Path(figure).name})" in text
   for record in report.records:
     assert np.isfinite(record.test) and record.params_non_embedding > 0
+
+
+def test_an_experiment_completes_its_baseline_from_the_data_once(experiment):
+  """As every run saves its config: a finished run's config.json then compares like
+  with like (configs/exp_chars.py leaves model.vocab_size to the dataset)."""
+  assert experiment.base.model.vocab_size == experiment.corpus.vocab_size == 27
+  assert experiment.base_model.vocab_size == 27
 
 
 def test_only_groups_alone_have_a_size_they_cannot_prune_below(experiment):
