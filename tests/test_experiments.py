@@ -382,6 +382,29 @@ def test_a_finished_budget_run_records_its_target_and_what_it_decided(tmp_path):
       "changed": 1, "decision": decision}
 
 
+def test_a_heuristic_run_fine_tunes_its_masked_export_with_its_own_seed(tmp_path):
+  experiment = planned_experiment(tmp_path)
+  finished(experiment.run_dir("baseline"), experiment.base,
+           {"valid": 1.5, "test": 1.6, "metric": "bpc"})
+  masked_dir = experiment.run_dir("michel_r2_s1_masked")
+  finished(masked_dir, model_export.exported_config(experiment.base, dataclasses.replace(
+      experiment.base_model, heads_per_layer=(3, 3))),
+           {"valid": 1.9, "test": 2.0, "metric": "bpc"})
+  # Read back only if it is the run the plan makes: from the masked export, with the
+  # plan's fine-tuning recipe (the continued run's) and this seed.
+  tuned_config = assembly.checked_config(run_config.derived_run(
+      experiment.base, init_from=str(masked_dir),
+      train={**experiment.plan.prune_train, "seed": 1},
+      model=dict(heads_per_layer=(3, 3))))
+  finished(experiment.run_dir("michel_r2_s1"), tuned_config,
+           {"valid": 1.7, "test": 1.8, "metric": "bpc"})
+  masked, tuned = experiment.heuristic("michel", 2, seed=1)
+  assert (masked.name, masked.test, tuned.name, tuned.test) == (
+      "michel_r2_s1_masked", 2.0, "michel_r2_s1", 1.8)
+  assert masked.heads_per_layer == tuned.heads_per_layer == [3, 3]
+  assert masked.extra == tuned.extra == {"method": "michel", "removed": 2, "seed": 1}
+
+
 def test_the_lambda_table_compares_each_lambda_with_the_continued_baseline(tmp_path):
   def record(name, kind, valid, test, heads, params):
     return runs_lib.Record(name, kind, "ppl", valid, test, heads, [0, 0], params, 1.0, 8,
@@ -611,7 +634,9 @@ def test_heuristic_runs_start_from_the_masked_model(experiment):
   suites.heuristics(experiment)    # its runs, unless the suite's test made them
   [masked_dir] = experiment.workdir.glob("runs/michel_r*_s0_masked")
   removed = int(masked_dir.name.split("_")[1][1:])
+  exported = (masked_dir / runs_lib.RESULTS_FILE).stat().st_mtime_ns
   masked, tuned = experiment.heuristic("michel", removed)   # reused, not rerun
+  assert (masked_dir / runs_lib.RESULTS_FILE).stat().st_mtime_ns == exported
   mask = json.loads((masked_dir / runs_lib.MASK_FILE).read_text())["mask"]
   assert masked.heads_per_layer == tuned.heads_per_layer == [sum(m) for m in mask]
   assert masked.heads == 8 - removed
