@@ -305,6 +305,7 @@ def test_a_refused_resume_leaves_the_runs_config_json_as_it_was(baseline, tmp_pa
 def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
   stage = run_config.RunConfig.of(tiny_config(
       gates=dict(enabled=True, lam=0.1, freeze_step=15), init_from=str(tmp_path / "b")))
+  assert pipeline.pruning_stage_dir(tmp_path, stage) == (tmp_path / "pruned", "")  # none yet
   (tmp_path / "pruned").mkdir()
   run_files.save_config(tmp_path / "pruned", stage)
   assert pipeline.pruning_stage_dir(tmp_path, stage) == (tmp_path / "pruned", "")
@@ -322,6 +323,19 @@ def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
       tmp_path / "report.json", tmp_path / "gates.png")
   assert pipeline.report_files(tmp_path, folder) == (
       tmp_path / "report-2.json", tmp_path / "gates-2.png")
+
+
+def test_a_single_runs_workdir_is_refused_as_a_pipelines_before_any_data_is_read(tmp_path):
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.data.data_dir = str(tmp_path / "tfds")     # where a read would prepare it
+  run_files.save_config(tmp_path, run_config.RunConfig.of(tiny_config()))
+  saved = (tmp_path / run_files.CONFIG_FILE).read_bytes()
+  with pytest.raises(ConfigError, match=r"^--workdir .* holds a single run or export \(its "
+                     r"config.json\), but this config is a pipeline, whose runs go in "
+                     r"WORKDIR/baseline and WORKDIR/pruned"):
+    pipeline.prepare(assembly.checked_pipeline(config), tmp_path)
+  assert (tmp_path / run_files.CONFIG_FILE).read_bytes() == saved
+  assert sorted(p.name for p in tmp_path.iterdir()) == [run_files.CONFIG_FILE]
 
 
 def test_a_pipelines_workdir_is_refused_naming_its_runs_in_the_order_made(tmp_path):
