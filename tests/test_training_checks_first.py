@@ -19,6 +19,7 @@ from allatt_jax.config import config_base
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import assembly
+from allatt_jax.training import pipeline
 from allatt_jax.config import run_config
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.experiments import __main__ as cli
@@ -236,6 +237,19 @@ def test_a_budget_run_says_first_the_size_it_prunes_to():
   note = assembly.prepared_run(assembly.checked_config(config), corpus).note
   assert note == ("Budget target_params: 6,304 non-embedding parameters, 0.50 of the "
                   "unpruned model's 12,608."), note
+
+
+def test_the_pruning_stages_banner_names_its_goal():
+  goal = lambda **keys: pipeline._pruning_goal(
+      assembly.checked_pipeline(demo("prune_gates", **keys)).pruning)
+  assert goal(lam=0.05) == "λ=0.05"
+  assert goal(target_sparsity=0.5) == "target_sparsity=0.5: 4 of 8 heads"
+  assert goal(target_params=5000) == "target_params 5,000: 3 of 8 heads"
+  groups = "groups of 8 persistent slots"
+  assert goal(lam=0.05, persistent_group=8) == f"λ=0.05 over heads and {groups}"
+  assert goal(lam=0.05, persistent_group=8, heads=False) == f"λ=0.05 over {groups}"
+  assert goal(target_params=11000, persistent_group=8, heads=False) == (
+      f"target_params 11,000 over {groups}")
 
 
 def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
