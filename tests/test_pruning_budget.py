@@ -35,6 +35,7 @@ from allatt_jax.runs import workdir_checks
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.reports import demo_report
+from allatt_jax.reports import figures
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 
@@ -306,7 +307,8 @@ def test_the_pipeline_prunes_to_the_size_asked_for(sized_demo):
 
 
 @pytest.mark.slow
-def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data, capsys):
+def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, data, capsys,
+                                                                 tmp_path):
   workdir, _ = sized_demo
   baseline_files = {p: p.stat().st_mtime_ns for p in (workdir / "baseline").rglob("*")
                     if "checkpoints" in p.parts}
@@ -324,6 +326,9 @@ def test_a_rerun_with_other_pruning_settings_reuses_the_baseline(sized_demo, dat
   assert f"its report to {workdir / 'report-2.json'} and {workdir / 'gates-2.png'}" in out
   assert json.loads((workdir / "report-2.json").read_text()) == report
   assert {name: (workdir / name).read_bytes() for name in first_report} == first_report
+  # gates-2.png draws the gates of pruned-2.
+  figures.gate_figure(workdir / "pruned-2", tmp_path / "drawn.png")
+  assert (workdir / "gates-2.png").read_bytes() == (tmp_path / "drawn.png").read_bytes()
   assert sum(report["pruned"]["heads_per_layer"]) == 2
   assert (workdir / "pruned" / "config.json").read_bytes() == saved_config
   # The same settings again find their folder; an evaluation setting does not count.
