@@ -415,9 +415,31 @@ def test_one_builder_with_one_config_per_dataset_registered_with_tfds(tmp_path):
   found = tfds.builder('allatt_text/wikitext_chars', data_dir=tmp_path)
   found.download_and_prepare()
   corpus = data.load_corpus('wikitext_chars', tmp_path)
-  assert found.info.splits['valid'].num_examples == corpus.splits['valid'].size
-  ids = [int(example['ids']) for example in found.as_dataset(split='valid').take(300)]
-  assert ids == corpus.splits['valid'][:300].tolist()
+  valid = corpus.splits['valid']
+  assert found.info.splits['valid'].num_examples == valid.size
+  assert int(found.info.splits['valid'].num_bytes) == 4 * valid.size   # int32 ids
+  # The whole split, over more than one of the chunks it is read in.
+  assert valid.size > builder._AS_DATASET_CHUNK
+  ids = tfds.as_numpy(found.as_dataset(split='valid', batch_size=-1))['ids']
+  np.testing.assert_array_equal(ids, valid)
+  with pytest.raises(ValueError, match="Split 'validation': choose one of train, valid"):
+    found.as_dataset(split='validation')
+
+
+def test_the_tfds_way_checks_the_files_of_a_manual_folder(tmp_path):
+  """`tfds.builder(...).download_and_prepare` with a manual folder, as `tfds build`
+  does it, refuses a bad file as load_corpus does; a text_files folder without the
+  files is named, not taken for no folder."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  data_fixtures.tiny_wikitext(tmp_path / 'raw')
+  (tmp_path / 'raw' / 'wiki.valid.tokens').write_bytes(b'')
+  manual = tfds.download.DownloadConfig(manual_dir=str(tmp_path / 'raw'))
+  found = tfds.builder('allatt_text/wikitext2', data_dir=tmp_path / 'data')
+  with pytest.raises(DataError, match=r"'wikitext2'.*wiki.valid.tokens is empty"):
+    found.download_and_prepare(download_config=manual)
+  found = tfds.builder('allatt_text/text_files', data_dir=tmp_path / 'data')
+  with pytest.raises(DataError, match=r'train.txt, valid.txt, test.txt missing in'):
+    found.download_and_prepare(download_config=manual)
 
 
 # One copy of the encoded corpus: sources hashed once, later loads read only it.
