@@ -4,7 +4,9 @@ import hashlib
 import json
 import logging
 import pathlib
+import socket
 import types
+import urllib.request
 
 import numpy as np
 import pytest
@@ -25,6 +27,8 @@ from allatt_jax.data import corpus as corpus_lib
 from allatt_jax.data import encoding
 from allatt_jax.data import specs
 from allatt_jax.data import builder
+from allatt_jax.data import cache
+from allatt_jax.data import lm1b
 from allatt_jax.data import sources
 from allatt_jax.config.errors import DataError
 from allatt_jax.config import run_config
@@ -411,6 +415,8 @@ def test_lm1b_through_tfds_builder(tmp_path, monkeypatch):
   monkeypatch.setattr(tfds.download.DownloadManager, 'download_and_extract',
                       lambda self, url: tmp_path / 'extracted')
   monkeypatch.setattr(sources, 'check_reachable', lambda spec: None)
+  # Sentences read one at a time: the cut between valid and test falls between reads.
+  monkeypatch.setattr(lm1b, '_READ_BATCH', 1)
 
   corpus = corpus_lib.load_corpus('lm1b', str(tmp_path / 'data'))
   # Seen 3 times or more: . 4, <eos> 4, the 3, sat 3; the 7 others -> <unk>.
@@ -419,10 +425,33 @@ def test_lm1b_through_tfds_builder(tmp_path, monkeypatch):
   expected = [' '.join(w if w in corpus.vocab else '<unk>' for w in s.split())
               for s in train]
   assert sorted(s.strip() for s in sentences) == sorted(expected)  # whole, in any order
-  valid_test = [' '.join(words(corpus, split)) for split in ('valid', 'test')]
-  assert all(text.count('<eos>') == 2 for text in valid_test)    # the halves of test
-  assert corpus.splits['valid'].size + corpus.splits['test'].size == 18
+  # Valid is the first half of TFDS's test split in TFDS's own order, test the rest.
+  tfds_test = [example['text'].decode() for example in tfds.as_numpy(
+      tfds.builder('lm1b', data_dir=tmp_path / 'data').as_dataset(split='test'))]
+  for split, half in (('valid', tfds_test[:2]), ('test', tfds_test[2:])):
+    expected = [w if w in corpus.vocab else '<unk>'
+                for sentence in half for w in sentence.split() + ['<eos>']]
+    assert words(corpus, split) == expected
+  # The prepared ids record which TFDS lm1b they were encoded from.
+  prepared = cache.load(cache.dataset_dir(tmp_path / 'data', 'lm1b'),
+                        encoding.settings(specs.LM1B), None)
+  assert prepared.source_files['tfds:lm1b']['num_examples'] == {'test': 4, 'train': 4}
+  assert prepared.source_files['tfds:lm1b']['num_bytes'] > 0
   assert corpus_lib.load_corpus('lm1b', str(tmp_path / 'data')).vocab == corpus.vocab
+
+
+def test_lm1b_without_its_archive_or_internet_is_refused_at_once(tmp_path, monkeypatch):
+  with pytest.raises(DataError, match=r"'lm1b'.*r13output.tar.gz missing in "
+                                      f"{tmp_path}"):
+    corpus_lib.load_corpus('lm1b', str(tmp_path / 'data'), str(tmp_path))
+
+  def no_network(*args, **kwargs):
+    raise OSError('Name or service not known')
+
+  monkeypatch.setattr(urllib.request, 'getproxies', dict)
+  monkeypatch.setattr(socket, 'create_connection', no_network)
+  with pytest.raises(DataError, match="'lm1b'.*cannot reach www.statmt.org"):
+    corpus_lib.load_corpus('lm1b', str(tmp_path / 'data'))
 
 
 # The README recipe at tiny size: stats, then baseline, pruning, export, and scoring.
