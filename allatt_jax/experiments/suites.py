@@ -224,11 +224,11 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
       xs, ys = zip(*points)
       series.append(figures.Series(method, list(xs), list(ys), "o-", color=color))
   out = exp.workdir / "heuristics.png"
-  continued = np.mean([exp.continued(seed).test for seed in s.seeds])
+  continued = [exp.continued(seed) for seed in s.seeds]
   figures.xy_figure(series, "head sparsity (%)", f"test {metric}",
                     "L0 gates vs heuristic masks, after the same fine-tuning", out,
-                    hline=("continued (unpruned)", continued))
-  records = [r for rs in l0_runs.values() for r in rs]
+                    hline=("continued (unpruned)", np.mean([r.test for r in continued])))
+  records = [*continued, *(r for rs in l0_runs.values() for r in rs)]
   records += [r for pairs in results.values() for pair in pairs for r in pair]
   return Report(md, [str(out)], records)
 
