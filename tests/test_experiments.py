@@ -381,56 +381,6 @@ def test_a_heuristic_run_fine_tunes_its_masked_export_with_its_own_seed(tmp_path
   assert masked.extra == tuned.extra == {"method": "michel", "removed": 2, "seed": 1}
 
 
-def test_the_lambda_table_compares_each_lambda_with_the_continued_baseline(tmp_path):
-  def record(name, kind, valid, test, heads, params):
-    return runs_lib.Record(name, kind, "ppl", valid, test, heads, [0, 0], params, 1.0, 8,
-                           0.0)
-
-  # Made up, as a finished experiment's runs would give them.
-  continued = {0: record("continued_s0", "continued", 29.0, 30.0, [4, 4], 1000),
-               1: record("continued_s1", "continued", 31.0, 32.0, [4, 4], 1000)}
-  pruned = {(0.5, 0): record("l0_s0", "l0", 30.0, 31.5, [2, 2], 600),
-            (0.5, 1): record("l0_s1", "l0", 31.0, 32.5, [3, 2], 700)}
-  plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1], lambdas=[0.5]))
-  base = run_config.RunConfig.of(config_base.load(ROOT / "configs" / "exp_chars.py", "tiny"))
-  experiment = types.SimpleNamespace(
-      plan=plan, workdir=tmp_path, base=base,
-      base_model=model_lib.ModelConfig(vocab_size=VOCAB, num_layers=2, d_model=16,
-                                       num_heads=4, max_relative_len=16),
-      baseline=lambda: record("baseline", "baseline", 28.0, 29.0, [4, 4], 1000),
-      continued=continued.get, l0=lambda lam, seed: pruned[lam, seed])
-  rows = suites.lambda_sweep(experiment).markdown.splitlines()[2:5]
-  assert rows == [
-      "| baseline | - | 0% | 1,000 | 28.000 | 29.000 | - |",
-      "| continued | 0 | 0% | 1,000 | 30.000 ± 1.414 | 31.000 ± 1.414 | - |",
-      "| L0 pruned | 0.5 | 43.8% | 650 | 30.500 ± 0.707 | 32.000 ± 0.707 | +1.000 |"]
-
-
-def test_the_ablation_table_compares_each_variant_with_full_seed_by_seed(tmp_path):
-  # Test values per (variant, seed), made up: what the table makes of finished runs.
-  tests = {"full": (30.0, 31.0), "no_warmup": (30.5, 31.0), "no_init": (31.0, 31.0),
-           "no_scaling": (29.0, 33.0), "vanilla": (31.5, 33.0)}
-
-  def l0(lam, seed, variant):
-    assert lam == plan.ablation_lambda
-    return runs_lib.Record(f"{variant}_s{seed}", "l0", "ppl", 0.0, tests[variant][seed],
-                           [3, 1] if variant == "full" else [2, 1], [0, 0], 1, 1.0, 8,
-                           0.0, {"seed": seed})
-
-  plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1]))
-  experiment = types.SimpleNamespace(
-      plan=plan, workdir=tmp_path, l0=l0,
-      base_model=types.SimpleNamespace(layer_heads=(4, 4)))
-  rows = suites.ablation(experiment).markdown.splitlines()[2:]
-  # Δ is each seed's change from full's run of the same seed: mean ± sample sd.
-  assert rows == [
-      "| full | warm-up, π=2, scaling | 50.0% | 30.500 ± 0.707 | - | - |",
-      "| no_warmup | π=2, scaling | 62.5% | 30.750 ± 0.354 | +0.250 ± 0.354 | +0.12 |",
-      "| no_init | warm-up, scaling | 62.5% | 31.000 ± 0.000 | +0.500 ± 0.707 | +0.61 |",
-      "| no_scaling | warm-up, π=2 | 62.5% | 31.000 ± 2.828 | +0.500 ± 2.121 | +1.25 |",
-      "| vanilla | none | 62.5% | 32.250 ± 1.061 | +1.750 ± 0.354 | +1.48 |"]
-
-
 def test_the_plan_is_typed_and_read_only():
   plan = plan_lib.ExperimentPlan.from_dict(exp_chars_plan(seeds=[0, 1], lambdas=(1, 0.5)))
   assert plan.seeds == (0, 1) and plan.lambdas == (1.0, 0.5)
@@ -537,6 +487,10 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert f"({pathlib.Path(figure).name})" in text
   for record in report.records:
     assert np.isfinite(record.test) and record.params_non_embedding > 0
+  # The runs checked before the suite's first are those it makes, besides the
+  # baseline and the heuristics' fine-tuning of the masks its L0 runs decide.
+  made = {r.name for r in report.records if r.kind not in ("baseline", "heuristic")}
+  assert {run.name for run in cli.PLANNED_RUNS[suite](experiment)} == made
 
 
 def test_an_experiment_completes_its_baseline_from_the_data_once(experiment):
