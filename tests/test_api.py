@@ -171,6 +171,7 @@ def unk_loving_word_model() -> api.Model:
       model.config, model.lm, variables, tokenization.Tokenizer("text_files", "word", words)))
 
 
+@pytest.mark.slow
 def test_samples_leave_unk_out_unless_asked(tmp_path):
   model = unk_loving_word_model()
   for options in (dict(), dict(temperature=0.0)):

@@ -60,6 +60,7 @@ def one_pass_nll(lm, variables, ids):
   return -logp_NxV[np.arange(len(ids) - 1), ids[1:]]
 
 
+@pytest.mark.slow
 def test_a_split_scores_every_target_once_with_the_memory_carried():
   lm, variables = tiny_model()
   tokens = np.asarray(jax.random.randint(jax.random.key(1), (NUM_TOKENS,), 0, VOCAB))

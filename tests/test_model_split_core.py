@@ -268,6 +268,7 @@ def test_model_with_closed_slot_groups_and_its_ragged_export_match():
     assert_close(got, expected)
 
 
+@pytest.mark.slow
 def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
   """Every parameter's update (minus its gradient) as with the XLA core, dropout
   included; the step again, from the same state and key (a resumed run's), is
@@ -294,6 +295,7 @@ def test_accumulated_train_step_matches_and_repeats_bit_for_bit():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path):
   """The persistent masks follow the step's key: a run stopped after its first
   checkpoint and resumed ends with the uninterrupted run's variables, bit for bit. On
@@ -544,6 +546,7 @@ print(json.dumps(differences))
 """
 
 
+@pytest.mark.slow
 def test_split_core_on_a_2x2_mesh():
   """Heads over 'model', batch rows over 'data': the XLA part through XLA's
   partitioner, the Pallas part per shard (its slot gradients summed over 'data'); the

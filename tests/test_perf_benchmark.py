@@ -104,6 +104,7 @@ def test_a_variant_that_holds_what_the_config_holds_starts_from_a_copy_of_its_st
       x.shape for x in jax.tree.leaves(base._state)]
 
 
+@pytest.mark.slow
 def test_each_round_hands_over_the_report_of_the_rounds_so_far(tiny_run):
   """A benchmark stopped at a time limit keeps the rounds it finished: the report
   after round i holds i rounds, and the last is the returned report (no profile)."""
