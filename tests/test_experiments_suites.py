@@ -55,7 +55,7 @@ def log_scalars(workdir: pathlib.Path, values: dict[str, dict[int, float]]) -> N
 def drawn(monkeypatch):
   """What the suites hand to the figures: {function name: [(args, kwargs)]}."""
   calls = {}
-  for name in ("xy_figure", "bar_figure", "trajectories_figure", "cost_model_figure"):
+  for name in ("xy_figure", "trajectories_figure"):
     real = getattr(figures, name)
 
     def record(*args, _name=name, _real=real, **kwargs):
