@@ -8,6 +8,7 @@ import math
 import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -117,7 +118,10 @@ def test_a_distilling_run_without_a_teacher_is_refused(init_from):
       f"{GATES}.target_sparsity=0 (8 of 8 heads)"]),
     ("prune_gates", dict(target_sparsity=0.5, target_macs=1000.0),
      [f"{GATES[2:]} sets ['target_sparsity', 'target_macs']", "at most one"]),
-    ("prune_gates", dict(target_macs=-5.0), [f"{GATES[2:]}.target_macs=-5.0 is below"]),
+    # No head leaves no MACs at all; a budget of 0 is none, so 1 MAC is the least.
+    ("prune_gates", dict(target_macs=-5.0),
+     [f"{GATES[2:]}.target_macs=-5.0 is not positive",
+      f"to remove every head, {GATES}.target_macs=1 with {GATES}.allow_empty=True"]),
     ("prune_distill", dict(weight=1.5),
      [f"{DISTILL[2:]}.weight=1.5 is out of range", f"Set {DISTILL}.weight"]),
     ("prune_distill", dict(temperature=0.0), [f"Set {DISTILL}.temperature to a value > 0"]),
@@ -327,9 +331,14 @@ def planned_check(config, suite, **plan_keys):
     ("ablation", dict(ablation_lambda=-1.0), ["Set --config.experiments.ablation_lambda"]),
     ("txl_widths", dict(txl_widths=(30,)),
      ["config.experiments.txl_widths=30 is not divisible by config.model.num_heads"]),
+    # A fraction, and the advice as a fraction, in the flag that sets it: of 14,656
+    # non-embedding parameters, 2,000 stay with one head and 64 with none.
     ("budget", dict(budgets=(("target_params", 0.001),)),
-     ["run budget_params0.001_s0 (0.001 of the baseline's", "from "
-      "--config.experiments.budgets)", "no head holds"]),
+     ["run budget_params0.001_s0: config.experiments.budgets=0.001 (0.001 of the "
+      "unpruned model's 14,656: 14) is below the 64 non-embedding parameters that no "
+      "head holds", "met: --config.experiments.budgets=0.137 (1 of 8 heads); to remove "
+      "every head, --config.experiments.budgets=0.0044 with "
+      "--config.experiments.prune_gates.allow_empty=True."]),
     ("distill", dict(distill_sparsities=(0.5, 1.5)),
      ["run budget_sparsity1.5_s0", "config.experiments.distill_sparsities=1.5 is out of "
       "range", "--config.experiments.distill_sparsities=0.875 (1 of 8 heads)"]),
@@ -337,7 +346,7 @@ def planned_check(config, suite, **plan_keys):
      ["run budget_sparsity0.5_s0_distill_logit",
       "Set --config.experiments.distill_variants.logit.weight to a value in [0, 1]"]),
     ("persistent", dict(persistent_group=5),
-     ["--suite=persistent, run budget_macs0.6_heads_groups5_s0 (0.6 of the baseline's",
+     ["--suite=persistent, run budget_macs0.6_heads_groups5_s0: ",
       "config.experiments.persistent_group=5 does not divide config.model.num_persistent"
       "=32", "Choose one of [1, 2, 4, 8, 16, 32]"]),
     # A longer context than the baseline's, whose relative position table it starts from.
@@ -453,6 +462,41 @@ def test_the_pruning_stage_keeps_the_output_layer_the_baseline_chose(tmp_path, m
   assert (baseline.cutoffs, baseline.div_val) == ((450, 900, 4500), 4)
   assert pruning == baseline and prepared.pruning.setup.lm.cfg.cutoffs == baseline.cutoffs
   assert prepared.pruning.run.train.seq_len == 128
+
+
+@pytest.mark.parametrize("gates, heads", [
+    (dict(target_params=0.01), 1), (dict(target_macs=0.01), 1),
+    (dict(target_params=0.001, allow_empty=True), 0),
+    # No head leaves no MACs: a budget of 0 asks for nothing, so 1 MAC is the least.
+    (dict(target_macs=0.0, allow_empty=True), 0),
+    (dict(target_params=0.01, persistent_group=4), None),
+    (dict(target_params=0.01, persistent_group=4, heads=False), None),
+])
+def test_a_refused_budget_names_one_that_passes_in_the_form_it_was_asked(gates, heads):
+  """A fraction gets a fraction back (short, within 1% of the least figure met); a
+  figure a figure; and the budget named passes, keeping the heads it says."""
+  asked = run_of_demo(gates=dict(enabled=True, freeze_step=20, **gates))
+  key = asked.gates.budget_target
+  with pytest.raises(ConfigError) as error:
+    config_checks.check_config(asked, 1)
+  named = re.search(rf"(?:keeps a head|is met): --config\.gates\.{key}=([\d.e-]+)",
+                    str(error.value))
+  assert named, str(error.value)
+  text = named.group(1)
+  value = float(text)
+  if 0 < getattr(asked.gates, key) < 1:
+    assert 0 < value < 1 and len(text.strip("0.").replace("e-", "")) <= 4, text
+  else:
+    assert value == int(value) >= 1, text
+  fixed = run_config.derived_run(asked, gates={key: value})
+  config_checks.check_config(fixed, 1)
+  if heads is not None:
+    cfg = model_lib.ModelConfig.from_config(fixed)
+    figure = cost_model.budget_value(fixed, cfg)
+    resolved = run_config.derived_run(fixed, gates={key: figure})
+    assert cost_model.target_open_heads(resolved, cfg) == heads
+    whole = float(cost_model.BudgetScale.of(fixed, cfg).value_for(heads))
+    assert whole <= figure <= 1.01 * whole + 1
 
 
 def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_keeps_one():

@@ -80,7 +80,6 @@ class PlannedRun:
   kind: str
   config: RunConfig
   flags: Mapping[str, str]
-  origin: str = ""    # how the plan made a value the flags do not name
 
 
 class Experiment:
@@ -157,31 +156,22 @@ class Experiment:
     (from the plan's `values_key`). `distill` names one of the `distill_variants` (the
     baseline is the teacher). `groups`: '' (heads only), 'groups' (the plan's
     persistent groups only) or 'both' (heads and groups)."""
-    value, origin = fraction, ""
-    # A sparsity is the plan's own value; a size is a fraction of the baseline's, so
-    # errors name the size the run asks for, and say where it comes from.
+    # The plan's value as it is: a size in (0, 1) is a fraction of the unpruned
+    # model's, which the run's checks resolve (and name, with advice as a fraction).
     flags = self._pruning_flags({key: values_key})
-    if key != "target_sparsity":
-      del flags[f"gates.{key}"]
-      e = self.base.eval
-      full, _ = cost_model.head_cost(self.base_model, key,
-                                     (e.seq_len, e.mem_len, e.batch_size))
-      value = int(fraction * full) if key == "target_params" else fraction * full
-      origin = (f"{fraction:g} of the baseline's {full:,.0f} from "
-                f"--config.experiments.{values_key}")
     gates = {}
     if groups:
       group = self.plan.persistent_group
       gates = dict(persistent_group=group, heads=groups == "both")
       flags["gates.persistent_group"] = "experiments.persistent_group"
-    config = self._l0_config(seed, distill, lam=0.0, **{key: value}, **gates)
+    config = self._l0_config(seed, distill, lam=0.0, **{key: fraction}, **gates)
     kind = {"": "", "groups": f"_groups{gates.get('persistent_group')}",
             "both": f"_heads_groups{gates.get('persistent_group')}"}[groups]
     name = f"budget_{key.removeprefix('target_')}{fraction:g}{kind}_s{seed}"
     flags.update({f"distill.{k}": f"experiments.distill_variants.{distill}.{k}"
                   for k in (self.plan.distill_variants[distill] if distill else ())})
     return PlannedRun(f"{name}_distill_{distill}" if distill else name, "budget", config,
-                      flags, origin)
+                      flags)
 
   def check(self, runs, suite: str) -> None:
     """Raises ConfigError for the first of `runs` (PlannedRun) whose config fails its
@@ -193,8 +183,7 @@ class Experiment:
         if checked.init_source:   # the baseline's params, or a masked copy of them
           config_checks.check_from_baseline(self.base, checked)
       except ConfigError as e:
-        origin = f" ({run.origin})" if run.origin else ""
-        raise ConfigError(f"--suite={suite}, run {run.name}{origin}: "
+        raise ConfigError(f"--suite={suite}, run {run.name}: "
                           + config_checks.named_as(str(e), run.flags)) from None
 
   # --- Runs.
@@ -220,14 +209,15 @@ class Experiment:
     """A budget run (`budget_run`)."""
     self.baseline()
     planned = self.budget_run(key, fraction, seed, distill, values_key, groups)
-    record = self._made(planned)
+    config = assembly.checked_config(planned.config)   # a fraction made the figure
+    record = self._run(planned.name, planned.kind, config)
     decision = json.loads((self.run_dir(record.name) / RESULTS_FILE).read_text()
                           )["export"].get("budget") or {}
-    gates = planned.config.gates
-    record.extra.update(target_key=key, fraction=fraction, target=getattr(gates, key),
-                        seed=seed, distill=distill, groups=groups,
+    record.extra.update(target_key=key, fraction=fraction,
+                        target=getattr(config.gates, key), seed=seed, distill=distill,
+                        groups=groups,
                         target_heads=None if groups else cost_model.target_open_heads(
-                            planned.config, self.base_model),
+                            config, self.base_model),
                         by_gates=decision.get("by_gates"), changed=decision.get("changed"),
                         decision=decision)
     return record

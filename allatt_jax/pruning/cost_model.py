@@ -215,9 +215,14 @@ def budget_value(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> fl
   MAC means anything else). Parameters are whole: a budget of 0.5 of 1,001 keeps at
   most 500."""
   key = config.gates.budget_target
-  value = getattr(config.gates, key)
+  return budget_figure(key, getattr(config.gates, key), unpruned_cost(config, cfg))
+
+
+def budget_figure(key: str, value: float, unpruned: float) -> float:
+  """`budget_value` of a `key` budget set to `value`, where the unpruned model costs
+  `unpruned`."""
   if 0 < value < 1:
-    value *= unpruned_cost(config, cfg)
+    value *= unpruned
   return math.floor(value) if key == "target_params" else value
 
 
@@ -280,7 +285,8 @@ class BudgetScale:
     """A budget value, as a flag would give it, that keeps exactly `heads` heads."""
     exact = self.measure(heads)
     if self.key != "target_sparsity":
-      return str(math.ceil(exact))
+      # A budget of 0 means none asked for, even where no head leaves nothing.
+      return str(max(1, math.ceil(exact)))
     return next(text for text in (f"{exact:.4g}", f"{exact:.6g}", repr(exact))
                 if self.heads(float(text)) == heads)
 

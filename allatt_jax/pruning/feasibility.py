@@ -2,7 +2,8 @@
 groups it can gate, and a size (a sparsity, params or MACs budget) that some number of
 heads, and of persistent groups, meets. Part of a run config's checks
 (training/config_checks.py), made before any data is read; a refusal is one
-ConfigError naming the flag and the nearest budget that is met.
+ConfigError naming the flag and the nearest budget that is met, in the form asked (a
+fraction for a fraction).
 """
 import math
 
@@ -86,15 +87,21 @@ def checked_budget(config: run_config.RunConfig) -> run_config.RunConfig:
     if 0 < asked < 1:   # a fraction: the errors say what it stood for
       shown = (f"config.gates.{key}={asked} ({asked:g} of the unpruned model's "
                f"{cost_model.unpruned_cost(config, cfg):,.0f}: {value:,.0f})")
+  # Advice in the form the budget was asked in: a fraction for a fraction.
+  fraction_of = _fraction_of(config, cfg, key, asked)
   if gates.persistent_group:
-    _check_group_budget(config, cfg, key, value, shown, flag)
+    _check_group_budget(config, cfg, key, value, shown, flag, fraction_of)
     return config
   scale = cost_model.BudgetScale.of(config, cfg)
   total, allow_empty = scale.total, gates.allow_empty
   fewest = 0 if allow_empty else 1
-  keeps = lambda heads: f"{flag}={scale.value_for(heads)} ({heads} of {total} heads)"
+  value_for = lambda heads: (
+      scale.value_for(heads) if fraction_of is None else
+      _as_asked(key, float(scale.value_for(heads)), fraction_of,
+                lambda figure: scale.heads(figure) == heads))
+  keeps = lambda heads: f"{flag}={value_for(heads)} ({heads} of {total} heads)"
   empty_advice = ("" if allow_empty else
-                  f"; to remove every head, {flag}={scale.value_for(0)} with "
+                  f"; to remove every head, {flag}={value_for(0)} with "
                   "--config.gates.allow_empty=True")
   if key == "target_sparsity":
     if not 0.0 <= value <= 1.0:
@@ -103,12 +110,9 @@ def checked_budget(config: run_config.RunConfig) -> run_config.RunConfig:
           f"{shown} is out of range: it is the fraction of the model's {total} heads to "
           f"remove, in [0, 1]. The nearest budget that is met: {nearest}.")
   elif value < scale.empty or value <= 0:
-    unit = ("non-embedding parameters" if key == "target_params"
-            else "non-embedding MACs per token")
     raise ConfigError(
-        f"{shown} is below the {scale.empty:,.0f} {unit} that no head holds (what is "
-        "left with every head removed), so no number of heads meets it. The smallest "
-        f"budget that is met: {keeps(fewest)}{empty_advice}.")
+        f"{shown} {_below(key, scale.empty, value)}, so no number of heads meets it. The "
+        f"smallest budget that is met: {keeps(fewest)}{empty_advice}.")
   if scale.heads(value) == 0 and not allow_empty:
     raise ConfigError(
         f"{shown} leaves none of the model's {total} heads: a model without attention, "
@@ -117,15 +121,17 @@ def checked_budget(config: run_config.RunConfig) -> run_config.RunConfig:
   return config
 
 
-def _check_group_budget(config, cfg, key: str, value: float, shown: str,
-                        flag: str) -> None:
+def _check_group_budget(config, cfg, key: str, value: float, shown: str, flag: str,
+                        fraction_of: float | None) -> None:
   """A budget over heads and persistent groups: at least what must stay (nothing, or
   every head without slots when heads are not gated), and a head unless allowed."""
   gates = config.gates
   units = cost_model.budget_units(config, cfg)
-  unit = ("non-embedding parameters" if key == "target_params"
-          else "non-embedding MACs per token")
-  met = lambda cost: f"{flag}={math.ceil(cost - 1e-9)}"
+  unit = _UNITS[key]
+  # Of what a budget meets, the least: within one group or head of `cost`.
+  step = min(units.group, units.head)
+  met = lambda cost: (
+      f"{flag}={_as_asked(key, cost, fraction_of, lambda v: v < cost + step)}")
   if not gates.heads:
     floor = units.cost(cfg.layer_heads, [0] * cfg.num_layers)
     if value < floor:
@@ -143,12 +149,52 @@ def _check_group_budget(config, cfg, key: str, value: float, shown: str,
   if value < units.empty or value <= 0:
     nearest = met(units.empty) if gates.allow_empty else met(one_head)
     raise ConfigError(
-        f"{shown} is below the {units.empty:,.0f} {unit} that no "
-        "head holds (what is left with every head removed), so no number of heads "
-        f"meets it. The smallest budget that is met: {nearest}{empty_advice}.")
+        f"{shown} {_below(key, units.empty, value)}, so no number of heads meets it. The "
+        f"smallest budget that is met: {nearest}{empty_advice}.")
   if value < one_head and not gates.allow_empty:
     raise ConfigError(
         f"{shown} leaves none of the model's {sum(cfg.layer_heads)} "
         "heads: a model without attention, which is rarely what anyone wants. The "
         f"nearest budget that keeps a head: {met(one_head)} (one head without persistent "
         "vectors); to remove every head anyway, add --config.gates.allow_empty=True.")
+
+
+_UNITS = {"target_params": "non-embedding parameters",
+          "target_macs": "non-embedding MACs per token"}
+
+
+def _below(key: str, empty: float, value: float) -> str:
+  """Why a params or MACs budget of `value` is met by no head count (`empty`: what is
+  left with every head removed)."""
+  if value <= 0:
+    return "is not positive (a budget is the size to prune to)"
+  return (f"is below the {empty:,.0f} {_UNITS[key]} that no head holds (what is left with "
+          "every head removed)")
+
+
+def _fraction_of(config: run_config.RunConfig, cfg: model_lib.ModelConfig, key: str,
+                 asked: float) -> float | None:
+  """The unpruned model's cost, where the user asked for a params or MACs budget as a
+  fraction of it (`asked` in (0, 1)): its advice is then a fraction too. Else None."""
+  if key == "target_sparsity" or not 0 < asked < 1:
+    return None
+  return cost_model.unpruned_cost(config, cfg)
+
+
+def _as_asked(key: str, needed: float, fraction_of: float | None, meets) -> str:
+  """A params or MACs budget of at least `needed`, as a flag gives it: whole (1 at
+  least, as `BudgetScale.value_for`), or, where the user asked with a fraction of
+  `fraction_of` (`_fraction_of`), the shortest fraction whose figure
+  (`cost_model.budget_figure`) `meets` what is asked."""
+  whole = max(1, math.ceil(needed - 1e-9))
+  if fraction_of is None:
+    return str(whole)
+  share = whole / fraction_of
+  for digits in range(1, 10):
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(share)))
+    fraction = math.ceil(share * scale) / scale
+    figure = cost_model.budget_figure(key, fraction, fraction_of)
+    # Near the figure meant (within 1%), and met as that figure is.
+    if fraction < 1 and whole <= figure <= 1.01 * whole + 1 and meets(figure):
+      return f"{fraction:.{digits}g}"
+  return str(whole)
