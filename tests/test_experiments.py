@@ -487,6 +487,8 @@ def test_suite_writes_its_table_and_figures(experiment, suite):
     assert f"({pathlib.Path(figure).name})" in text
   for record in report.records:
     assert np.isfinite(record.test) and record.params_non_embedding > 0
+  # Its wall time counts every run it reads, the baseline too.
+  assert [r.kind for r in report.records].count("baseline") == 1
   # The runs checked before the suite's first are those it makes, besides the
   # baseline and the heuristics' fine-tuning of the masks its L0 runs decide.
   made = {r.name for r in report.records if r.kind not in ("baseline", "heuristic")}

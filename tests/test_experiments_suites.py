@@ -105,9 +105,13 @@ def test_the_ablation_table_compares_each_variant_with_full_seed_by_seed(tmp_pat
 
   experiment = types.SimpleNamespace(
       plan=plan, workdir=tmp_path, l0=l0,
+      baseline=lambda: made_up("baseline", "baseline", 29.0, [4, 4]),
       base_model=types.SimpleNamespace(layer_heads=(4, 4)))
+  report = suites.ablation(experiment)
+  # Its runs, whose wall time the command adds up: the baseline too.
+  assert [r.name for r in report.records if r.kind == "baseline"] == ["baseline"]
   # Δ is each seed's change from full's run of the same seed: mean ± sample sd.
-  assert rows_of(suites.ablation(experiment).markdown) == [
+  assert rows_of(report.markdown) == [
       ("full", "warm-up, π=2, scaling", "50.0%", "30.500 ± 0.707", "-", "-"),
       ("no_warmup", "π=2, scaling", "62.5%", "30.750 ± 0.354", "+0.250 ± 0.354", "+0.12"),
       ("no_init", "warm-up, scaling", "62.5%", "31.000 ± 0.000", "+0.500 ± 0.707", "+0.61"),
@@ -136,10 +140,11 @@ def test_the_heuristics_table_prunes_as_many_heads_as_each_lambdas_first_seed(tm
       l0=lambda lam, seed: made_up("l0", "l0", l0_runs[lam, seed][1], l0_runs[lam, seed][0]),
       heuristic=heuristic,
       continued=lambda seed: made_up(f"continued_s{seed}", "continued", 30.0 + seed,
-                                     [4, 4]))
+                                     [4, 4]),
+      baseline=lambda: made_up("baseline", "baseline", 29.0, [4, 4]))
   report = suites.heuristics(experiment)
-  # Its runs, whose wall time the command adds up: the continued ones too.
-  assert {"continued_s0", "continued_s1"} <= {r.name for r in report.records}
+  # Its runs, whose wall time the command adds up: the baseline and continued ones too.
+  assert {"baseline", "continued_s0", "continued_s1"} <= {r.name for r in report.records}
   assert asked == [("michel", 3, 0), ("random", 3, 0), ("random", 3, 1), ("random", 3, 2)]
   assert rows_of(report.markdown) == [
       ("L0 λ=0.1", "0, 0", "(during pruning)", "30.100 ± 0.141"),
@@ -180,6 +185,7 @@ def test_the_budget_table_sets_each_budget_beside_the_fixed_lambda_run_nearest_i
       budget=lambda key, value, seed: budget_runs[key], l0=l0,
       run_dir=lambda name: tmp_path / name)
   report = suites.budget(experiment)
+  assert [r.kind for r in report.records].count("baseline") == 1
   assert rows_of(report.markdown) == [
       ("params", "0.5", "500", "480", "4", "4", "5", "1", "0.480", "0.450", "31.000",
        "λ=0.3: 50.0%, 31.500", "-0.500"),

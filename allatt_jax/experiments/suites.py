@@ -131,6 +131,7 @@ def _cost_table(curves) -> str:
 
 def ablation(exp: runs_lib.Experiment) -> Report:
   s, total = full_plan(exp.plan, "ablation"), _total_heads(exp)
+  base = exp.baseline()
   lam = s.ablation_lambda
   variants = {v: [exp.l0(lam, seed, v) for seed in s.seeds] for v in runs_lib.ABLATIONS}
   full = {r.extra["seed"]: r for r in variants["full"]}
@@ -153,7 +154,7 @@ def ablation(exp: runs_lib.Experiment) -> Report:
   out = exp.workdir / "ablation.png"
   figures.bar_figure(names, deltas, errors, f"Δ test {metric} vs full",
                      f"Ablation at λ={lam:g} (mean ± sd over seeds)", out)
-  return Report(md, [str(out)], [r for rs in variants.values() for r in rs])
+  return Report(md, [str(out)], [base, *(r for rs in variants.values() for r in rs)])
 
 
 def txl_widths(exp: runs_lib.Experiment) -> Report:
@@ -190,6 +191,7 @@ def txl_widths(exp: runs_lib.Experiment) -> Report:
 
 def heuristics(exp: runs_lib.Experiment) -> Report:
   s, total = full_plan(exp.plan, "heuristics"), _total_heads(exp)
+  base = exp.baseline()
   l0_runs = {lam: [exp.l0(lam, seed) for seed in s.seeds] for lam in s.heuristic_lambdas}
   # Each heuristic removes as many heads as the seed-0 L0 run of that λ did.
   removals = sorted({total - rs[0].heads for rs in l0_runs.values()} - {0})
@@ -228,7 +230,7 @@ def heuristics(exp: runs_lib.Experiment) -> Report:
   figures.xy_figure(series, "head sparsity (%)", f"test {metric}",
                     "L0 gates vs heuristic masks, after the same fine-tuning", out,
                     hline=("continued (unpruned)", np.mean([r.test for r in continued])))
-  records = [*continued, *(r for rs in l0_runs.values() for r in rs)]
+  records = [base, *continued, *(r for rs in l0_runs.values() for r in rs)]
   records += [r for pairs in results.values() for pair in pairs for r in pair]
   return Report(md, [str(out)], records)
 
@@ -268,7 +270,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
           "target": values["open_target"]}
   out = exp.workdir / "budget.png"
   figures.trajectories_figure(trajectories, out)
-  return Report(md, [str(out)], records + fixed)
+  return Report(md, [str(out)], [base, *records, *fixed])
 
 
 def distill(exp: runs_lib.Experiment) -> Report:
