@@ -542,7 +542,8 @@ def test_the_persistent_table_compares_each_kind_with_heads_only_at_its_size(exp
 
 @pytest.mark.slow
 def test_budget_run_keeps_exactly_the_heads_it_allows(experiment):
-  record, reference = suites.budget(experiment).records
+  base, record, reference = suites.budget(experiment).records
+  assert base.kind == "baseline"
   assert record.extra["target_heads"] == 4
   assert record.heads == 4, record.heads_per_layer
   # What the rank rule changed is what separates the gates' own count from it.
