@@ -1,12 +1,13 @@
 """The benchmark CLI runs end to end at a tiny size (a smoke test: no timing asserted);
-a config's benchmark section becomes its plan; variants are read from a config or
-from flags, and a variant that overrides a key the config lacks fails before
-anything compiles."""
+the report's figures are the medians and ratios of the rounds' timings; a config's
+benchmark section becomes its plan; variants are read from a config or from flags,
+and a variant that overrides a key the config lacks fails before anything compiles."""
 import dataclasses
 import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -15,7 +16,9 @@ import pytest
 from allatt_jax.perf import bench_report
 from allatt_jax.perf import config_variants
 from allatt_jax.config import config_base
+from allatt_jax.pruning import cost_model
 from allatt_jax.training import assembly
+from allatt_jax.model import transformer as model_lib
 from allatt_jax.perf import timing
 from allatt_jax.config.errors import ConfigError
 
@@ -271,3 +274,78 @@ def test_benchmark_cli_writes_a_complete_report(tmp_path):
   assert full["proxy_bytes_ratio"] == 1 and 0.5 < half["proxy_bytes_ratio"] < 1
   assert len(variant["train"]["step_s_rounds"]) == 1   # timed in the config's round
   assert "variant two_heads: train" in done.stdout and "profile (cpu" in done.stdout
+
+
+class _Step(types.SimpleNamespace):
+  __hash__ = object.__hash__   # the report keys its rounds by step, as TrainStep's
+
+
+def _timed_as(config, *, walls, gated_walls, distill_walls, eval_rates, peaks):
+  """A benchmark's rounds as `bench_report.build` reads them, with these timings: train
+  steps timed 2 steps a round, `eval_rates` the tokens/s of the models of 4, then 2,
+  heads a layer, matmul `peaks` (GFLOP per wall and per CPU second) a round."""
+  cfg = model_lib.ModelConfig.from_config(config, gated=False)
+
+  def step(config, walls, **extra):
+    usages = [types.SimpleNamespace(wall=w, cpu=2 * w, faults=10) for w in walls]
+    train = config.train
+    return _Step(
+        config=config, lm=types.SimpleNamespace(cfg=cfg), compile_s=1.5,
+        tokens_per_step=train.batch_size * train.seq_len, temp_bytes=lambda: 1000,
+        proxy={"flops": 2e6, "matmul_flops": 1e6, "bytes": 3e6,
+               "parts": {part: {"flops": 1e5, "bytes": 2e5}
+                         for part in ("output_layer", "attention")}}, usages=usages, own_distill=False, **extra)
+
+  def model(heads, rate, proxy_bytes):
+    return types.SimpleNamespace(
+        heads_kept=heads / 4, cfg=dataclasses.replace(cfg, heads_per_layer=(heads, heads)),
+        figures=lambda: {"tokens_per_s": rate, "compile_s": 0.5,
+                         "proxy": {"bytes": proxy_bytes}})
+
+  steps = {"baseline": step(config, walls), "gated": step(config, gated_walls),
+           "distill": step(config, distill_walls)}
+  timed = bench_report.Timed(
+      config=config, plan=timing.BenchmarkPlan(train_steps=2), train_steps=steps,
+      models=[model(4, eval_rates[0], 100.0), model(2, eval_rates[1], 60.0)],
+      variants={}, load_before=(0.5, 0.5, 0.5), peaks=peaks)
+  for s in steps.values():
+    timed.usages[s], timed.first_steps[s] = s.usages, [2.0]
+  return timed, cfg
+
+
+def test_the_report_is_the_medians_of_its_rounds_and_their_ratios(tiny_run):
+  timed, cfg = _timed_as(tiny_run, walls=[0.2, 0.4, 0.3], gated_walls=[0.5, 0.5, 0.5],
+                         distill_walls=[0.6, 0.7, 0.8], eval_rates=(1000.0, 1600.0),
+                         peaks=[(100.0, 40.0), (120.0, 50.0), (80.0, 60.0)])
+  report = bench_report.build(timed)
+  train, (full, half) = report["train"], report["inference"]
+  t = tiny_run.train
+  tokens = t.batch_size * t.seq_len
+  flops = 6 * cost_model.macs_per_token(cfg, t.seq_len, t.mem_len,
+                                        t.batch_size)["macs_per_token"]
+  base = train["baseline"]
+  # Per step: the median round's 0.3 s over its 2 steps, and twice that of CPU.
+  assert base["step_s"] == pytest.approx(0.15) and base["cpu_s_per_step"] == pytest.approx(0.3)
+  assert base["step_s_rounds"] == pytest.approx([0.1, 0.2, 0.15])
+  assert base["tokens_per_s"] == pytest.approx(tokens / 0.15)
+  assert report["matmul"]["gflops_per_s"] == 100.0 and report["matmul"]["gflop_per_cpu_s"] == 50.0
+  assert base["model_gflops_per_s"] == pytest.approx(flops * tokens / 0.15 / 1e9)
+  assert base["fraction_of_matmul_peak"] == pytest.approx(flops * tokens / 0.15 / 1e9 / 100)
+  assert base["fraction_of_matmul_peak_per_cpu_s"] == pytest.approx(
+      flops * tokens / 0.3 / 1e9 / 50)
+  assert base["minor_page_faults_per_step"] == 5 and base["first_step_in_round_s"] == 2.0
+  # The gated step against the baseline, the distilling one against the gated one.
+  assert train["gated_overhead"] == pytest.approx(0.25 / 0.15 - 1)
+  assert train["distill_overhead"] == pytest.approx(0.35 / 0.25 - 1)
+  # Half the heads: the speed-up against the MACs' ideal one.
+  mac_ratio = half["macs_per_token"] / full["macs_per_token"]
+  assert full["speedup"] == 1.0 and full["mac_ratio"] == 1.0
+  assert half["speedup"] == pytest.approx(1.6) and half["heads_per_layer"] == [2, 2]
+  assert half["ideal_speedup"] == pytest.approx(1 / mac_ratio) and mac_ratio < 1
+  assert half["speedup_fraction_of_ideal"] == pytest.approx(1.6 * mac_ratio)
+  assert half["proxy_bytes_ratio"] == pytest.approx(0.6)
+  lines = bench_report.summary(report).splitlines()
+  assert f"gated step overhead {0.25 / 0.15 - 1:+.1%} per token" in "\n".join(lines)
+  assert any(line.startswith("eval  50% heads      1600 tokens/s") and
+             f"speed-up 1.60 of ideal {1 / mac_ratio:.2f} ({1.6 * mac_ratio:.0%})" in line
+             for line in lines), lines
