@@ -274,6 +274,15 @@ def test_text8_style_cleaning():
       'cafe in one nine eight four the b five two s')
 
 
+def test_the_embedded_corpus_is_valid_then_test_cleaned_on_one_line(tmp_path):
+  with pytest.raises(DataError, match=r'^wiki\.valid\.raw, wiki\.test\.raw missing in '):
+    embedded.make_embedded_corpus(tmp_path)
+  (tmp_path / 'wiki.valid.raw').write_text(' = Café = \n In 1984 \n', encoding='utf-8')
+  (tmp_path / 'wiki.test.raw').write_text('\n The B-52s !\n', encoding='utf-8')
+  made = embedded.make_embedded_corpus(tmp_path, tmp_path / 'c.xz')
+  assert lzma.decompress(made.read_bytes()) == b'cafe in one nine eight four the b five two s'
+
+
 @needs_shared
 def test_embedded_corpus_is_reproducible(tmp_path):
   rebuilt = embedded.make_embedded_corpus(SHARED / 'wikitext-2-raw', tmp_path / 'c.xz')
