@@ -83,6 +83,16 @@ def test_a_history_without_decisions_shows_probabilities_throughout(tmp_path, dr
   assert fig.axes[1].get_xlabel() == "pruning step (dashed: gates frozen)"
 
 
+def test_gates_frozen_from_the_start_show_the_decision_without_a_line(tmp_path, drawn):
+  fig = draw(tmp_path, drawn, history(), [[0], [0]], enabled=True, lam=0.1,
+             freeze_step=0)
+  np.testing.assert_allclose(fig.axes[0].collections[0].get_array().reshape(2, 4),
+                             [[1, 1, 1, 1], [0, 0, 0, 0]])
+  assert not [line for line in fig.axes[0].lines if line.get_linestyle() == "--"]
+  assert fig.axes[1].get_xlabel() == ("pruning step (gates frozen from the start: the "
+                                      "decision, 1 kept, 0 removed)")
+
+
 def test_layers_of_other_head_counts_each_get_their_rows(tmp_path, drawn):
   """A run started from an export: 3 heads in layer 0, none left in layer 1."""
   records = [{"step": step, "open_prob": [[0.9, 0.2, 0.6], []], "decided": [[1, 0, 1], []]}

@@ -260,9 +260,13 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
       label.set_color("tab:green" if h in kept[i] else "tab:red")
     if gates.freeze_step:
       ax.axvline(gates.freeze_step, color="white", linestyle="--", linewidth=1)
-  frozen = (" (dashed: gates frozen; before, P(gate open) of the sampled gates; after, "
-            "the decision: 1 kept, 0 removed)" if shows_decisions
-            else " (dashed: gates frozen)" if gates.freeze_step else "")
+  if not gates.freeze_step:   # deterministic from the first step: no line to draw
+    frozen = (" (gates frozen from the start: the decision, 1 kept, 0 removed)"
+              if shows_decisions else "")
+  else:
+    frozen = (" (dashed: gates frozen; before, P(gate open) of the sampled gates; after, "
+              "the decision: 1 kept, 0 removed)" if shows_decisions
+              else " (dashed: gates frozen)")
   axes[-1, 0].set_xlabel("pruning step" + frozen)
   if image is not None:
     fig.colorbar(image, ax=axes[:, 0].tolist(), aspect=40,
