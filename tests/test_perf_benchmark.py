@@ -349,3 +349,15 @@ def test_the_report_is_the_medians_of_its_rounds_and_their_ratios(tiny_run):
   assert any(line.startswith("eval  50% heads      1600 tokens/s") and
              f"speed-up 1.60 of ideal {1 / mac_ratio:.2f} ({1.6 * mac_ratio:.0%})" in line
              for line in lines), lines
+
+
+def test_the_timed_pruned_models_keep_the_fraction_of_heads_in_every_layer(tiny_run):
+  cfg, variables = timing.random_model(tiny_run)
+  assert all(np.std(np.asarray(leaf)) == pytest.approx(0.02, rel=0.2)
+             for leaf in jax.tree.leaves(variables["params"]) if np.size(leaf) > 100)
+  for kept, removed in ((1.0, 0), (0.75, 1), (0.5, 2), (0.25, 3)):
+    heads = timing.removed_heads(cfg, kept)
+    assert sorted(heads) == list(range(cfg.num_layers))
+    for layer, gone in heads.items():
+      assert len(set(gone)) == removed and set(gone) <= set(range(cfg.layer_heads[layer]))
+  assert timing.removed_heads(cfg, 0.5) == timing.removed_heads(cfg, 0.5)   # one seed
