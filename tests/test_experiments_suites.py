@@ -195,6 +195,9 @@ def test_the_budget_table_sets_each_budget_beside_the_fixed_lambda_run_nearest_i
   assert args[0] == {"params 50% of baseline (4 heads)": {
       "step": [10, 20], "open": [8.0, 5.0], "target": [6.0, 4.0]}}
   assert suites.budget_label(budget_runs["target_sparsity"].extra) == "sparsity 25% (6 heads)"
+  # A size the plan gives as a figure.
+  assert suites.budget_label({**budget_runs["target_params"].extra, "fraction": 5000.0}
+                             ) == "params 5,000 (4 heads)"
 
 
 def test_the_distill_table_compares_each_variant_with_the_plain_run_of_its_sparsity(

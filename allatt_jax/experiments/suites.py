@@ -257,7 +257,7 @@ def budget(exp: runs_lib.Experiment) -> Report:
                  f"{r.macs_per_token / base.macs_per_token:.3f}", f"{r.test:.3f}",
                  f"λ={nearest.extra['lam']:g}: {_pct(_sparsity(nearest, total))}, "
                  f"{nearest.test:.3f}", f"{r.test - nearest.test:+.3f}"))
-  md = table(("budget", "asked (fraction)", "asked", "reached", "heads allowed",
+  md = table(("budget", "in the plan", "asked", "reached", "heads allowed",
               "heads kept", "kept by the gates alone", "decisions changed",
               "params / baseline", "MACs / baseline", f"test {metric}",
               "nearest fixed λ: sparsity, test", "Δ test vs it"), rows)
@@ -321,10 +321,14 @@ def _train_tokens_per_s(workdir) -> float:
 
 
 def budget_label(extra: dict) -> str:
-  """'params 60% (19 heads)': what a budget run asked for, in words."""
-  key = extra["target_key"].removeprefix("target_")
-  of = "" if key == "sparsity" else " of baseline"
-  return f"{key} {100 * extra['fraction']:g}%{of} ({extra['target_heads']} heads)"
+  """'params 60% of baseline (19 heads)': what a budget run asked for, in words (a
+  size the plan gives as a figure, not a fraction: 'params 5,000 (19 heads)')."""
+  key, value = extra["target_key"].removeprefix("target_"), extra["fraction"]
+  if key == "sparsity":
+    asked = f"{100 * value:g}%"
+  else:
+    asked = f"{100 * value:g}% of baseline" if value < 1 else f"{value:,.0f}"
+  return f"{key} {asked} ({extra['target_heads']} heads)"
 
 
 def scalars(workdir, tags) -> dict[str, list]:
