@@ -487,6 +487,18 @@ def test_second_load_reads_only_the_prepared_arrays(tmp_path):
   assert result.stdout.split() == ['memmap', 'False', 'False']
 
 
+def test_preparing_a_dataset_needs_no_tensorflow(tmp_path):
+  """TensorFlow takes seconds to import; only the builder's tf.data view needs it."""
+  raw = data_fixtures.write_text_files(tmp_path / 'raw', ['the cat sat\n'] * 3)
+  code = ('import sys; from allatt_jax.data import corpus; '
+          "loaded = corpus.load_corpus('text_files', sys.argv[1], sys.argv[2]); "
+          "print(len(loaded.vocab), 'tensorflow' in sys.modules)")
+  result = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'data'), str(raw)],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ['5', 'False']
+
+
 @pytest.fixture
 def encodings(monkeypatch):
   """Names of the word-level datasets encoded (they still are)."""

@@ -16,7 +16,6 @@ import sys
 from absl import logging
 from etils import epath
 import numpy as np
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from allatt_jax.data import cache
@@ -141,6 +140,9 @@ class AllattText(tfds.core.DatasetBuilder):
       for start in range(0, len(ids), _AS_DATASET_CHUNK):
         yield np.asarray(ids[start:start + _AS_DATASET_CHUNK])
 
+    # Only this tf.data view needs TensorFlow, whose import takes seconds: preparing a
+    # dataset and the runs' own reading (cache.py) do without it.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     signature = tf.TensorSpec(shape=(None,), dtype=tf.int32)
     return (tf.data.Dataset.from_generator(chunks, output_signature=signature)
             .unbatch().map(lambda token: {'ids': token}))
