@@ -3,6 +3,7 @@ gate history, and the cost model's curves against the parameter and MAC counts."
 import dataclasses
 
 from etils import epath
+from matplotlib import pyplot
 import numpy as np
 import pytest
 
@@ -15,8 +16,8 @@ from allatt_jax.reports import figures
 @pytest.fixture
 def drawn(monkeypatch):
   """The figures drawn, kept open to be read instead of closed once written."""
-  figs, close = [], figures.plt.close
-  monkeypatch.setattr(figures.plt, "close", figs.append)
+  figs, close = [], pyplot.close
+  monkeypatch.setattr(pyplot, "close", figs.append)
   yield figs
   for fig in figs:
     close(fig)
