@@ -50,12 +50,14 @@ def test_the_plan_is_the_configs_benchmark_section_over_the_defaults():
 def test_variant_flags_add_to_the_configs_variants():
   variants = config_variants.from_flags(
       ["before:model.head_block=2,model.remat=False,model.dtype=bfloat16",
-       "before:train.batch_size=4", "cut:model.cutoffs=(10, 20),model.heads_per_layer=[2,2]"],
+       "before:train.batch_size=4", "cut:model.cutoffs=(10, 20),model.heads_per_layer=[2,2]",
+       "files:data.files='a.txt,b.txt,c.txt',data.name=text_files"],
       {"before": {"model": {"head_block": 4, "dropout": 0.0}}})
   assert variants == {
       "before": {"model": {"head_block": 2, "dropout": 0.0, "remat": False,
                            "dtype": "bfloat16"}, "train": {"batch_size": 4}},
-      "cut": {"model": {"cutoffs": (10, 20), "heads_per_layer": [2, 2]}}}
+      "cut": {"model": {"cutoffs": (10, 20), "heads_per_layer": [2, 2]}},
+      "files": {"data": {"files": "a.txt,b.txt,c.txt", "name": "text_files"}}}
   assert config_variants.from_flags([], {"v": {"model": 3}}) == {"v": {"model": 3}}
   for bad in ("model.head_block=2", "before:head_block=2", "before:model.remat"):
     with pytest.raises(ConfigError, match=r"expected NAME:SECTION\.KEY=VALUE"):
@@ -70,11 +72,13 @@ def tiny_run():
 
 def test_a_variant_is_the_config_with_its_overrides(tiny_run):
   variants = config_variants.resolve(tiny_run, {
-      "two": {"model": {"head_block": 2, "remat": False, "dropout": 0}},
-      "cut": {"model": {"heads_per_layer": [2, 4]}, "train": {"batch_size": 4}}})
+      "two": {"model": {"head_block": 2.0, "remat": False, "dropout": 0}},
+      "cut": {"model": {"heads_per_layer": [2, 4]},
+              "train": {"batch_size": 4, "weight_decay_exclude": ["norm"]}}})
   two, cut = variants["two"], variants["cut"]
   assert (two.model.head_block, two.model.remat, two.model.dropout) == (2, False, 0.0)
-  assert isinstance(two.model.dropout, float)
+  assert isinstance(two.model.head_block, int) and isinstance(two.model.dropout, float)
+  assert cut.train.weight_decay_exclude == ("norm",)
   assert two.train == tiny_run.train and two.eval == tiny_run.eval
   assert cut.model.heads_per_layer == (2, 4) and cut.train.batch_size == 4
   assert cut.model.head_block == tiny_run.model.head_block
@@ -304,11 +308,16 @@ def _timed_as(config, *, walls, gated_walls, distill_walls, eval_rates, peaks):
 
   steps = {"baseline": step(config, walls), "gated": step(config, gated_walls),
            "distill": step(config, distill_walls)}
+  # Variant "two": its train step at twice the baseline's walls, its model at half
+  # the full model's rate.
+  variant = (step(config, [2 * w for w in walls]), model(4, eval_rates[0] / 2, 100.0))
   timed = bench_report.Timed(
-      config=config, plan=timing.BenchmarkPlan(train_steps=2), train_steps=steps,
+      config=config, plan=timing.BenchmarkPlan(
+          train_steps=2, variants={"two": {"model": {"head_block": 2}}}),
+      train_steps=steps,
       models=[model(4, eval_rates[0], 100.0), model(2, eval_rates[1], 60.0)],
-      variants={}, load_before=(0.5, 0.5, 0.5), peaks=peaks)
-  for s in steps.values():
+      variants={"two": variant}, load_before=(0.5, 0.5, 0.5), peaks=peaks)
+  for s in (*steps.values(), variant[0]):
     timed.usages[s], timed.first_steps[s] = s.usages, [2.0]
   return timed, cfg
 
@@ -344,7 +353,15 @@ def test_the_report_is_the_medians_of_its_rounds_and_their_ratios(tiny_run):
   assert half["ideal_speedup"] == pytest.approx(1 / mac_ratio) and mac_ratio < 1
   assert half["speedup_fraction_of_ideal"] == pytest.approx(1.6 * mac_ratio)
   assert half["proxy_bytes_ratio"] == pytest.approx(0.6)
+  two = report["variants"]["two"]
+  assert two["overrides"] == {"model": {"head_block": 2}}
+  assert two["train"]["step_s"] == pytest.approx(0.3)
+  assert two["train_tokens_per_s_ratio"] == pytest.approx(0.5)
+  assert two["eval_tokens_per_s_ratio"] == pytest.approx(0.5)
   lines = bench_report.summary(report).splitlines()
+  assert any(line.startswith(f"variant two: train {tokens / 0.3:,.0f} tokens/s = x0.500 "
+                             "of the config's, eval (all heads) 500 tokens/s = x0.500")
+             for line in lines), lines
   assert f"gated step overhead {0.25 / 0.15 - 1:+.1%} per token" in "\n".join(lines)
   assert any(line.startswith("eval  50% heads      1600 tokens/s") and
              f"speed-up 1.60 of ideal {1 / mac_ratio:.2f} ({1.6 * mac_ratio:.0%})" in line
