@@ -1,5 +1,6 @@
 """The benchmark CLI runs end to end at a tiny size (a smoke test: no timing asserted);
-the report's figures are the medians and ratios of the rounds' timings; a config's
+the rounds time every step and model in alternating order; the matmul peak and the
+report's figures are the medians and ratios of the rounds' timings; a config's
 benchmark section becomes its plan; variants are read from a config or from flags,
 and a variant that overrides a key the config lacks fails before anything compiles."""
 import dataclasses
@@ -378,3 +379,91 @@ def test_the_timed_pruned_models_keep_the_fraction_of_heads_in_every_layer(tiny_
     for layer, gone in heads.items():
       assert len(set(gone)) == removed and set(gone) <= set(range(cfg.layer_heads[layer]))
   assert timing.removed_heads(cfg, 0.5) == timing.removed_heads(cfg, 0.5)   # one seed
+
+
+def test_the_rounds_alternate_their_order_and_start_each_step_untimed(tiny_run, monkeypatch):
+  """`timing.measure` with its timed parts recorded instead of compiled: the gated and
+  distilling steps are the pruning run's, each round runs every step once untimed
+  before its timed steps and reverses the order of the round before, and the profile
+  traces the baseline step and each variant's."""
+  ran, built = [], {}
+
+  class Step:
+    compiled, compile_s = types.SimpleNamespace(as_text=lambda: ""), 0.0
+
+    def __init__(self, config, *, gated, distill=False, like=None):
+      self.config, self.like = config, like
+      self.name = ("distill" if distill else "gated" if gated else "baseline") + (
+          "-variant" if like else "")
+      built[self.name] = self
+
+    def run(self, num_steps):
+      ran.append((self.name, num_steps))
+      return types.SimpleNamespace(wall=0.1 * num_steps)
+
+  class Model:
+    compile_s = 0.0
+
+    def __init__(self, config, model, heads_kept, segments):
+      self.name, self.seconds = f"eval {heads_kept}" + (
+          "-variant" if config != tiny_run else ""), []
+
+    def warm(self):
+      ran.append((self.name, "warm"))
+
+    def run(self):
+      ran.append((self.name, "timed"))
+      return 0.5
+
+  monkeypatch.setattr(timing, "TrainStep", Step)
+  monkeypatch.setattr(timing, "Inference", Model)
+  monkeypatch.setattr(timing, "random_model", lambda config: None)
+  monkeypatch.setattr(timing, "Matmul", lambda n, dtype: types.SimpleNamespace(
+      gflops=lambda: (100.0, 50.0)))
+  monkeypatch.setattr(bench_report, "build", lambda timed: timed)
+  profiled = []
+  monkeypatch.setattr(timing.step_profile, "profile",
+                      lambda run, hlo, steps: profiled.append(run.__self__.name))
+  pruning = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train,
+                                                                    batch_size=8))
+  plan = timing.BenchmarkPlan(train_steps=3, rounds=2, heads_kept=(1.0, 0.5), profile=True,
+                              variants={"v": {"model": {"head_block": 2}}})
+  rounds_handed = []
+  timed = timing.measure(tiny_run, plan, pruning=pruning,
+                         on_round=lambda report: rounds_handed.append(len(report.peaks)))
+  assert rounds_handed == [1, 2]
+  assert [m.seconds for m in timed.models] == [[0.5, 0.5]] * 2
+  assert built["baseline"].config == tiny_run
+  assert built["gated"].config == pruning != tiny_run and built["distill"].config == pruning
+  assert built["baseline-variant"].like is built["baseline"]
+  steps = ["baseline", "gated", "distill", "baseline-variant"]
+  models = ["eval 1.0", "eval 0.5", "eval 1.0-variant"]
+
+  def round_of(steps, models):
+    return ([(s, n) for s in steps for n in (1, 3)]
+            + [(m, k) for m in models for k in ("warm", "timed")])
+  assert ran == round_of(steps, models) + round_of(steps[::-1], models[::-1])
+  assert [len(timed.first_steps[built[s]]) for s in steps] == [2] * 4
+  assert [len(timed.usages[built[s]]) for s in steps] == [2] * 4
+  assert timed.peaks == [(100.0, 50.0)] * 2
+  assert profiled == ["baseline", "baseline-variant"]
+
+
+def test_the_matmul_peak_is_its_fastest_run(monkeypatch):
+  """2n³ FLOP over the fastest run's wall and over that run's CPU seconds (user and
+  system, all threads); a block's usage is what it added to the process's."""
+  matmul = timing.Matmul(8)
+  samples = iter([(0.0, 0.0, 0), (1.0, 0.5, 3),     # (user, system, minor faults)
+                  (1.0, 0.5, 3), (1.2, 0.6, 4),
+                  (1.2, 0.6, 4), (1.5, 0.7, 4),
+                  (2.0, 1.0, 10), (2.5, 1.25, 17)])
+  monkeypatch.setattr(timing, "resource", types.SimpleNamespace(
+      RUSAGE_SELF=0, getrusage=lambda who: types.SimpleNamespace(
+          **dict(zip(("ru_utime", "ru_stime", "ru_minflt"), next(samples))))))
+  clock = iter([0.0, 0.3, 1.0, 1.1, 2.0, 2.2, 3.0, 3.5])   # walls 0.3, 0.1, 0.2; 0.5
+  monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+  flops = 2 * 8 ** 3 / 1e9
+  assert matmul.gflops() == pytest.approx((flops / 0.1, flops / 0.3))
+  with timing._Usage() as usage:   # pylint: disable=protected-access
+    pass
+  assert (usage.wall, usage.cpu, usage.faults) == pytest.approx((0.5, 0.75, 7))
