@@ -232,12 +232,12 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
   edges = np.concatenate([[steps[0] - gaps[0] / 2], steps[:-1] + gaps / 2,
                           [steps[-1] + gaps[-1] / 2]])
   groups = records[-1].get("persistent_decided")
-  fig, axes = _pyplot().subplots(len(layer_heads), 2 if groups else 1, sharex="col",
-                           squeeze=False, layout="constrained",
-                           figsize=(12 if groups else 9,
-                                    1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
-                           gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads],
-                                            **({"width_ratios": [3, 1]} if groups else {})))
+  fig, axes = _pyplot().subplots(
+      len(layer_heads), 2 if groups else 1, sharex="col", squeeze=False,
+      layout="constrained",
+      figsize=(12 if groups else 9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
+      gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads],
+                       **({"width_ratios": [3, 1]} if groups else {})))
   if groups:
     _draw_group_decisions(axes[:, 1], groups, kept, layer_heads)
   image = None
