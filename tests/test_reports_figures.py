@@ -1,9 +1,11 @@
 """What the figures show: the gate heat map's cells, verdicts and title from a run's
 gate history, and the cost model's curves against the parameter and MAC counts."""
 import dataclasses
+import subprocess
+import sys
 
 from etils import epath
-from matplotlib import pyplot
+from matplotlib import figure
 import numpy as np
 import pytest
 
@@ -15,12 +17,14 @@ from allatt_jax.reports import figures
 
 @pytest.fixture
 def drawn(monkeypatch):
-  """The figures drawn, kept open to be read instead of closed once written."""
-  figs, close = [], pyplot.close
-  monkeypatch.setattr(pyplot, "close", figs.append)
-  yield figs
-  for fig in figs:
-    close(fig)
+  """The figures drawn, as they were written."""
+  figs, real_savefig = [], figure.Figure.savefig
+
+  def savefig(fig, *args, **kwargs):
+    figs.append(fig)
+    return real_savefig(fig, *args, **kwargs)
+  monkeypatch.setattr(figure.Figure, "savefig", savefig)
+  return figs
 
 
 def history(**extra):
@@ -137,3 +141,16 @@ def test_the_cost_curves_are_the_models_counts_with_k_heads_a_layer():
   # The Transformer-XL of its width keeps its feed-forward: a floor above zero.
   txl = figures.relative_costs(figures.as_txl(cfg), lengths)
   assert txl["params"][-1] > 0.5 and curves["params"][-1] < txl["params"][-1]
+
+
+def test_drawing_leaves_the_callers_matplotlib_as_it_was(tmp_path):
+  """A notebook's own plots keep its backend: figures are drawn outside pyplot."""
+  code = ("import sys, matplotlib; matplotlib.use('svg'); "
+          "from allatt_jax.reports import figures; "
+          "figures.bar_figure(['a'], [1.0], [0.1], 'y', 't', sys.argv[1]); "
+          "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)")
+  result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bar.png")],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ["svg", "False"]
+  assert (tmp_path / "bar.png").read_bytes().startswith(b"\x89PNG")

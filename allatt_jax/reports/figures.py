@@ -27,13 +27,13 @@ COLORS = tuple(f"C{i}" for i in range(10))   # matplotlib's default cycle, tab10
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def _pyplot():
-  """matplotlib's pyplot, drawing to files only (Agg), imported when a figure is drawn:
-  its import takes half a second, which a run's start should not wait for."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
-  return pyplot
+def _figure(**kwargs):
+  """A matplotlib figure of its own, outside pyplot: drawing it to a file changes no
+  backend or pyplot state of the caller's (a notebook's own plots show as before).
+  matplotlib is imported here, when a figure is drawn: its import takes half a
+  second, which a run's start should not wait for."""
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  return figure.Figure(**kwargs)
 
 
 def as_txl(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
@@ -64,7 +64,8 @@ def cost_model_figure(cfg: model_lib.ModelConfig, lengths, out_file) -> dict:
             ("this model", "TXL"): relative_costs(as_txl(cfg), lengths),
             ("paper WT103", "All-att"): relative_costs(paper, PAPER_LENGTHS),
             ("paper WT103", "TXL"): relative_costs(as_txl(paper), PAPER_LENGTHS)}
-  fig, axes = _pyplot().subplots(1, 2, figsize=(10, 4.3), sharey=True)
+  fig = _figure(figsize=(10, 4.3))
+  axes = fig.subplots(1, 2, sharey=True)
   colors = {"All-att": "tab:blue", "TXL": "tab:orange"}
   for ax, key in zip(axes, ("macs", "params")):
     for (size, kind), c in curves.items():
@@ -98,7 +99,8 @@ class Series:
 
 def xy_figure(series: list[Series], xlabel: str, ylabel: str, title: str, out_file,
               hline: tuple[str, float] | None = None, xlog: bool = False) -> None:
-  fig, ax = _pyplot().subplots(figsize=(6.5, 4.5))
+  fig = _figure(figsize=(6.5, 4.5))
+  ax = fig.subplots()
   for s in series:
     ax.errorbar(s.x, s.y, yerr=s.yerr, fmt=s.style, label=s.label, capsize=3,
                 color=s.color, markersize=9 if s.hollow else 6,
@@ -117,7 +119,8 @@ def xy_figure(series: list[Series], xlabel: str, ylabel: str, title: str, out_fi
 
 
 def bar_figure(labels, values, errors, ylabel: str, title: str, out_file) -> None:
-  fig, ax = _pyplot().subplots(figsize=(6.5, 4))
+  fig = _figure(figsize=(6.5, 4))
+  ax = fig.subplots()
   ax.bar(labels, values, yerr=errors, capsize=4, color="tab:blue")
   ax.axhline(0.0, color="black", linewidth=0.8)
   ax.set_ylabel(ylabel)
@@ -128,7 +131,8 @@ def bar_figure(labels, values, errors, ylabel: str, title: str, out_file) -> Non
 
 def trajectories_figure(runs: dict[str, dict[str, list]], out_file) -> None:
   """Budget runs: controlled open heads and their target over the gate phase."""
-  fig, ax = _pyplot().subplots(figsize=(7, 4.8))
+  fig = _figure(figsize=(7, 4.8))
+  ax = fig.subplots()
   for (label, values), color, marker in zip(runs.items(), COLORS, MARKERS):
     steps, open_heads, target = values["step"], values["open"], values["target"]
     # Runs that reach the same head count draw the same line: each run's own hollow
@@ -151,7 +155,6 @@ def _save(fig, out_file) -> None:
     pathlib.Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out_file, dpi=100)
-  _pyplot().close(fig)
 
 
 def gated_run(path) -> epath.Path:
@@ -232,12 +235,11 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
   edges = np.concatenate([[steps[0] - gaps[0] / 2], steps[:-1] + gaps / 2,
                           [steps[-1] + gaps[-1] / 2]])
   groups = records[-1].get("persistent_decided")
-  fig, axes = _pyplot().subplots(
-      len(layer_heads), 2 if groups else 1, sharex="col", squeeze=False,
-      layout="constrained",
-      figsize=(12 if groups else 9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)),
-      gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads],
-                       **({"width_ratios": [3, 1]} if groups else {})))
+  fig = _figure(layout="constrained", figsize=(
+      12 if groups else 9, 1.6 + 0.25 * sum(max(h, 1) for h in layer_heads)))
+  axes = fig.subplots(len(layer_heads), 2 if groups else 1, sharex="col", squeeze=False,
+                      gridspec_kw=dict(height_ratios=[max(h, 1) for h in layer_heads],
+                                       **({"width_ratios": [3, 1]} if groups else {})))
   if groups:
     _draw_group_decisions(axes[:, 1], groups, kept, layer_heads)
   image = None
@@ -292,13 +294,13 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
                "end, as export decides)", fontsize=9)
   with out_file.open("wb") as f:   # matplotlib cannot write to a bucket
     fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
-  _pyplot().close(fig)
 
 
 def _draw_group_decisions(axes, groups, kept, layer_heads) -> None:
   """Per layer, each head's persistent groups as the export keeps them (1) or cuts
   them (0); the groups of a removed head go with it (grey)."""
-  cmap = _pyplot().colormaps["viridis"].with_extremes(bad="lightgrey")
+  from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
+  cmap = colormaps["viridis"].with_extremes(bad="lightgrey")
   for i, ax in enumerate(axes):
     decided_HxG = np.array(groups[i], float).reshape(layer_heads[i], -1)
     if not decided_HxG.size:
