@@ -85,11 +85,12 @@ def compilation_cache(tmp_path_factory):
       os.environ[key] = value
 
 
-# Test files, longest first (their time in a full run on 2 cores). xdist's loadfile
-# scheduling hands out whole files in collection order (pytest.ini turns off its own
-# reordering by number of tests): long files start first and short ones fill in at the
-# end, rather than a long file that starts last running on alone. Unlisted files run
-# after these; the order changes nothing but the wall time.
+# Test files, longest first (their time on 2 cores), for the full suite and for the fast
+# tier, whose files take other times (a file's slow tests are most of some files' time).
+# xdist's loadfile scheduling hands out whole files in collection order (pytest.ini
+# turns off its own reordering by number of tests): long files start first and short
+# ones fill in at the end, rather than a long file that starts last running on alone.
+# Unlisted files run after these; the order changes nothing but the wall time.
 _LONGEST_FIRST = (
     "test_experiments", "test_training_reliability", "test_training_loop",
     "test_training_preemption", "test_api", "test_pruning_budget",
@@ -101,8 +102,20 @@ _LONGEST_FIRST = (
     "test_runs_checkpoint_fallback", "test_model_attention",
     "test_pruning_persistent_groups", "test_pruning_cost_model", "test_perf_hlo_counts",
     "test_model_reference")
+_LONGEST_FIRST_FAST = (
+    "test_commands", "test_model_split_core", "test_training_distill",
+    "test_model_adaptive", "test_model_transformer", "test_training_checks_first",
+    "test_pruning_persistent_groups", "test_model_attention", "test_experiments",
+    "test_perf_hlo_counts", "test_data", "test_training_accumulation", "test_api",
+    "test_evaluation", "test_runs_workdir_checks", "test_reports_figures",
+    "test_pruning_cost_model", "test_training_reliability", "test_pruning_export",
+    "test_pruning_budget", "test_runs_checkpointing", "test_perf_benchmark",
+    "test_training_optim")
 
 
+@pytest.hookimpl(trylast=True)   # after `-m` has deselected what it leaves out
 def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  fast_tier = not any(item.get_closest_marker("slow") for item in items)
+  order = _LONGEST_FIRST_FAST if fast_tier else _LONGEST_FIRST
+  rank = {name: i for i, name in enumerate(order)}
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable within a file
