@@ -1,11 +1,14 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
-a coordinator, gate logits of a model with gated persistent groups."""
+a coordinator, gate logits of a model with gated persistent groups, what a fresh
+interpreter prints."""
 import functools
 import os
 import pathlib
 import random
 import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -50,6 +53,15 @@ def xla_flags(cpu_devices: int | None = None) -> str:
   device_count = "--xla_force_host_platform_device_count"
   kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(device_count)]
   return " ".join(kept + ([f"{device_count}={cpu_devices}"] if cpu_devices else []))
+
+
+def fresh_python_prints(code: str, *args: str) -> list[str]:
+  """The words `python -c code *args` prints, in a fresh interpreter (one whose imports
+  no test has made yet); asserts that it succeeds."""
+  result = subprocess.run([sys.executable, "-c", code, *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  return result.stdout.split()
 
 
 def free_port() -> int:

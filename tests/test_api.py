@@ -16,6 +16,7 @@ import pytest
 
 import allatt_jax
 import data_fixtures
+from helpers import fresh_python_prints
 from helpers import train_run
 from allatt_jax import api
 from allatt_jax.config import config_base
@@ -104,10 +105,8 @@ def run_cli(module, *args, env=None, check=True):
 
 
 def test_import_is_light_and_exposes_the_api():
-  out = subprocess.run(
-      [sys.executable, "-c", "import sys, allatt_jax; print('jax' in sys.modules, "
-       "'load' in dir(allatt_jax), 'Model' in dir(allatt_jax))"],
-      capture_output=True, text=True, check=True).stdout.split()
+  out = fresh_python_prints("import sys, allatt_jax; print('jax' in sys.modules, "
+                            "'load' in dir(allatt_jax), 'Model' in dir(allatt_jax))")
   assert out == ["False", "True", "True"]
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import data_fixtures
+from helpers import fresh_python_prints
 from allatt_jax import data
 from allatt_jax.data import embedded
 from allatt_jax.data import encoding
@@ -481,10 +482,7 @@ def test_second_load_reads_only_the_prepared_arrays(tmp_path):
           "loaded = corpus.load_corpus('wikitext_chars', sys.argv[1]); "
           "print(type(loaded.splits['train']).__name__, "
           "'tensorflow' in sys.modules, 'tensorflow_datasets' in sys.modules)")
-  result = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'data')],
-                          capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ['memmap', 'False', 'False']
+  assert fresh_python_prints(code, tmp_path / 'data') == ['memmap', 'False', 'False']
 
 
 def test_preparing_a_dataset_needs_no_tensorflow(tmp_path):
@@ -493,10 +491,7 @@ def test_preparing_a_dataset_needs_no_tensorflow(tmp_path):
   code = ('import sys; from allatt_jax.data import corpus; '
           "loaded = corpus.load_corpus('text_files', sys.argv[1], sys.argv[2]); "
           "print(len(loaded.vocab), 'tensorflow' in sys.modules)")
-  result = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'data'), str(raw)],
-                          capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ['5', 'False']
+  assert fresh_python_prints(code, tmp_path / 'data', raw) == ['5', 'False']
 
 
 @pytest.fixture

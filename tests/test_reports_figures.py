@@ -1,14 +1,13 @@
 """What the figures show: the gate heat map's cells, verdicts and title from a run's
 gate history, and the cost model's curves against the parameter and MAC counts."""
 import dataclasses
-import subprocess
-import sys
 
 from etils import epath
 from matplotlib import figure
 import numpy as np
 import pytest
 
+from helpers import fresh_python_prints
 from allatt_jax.config import run_config
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import cost_model
@@ -149,8 +148,5 @@ def test_drawing_leaves_the_callers_matplotlib_as_it_was(tmp_path):
           "from allatt_jax.reports import figures; "
           "figures.bar_figure(['a'], [1.0], [0.1], 'y', 't', sys.argv[1]); "
           "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)")
-  result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bar.png")],
-                          capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ["svg", "False"]
+  assert fresh_python_prints(code, tmp_path / "bar.png") == ["svg", "False"]
   assert (tmp_path / "bar.png").read_bytes().startswith(b"\x89PNG")
