@@ -1,6 +1,8 @@
 """The HLO cost walk: on loop-free functions it counts what XLA's cost analysis counts;
 loop bodies count by their trip counts, nested loops multiply, a conditional counts
-its cheapest branch; on a real train step it agrees with XLA once loops count once."""
+its cheapest branch; slices, gathers, updates and scatters (alone or fused) move only
+the rows they touch; a bf16 matmul moves bf16 bytes, as on an accelerator; on a real
+train step it agrees with XLA once loops count once."""
 import pathlib
 
 import jax
@@ -155,6 +157,138 @@ def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
   # compare reads two int32 and writes one int32 or one pred.
   gemm = 4 * (64 * 128 + 128 * 128 + 64 * 128) + 1024
   assert analysis.cost.bytes_accessed == 6 * (gemm + 12) + 7 * 9
+
+
+# Each way of moving data, at the top level and inside a fusion, with its own scope; a
+# scatter, a map and a sort (whose flops are not modelled); and a conditional whose
+# flop-free branch moves more bytes than the other.
+_MOVES = """\
+HloModule jit_moves, entry_computation_layout={(f32[100,8]{1,0})->f32[4,8]{1,0}}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %x, f32[] %y)
+}
+
+%less (a: f32[], b: f32[]) -> pred[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %lt = pred[] compare(f32[] %a, f32[] %b), direction=LT
+}
+
+%update_in_place (p0: f32[100,8], p1: f32[4,8], p2: s32[]) -> f32[100,8] {
+  %p0 = f32[100,8]{1,0} parameter(0)
+  %p1 = f32[4,8]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  ROOT %updated = f32[100,8]{1,0} dynamic-update-slice(f32[100,8]{1,0} %p0, f32[4,8]{1,0} %p1, s32[] %p2, s32[] %p2)
+}
+
+%rows_negated (q0: f32[100,8]) -> f32[2,8] {
+  %q0 = f32[100,8]{1,0} parameter(0)
+  %seen = f32[100,8]{1,0} bitcast(f32[100,8]{1,0} %q0)
+  %rows = f32[2,8]{1,0} slice(f32[100,8]{1,0} %seen), slice={[0:2], [0:8]}
+  ROOT %negated = f32[2,8]{1,0} negate(f32[2,8]{1,0} %rows)
+}
+
+%gathered (r0: f32[100,8], r1: s32[3,1]) -> f32[3,8] {
+  %r0 = f32[100,8]{1,0} parameter(0)
+  %r1 = s32[3,1]{1,0} parameter(1)
+  ROOT %picked = f32[3,8]{1,0} gather(f32[100,8]{1,0} %r0, s32[3,1]{1,0} %r1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}
+}
+
+%copy_table (c0: f32[100,8]) -> f32[100,8] {
+  %c0 = f32[100,8]{1,0} parameter(0)
+  ROOT %copied = f32[100,8]{1,0} copy(f32[100,8]{1,0} %c0), metadata={op_name="jit(moves)/cond/branch_0_fun/copy"}
+}
+
+%square_small (s0: f32[4,8]) -> f32[4,8] {
+  %s0 = f32[4,8]{1,0} parameter(0)
+  ROOT %squared = f32[4,8]{1,0} multiply(f32[4,8]{1,0} %s0, f32[4,8]{1,0} %s0), metadata={op_name="jit(moves)/cond/branch_1_fun/square"}
+}
+
+ENTRY %main (t: f32[100,8], u: f32[4,8], i: s32[], ids: s32[3,1], v: f32[3,8], p: pred[]) -> f32[4,8] {
+  %t = f32[100,8]{1,0} parameter(0)
+  %u = f32[4,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %ids = s32[3,1]{1,0} parameter(3)
+  %v = f32[3,8]{1,0} parameter(4)
+  %p = pred[] parameter(5)
+  %sl = f32[4,8]{1,0} slice(f32[100,8]{1,0} %t), slice={[0:4], [0:8]}, metadata={op_name="jit(moves)/slice"}
+  %ds = f32[4,8]{1,0} dynamic-slice(f32[100,8]{1,0} %t, s32[] %i, s32[] %i), dynamic_slice_sizes={4,8}, metadata={op_name="jit(moves)/dynamic_slice"}
+  %g = f32[3,8]{1,0} gather(f32[100,8]{1,0} %t, s32[3,1]{1,0} %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}, metadata={op_name="jit(moves)/gather"}
+  %dus = f32[100,8]{1,0} dynamic-update-slice(f32[100,8]{1,0} %t, f32[4,8]{1,0} %u, s32[] %i, s32[] %i), metadata={op_name="jit(moves)/dynamic_update_slice"}
+  %sc = f32[100,8]{1,0} scatter(f32[100,8]{1,0} %t, s32[3,1]{1,0} %ids, f32[3,8]{1,0} %v), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add, metadata={op_name="jit(moves)/scatter_add"}
+  %fdus = f32[100,8]{1,0} fusion(f32[100,8]{1,0} %t, f32[4,8]{1,0} %u, s32[] %i), kind=kLoop, calls=%update_in_place, metadata={op_name="jit(moves)/fused_update"}
+  %fsl = f32[2,8]{1,0} fusion(f32[100,8]{1,0} %t), kind=kLoop, calls=%rows_negated, metadata={op_name="jit(moves)/fused_slice"}
+  %fg = f32[3,8]{1,0} fusion(f32[100,8]{1,0} %t, s32[3,1]{1,0} %ids), kind=kLoop, calls=%gathered, metadata={op_name="jit(moves)/fused_gather"}
+  %mp = f32[4,8]{1,0} map(f32[4,8]{1,0} %u, f32[4,8]{1,0} %u), dimensions={0,1}, to_apply=%add, metadata={op_name="jit(moves)/map"}
+  %srt = f32[4,8]{1,0} sort(f32[4,8]{1,0} %u), dimensions={1}, to_apply=%less, metadata={op_name="jit(moves)/sort"}
+  ROOT %if = f32[4,8]{1,0} conditional(pred[] %p, f32[100,8]{1,0} %t, f32[4,8]{1,0} %u), true_computation=%copy_table, false_computation=%square_small
+}
+"""
+TABLE, ROWS_4, ROWS_3 = 100 * 8 * 4, 4 * 8 * 4, 3 * 8 * 4   # f32 bytes
+INDEX, IDS = 4, 3 * 4
+
+
+def test_slices_gathers_updates_and_scatters_move_only_the_rows_they_touch():
+  """Of the 3,200-byte table none of these reads more than its rows: a slice or
+  gather reads what it outputs (and its indices); an update in place reads and
+  writes its update; a scatter reads its updates and the rows they combine with and
+  writes those; a fusion reads what its slicing users take (bitcasts looked through),
+  its indices whole, and writes an in-place update's update."""
+  by_scope = hlo_counts.analyse(_MOVES).by_scope
+  moved = {scope.removeprefix("step "): cost.bytes_accessed
+           for scope, cost in by_scope.items()}
+  assert moved == {
+      "slice": 2 * ROWS_4, "dynamic_slice": 2 * ROWS_4 + 2 * INDEX,
+      "gather": 2 * ROWS_3 + IDS, "dynamic_update_slice": 2 * ROWS_4 + 2 * INDEX,
+      "scatter_add": 3 * ROWS_3 + IDS, "fused_update": 2 * ROWS_4 + INDEX,
+      "fused_slice": 2 * 2 * 8 * 4, "fused_gather": 2 * ROWS_3 + IDS,
+      "map": 3 * ROWS_4, "sort": 2 * ROWS_4, "copy": 2 * TABLE}
+  # A scatter combines once per update, a map once per element.
+  assert by_scope["step scatter_add"].flops == 3 * 8
+  assert by_scope["step map"].flops == 4 * 8
+
+
+def test_a_conditional_is_cheapest_by_flops_first_and_a_sorts_flops_are_unmodelled():
+  analysis = hlo_counts.analyse(_MOVES)
+  assert analysis.unmodelled == {"sort": 1}
+  # The copy moves 6,400 bytes to the square's 384, but computes nothing.
+  assert analysis.by_scope["step copy"].flops == 0
+  assert "step square" not in analysis.by_scope
+  assert analysis.costliest.flops == analysis.cost.flops + 4 * 8
+  assert (analysis.costliest.bytes_accessed
+          == analysis.cost.bytes_accessed - 2 * TABLE + 3 * ROWS_4)
+
+
+def _as_bf16_and_f16(x, w):
+  y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  return y.astype(jnp.bfloat16), y.astype(jnp.float16)
+
+
+# XLA:CPU computes a bf16 matmul in float32, between conversions: the walk counts the
+# bytes of the bf16 matmul (an accelerator's), and of a fusion reading its result.
+_BF16_MATMULS = {
+    "bf16 out": (lambda x, w: x @ w, 2 * (B * D + D * 256 + B * 256)),
+    "f32 out": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
+                2 * (B * D + D * 256) + 4 * B * 256),
+    "tanh of it": (lambda x, w: jnp.tanh(x @ w), 2 * (B * D + D * 256) + 3 * 2 * B * 256),
+    # Read as two narrower types, it is written as it is computed, and read so twice.
+    "as bf16 and f16": (_as_bf16_and_f16,
+                        2 * (B * D + D * 256) + 4 * B * 256 + 2 * (4 + 2) * B * 256),
+}
+
+
+@pytest.mark.parametrize("name", _BF16_MATMULS)
+def test_a_bf16_matmul_moves_bf16_bytes_as_on_an_accelerator(name):
+  fn, expected = _BF16_MATMULS[name]
+  x, w = (a.astype(jnp.bfloat16) for a in _arrays((B, D), (D, 256)))
+  compiled = jax.jit(fn).lower(x, w).compile(
+      compiler_options=hlo_counts.COMPILER_OPTIONS)
+  analysis = hlo_counts.analyse(compiled.as_text())
+  assert analysis.cost.matmul_flops == 2 * B * D * 256
+  assert analysis.cost.bytes_accessed == expected
 
 
 @pytest.fixture(scope="module")
