@@ -163,7 +163,7 @@ def test_a_gpu_library_matmul_in_a_loop_counts_as_matmul_flops():
 # scatter, a map and a sort (whose flops are not modelled); and a conditional whose
 # flop-free branch moves more bytes than the other.
 _MOVES = """\
-HloModule jit_moves, entry_computation_layout={(f32[100,8]{1,0})->f32[4,8]{1,0}}
+HloModule jit_moves, entry_computation_layout={(f32[100,8]{1,0}, f32[4,8]{1,0}, s32[], s32[3,1]{1,0}, f32[3,8]{1,0}, pred[])->f32[4,8]{1,0}}
 
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
