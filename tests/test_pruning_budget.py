@@ -100,8 +100,13 @@ def test_soft_gates_and_a_budget_out_of_range():
   gates = gates_of([-2.0, -3.0, 0.0, 1.0], [-4.0] * 4, [-4.0] * 4)
   new, decision = freeze.keep_open_heads(soft, gate_values.read(soft, gates), 2)
   assert decision["by_gates"] == 3 and open_heads(soft, new) == [[2, 3], [], []]
+  # All 12 is a budget too (a sparsity of 0); 13 and -1 are none.
+  new, decision = freeze.keep_open_heads(soft, gate_values.read(soft, gates), 12)
+  assert decision["by_gates"] == 3 and sum(map(len, open_heads(soft, new))) == 12
   with pytest.raises(ConfigError, match="13 open heads does not fit a model of 12"):
     freeze.keep_open_heads(soft, gate_values.read(soft, gates), 13)
+  with pytest.raises(ConfigError, match="-1 open heads does not fit a model of 12"):
+    freeze.keep_open_heads(soft, gate_values.read(soft, gates), -1)
 
 
 def test_the_budgets_line_says_whether_it_changed_the_gates_decisions():

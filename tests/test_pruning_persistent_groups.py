@@ -260,6 +260,18 @@ def test_the_rule_keeps_the_gates_decision_where_it_fits_and_nothing_more_would(
   assert decision["opened"] == [[0, 2, 2]] and decision["cost"] == 87
 
 
+def test_a_budget_of_exactly_the_gates_cost_keeps_them_whatever_its_sum_rounds_to():
+  """Costs in MACs per token are fractions: at 0.1 a head and 0.2 a group, the gates'
+  7 heads and 16 groups cost 3.9, which the rule's running sum reaches as
+  3.9000000000000012. A budget of 3.9 keeps them as they are."""
+  units = cost_model.UnitCosts("target_macs", empty=0.0, layer=0.0, head=0.1, group=0.2,
+                               groups_per_head=4)
+  _, gates, (new_gates, decision) = _decide(3.9, units=units)
+  assert decision["changed"] == 0 and (decision["allowed"], decision["groups"]) == (7, 16)
+  assert decision["cost"] == pytest.approx(3.9)
+  np.testing.assert_equal(new_gates, gates)
+
+
 def test_group_logits_of_another_shape_are_refused():
   gates = {f"layer_{i}": {"attention": {
       "logits": np.array(HEAD_LOGITS[i], np.float32),
