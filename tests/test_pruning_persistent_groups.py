@@ -457,7 +457,9 @@ def _group_config(**gates):
     (dict(hard=False), {}, r"needs hard gates.*--config.gates.hard=True"),
     (dict(target_sparsity=0.5), {}, r"target_sparsity=0.5 is a fraction of heads.*"
      r"--config.gates.target_params or --config.gates.target_macs"),
-    ({}, dict(kind="txl", num_persistent=0, d_ff=64), r"this model has none of"),
+    # A TXL has no persistent slots, whatever num_persistent says.
+    ({}, dict(kind="txl", num_persistent=16, d_ff=64), r"this model has none of "
+     r"\(config.model.kind='txl', num_persistent=16\)"),
     ({}, dict(num_persistent=0), r"this model has none of \(config.model.kind='allatt', "
      r"num_persistent=0\)"),
     ({}, dict(persistent_slots=((16, 8, 16, 16), (16, 16, 16, 16))),

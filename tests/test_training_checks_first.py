@@ -18,6 +18,8 @@ import pytest
 
 from allatt_jax.config import config_base
 from allatt_jax.pruning import cost_model
+from allatt_jax.pruning import freeze
+from allatt_jax.pruning import gate_values
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import assembly
 from allatt_jax.training import pipeline
@@ -464,18 +466,27 @@ def test_the_pruning_stage_keeps_the_output_layer_the_baseline_chose(tmp_path, m
   assert prepared.pruning.run.train.seq_len == 128
 
 
-@pytest.mark.parametrize("gates, heads", [
-    (dict(target_params=0.01), 1), (dict(target_macs=0.01), 1),
-    (dict(target_params=0.001, allow_empty=True), 0),
+@pytest.mark.parametrize("gates, heads, model", [
+    (dict(target_params=0.01), 1, {}), (dict(target_macs=0.01), 1, {}),
+    (dict(target_params=0.001, allow_empty=True), 0, {}),
     # No head leaves no MACs: a budget of 0 asks for nothing, so 1 MAC is the least.
-    (dict(target_macs=0.0, allow_empty=True), 0),
-    (dict(target_params=0.01, persistent_group=4), None),
-    (dict(target_params=0.01, persistent_group=4, heads=False), None),
+    (dict(target_macs=0.0, allow_empty=True), 0, {}),
+    (dict(target_params=0.01, persistent_group=4), None, {}),
+    (dict(target_macs=0.0, persistent_group=4, allow_empty=True), None, {}),
+    (dict(target_params=0.01, persistent_group=4, heads=False), None, {}),
+    # The least a budget over groups alone meets, asked as a figure: that figure.
+    (dict(target_params=1, persistent_group=4, heads=False), None, {}),
+    # Groups of one slot (16 parameters) cost less than 1% of the least figure met, so
+    # a short fraction within that 1% can still keep a group or more.
+    (dict(target_params=0.01, persistent_group=1, heads=False), None,
+     dict(num_persistent=64)),
 ])
-def test_a_refused_budget_names_one_that_passes_in_the_form_it_was_asked(gates, heads):
+def test_a_refused_budget_names_one_that_passes_in_the_form_it_was_asked(gates, heads,
+                                                                          model):
   """A fraction gets a fraction back (short, within 1% of the least figure met); a
-  figure a figure; and the budget named passes, keeping the heads it says."""
-  asked = run_of_demo(gates=dict(enabled=True, freeze_step=20, **gates))
+  figure a figure; and the budget named passes, keeping the heads (and persistent
+  groups) it says."""
+  asked = run_of_demo(gates=dict(enabled=True, freeze_step=20, **gates), model=model)
   key = asked.gates.budget_target
   with pytest.raises(ConfigError) as error:
     config_checks.check_config(asked, 1)
@@ -497,6 +508,21 @@ def test_a_refused_budget_names_one_that_passes_in_the_form_it_was_asked(gates, 
     assert cost_model.target_open_heads(resolved, cfg) == heads
     whole = float(cost_model.BudgetScale.of(fixed, cfg).value_for(heads))
     assert whole <= figure <= 1.01 * whole + 1
+  if fixed.gates.persistent_group:
+    # What the rule at the freeze keeps of a model whose gates all stay open: what
+    # the advice says, one head (or, ungated, every head) without persistent vectors,
+    # or nothing where that is allowed.
+    cfg = model_lib.ModelConfig.from_config(fixed)
+    open_gates = {f"layer_{i}": {"attention": {
+        "logits": np.ones(h, np.float32),
+        "persistent_logits": np.ones((h, cfg.num_persistent // fixed.gates.persistent_group),
+                                     np.float32)}} for i, h in enumerate(cfg.layer_heads)}
+    _, decision = freeze.keep_within_budget(
+        cfg, gate_values.read(cfg, open_gates), cost_model.budget_units(fixed, cfg),
+        cost_model.budget_value(fixed, cfg))
+    least_heads = (sum(cfg.layer_heads) if not fixed.gates.heads else
+                   0 if fixed.gates.allow_empty else 1)
+    assert (decision["allowed"], decision["groups"]) == (least_heads, 0), (text, decision)
 
 
 def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_keeps_one():
