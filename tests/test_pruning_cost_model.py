@@ -1,4 +1,5 @@
-"""Cost model: parameter formula vs the real tree, MACs vs XLA, the paper's counts, the CLI."""
+"""Cost model: parameter formula vs the real tree, MACs vs XLA, the paper's counts, the
+CLI, uniform pruning and a budget's head count."""
 import dataclasses
 import json
 import math
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from allatt_jax.config import config_base
+from allatt_jax.config import run_config
+from allatt_jax.config.errors import ConfigError
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import assembly
@@ -20,9 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def small_cfg(kind, heads_per_layer=None):
+  # A TXL has no persistent vectors, whatever num_persistent says.
   return model_lib.ModelConfig(
       kind=kind, vocab_size=64, num_layers=3, d_model=128, num_heads=4,
-      heads_per_layer=heads_per_layer, num_persistent=128 if kind == "allatt" else 0,
+      heads_per_layer=heads_per_layer, num_persistent=128,
       d_ff=512 if kind == "txl" else 0, max_relative_len=64)
 
 
@@ -106,3 +110,68 @@ def test_a_pruning_config_without_init_from_has_costs(tmp_path):
   config.data.data_dir = str(tmp_path / "tfds")
   assert not config.init_from and not config.model.vocab_size
   assert assembly.with_vocab_size(config).model.vocab_size == 27
+
+
+def test_uniform_pruning_keeps_the_nearest_head_count_of_every_layer():
+  cfg = small_cfg("allatt", (8, 8, 8))
+  assert cost_model.prune_uniformly(cfg, 0.7).layer_heads == (6, 6, 6)   # 5.6
+  assert cost_model.prune_uniformly(cfg, 0.3).layer_heads == (2, 2, 2)   # 2.4
+  # An export's heads keep their own persistent slots, most first.
+  export = dataclasses.replace(cfg, heads_per_layer=(3, 2, 1),
+                               persistent_slots=((128, 64, 32), (128, 8), (16,)))
+  pruned = cost_model.prune_uniformly(export, 0.7)
+  assert pruned.layer_heads == (2, 1, 1)
+  assert pruned.persistent_slots == ((128, 64), (128,), (16,))
+  for bad in (-0.1, 1.5):
+    with pytest.raises(ValueError, match=rf"--heads_kept must lie in \[0, 1\], got {bad}"):
+      cost_model.prune_uniformly(cfg, bad)
+
+
+def _budget_run(**gates):
+  """configs/demo.py:tiny (2 layers of 4 heads) as a pruning run with `gates`; eval rows
+  of 3, so that a head's MACs per token are a fraction (K / (B·T) of its relative
+  projection)."""
+  config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+  config.model.vocab_size = 27
+  config.eval.batch_size = 3
+  config.gates.update(dict(enabled=True, freeze_step=20, **gates))
+  return run_config.RunConfig.of(config)
+
+
+@pytest.mark.parametrize("key", ["target_params", "target_macs"])
+def test_a_size_budget_keeps_the_most_heads_that_fit(key):
+  run = _budget_run(**{key: 1.0})
+  scale = cost_model.BudgetScale.of(run, model_lib.ModelConfig.from_config(run))
+  assert scale.per_head != int(scale.per_head) or key == "target_params"
+  for heads in range(1, 9):
+    # A model's own cost keeps it, however its division rounds; a little less does not.
+    assert scale.heads(scale.measure(heads)) == heads
+    assert scale.heads(scale.measure(heads) - 0.01) == heads - 1
+  # More than the unpruned model costs keeps every head.
+  assert scale.heads(10 * scale.full) == 8
+
+
+def test_a_sparsity_keeps_the_nearest_head_count_and_a_size_must_be_positive():
+  run = _budget_run(target_sparsity=0.3)   # 70% of 8 heads: 5.6
+  cfg = model_lib.ModelConfig.from_config(run)
+  assert cost_model.target_open_heads(run, cfg) == 6
+  with pytest.raises(ConfigError, match=r"config.gates.target_macs=0.0 must be positive"):
+    cost_model.target_open_heads(_budget_run(target_macs=0.0), cfg)
+
+
+@pytest.mark.parametrize("key", ["target_params", "target_macs"])
+def test_a_budget_measures_the_attention_layers_whatever_the_output_layer(key):
+  plain = _budget_run(**{key: 1.0})
+  adaptive = run_config.derived_run(plain, model=dict(cutoffs=(10, 20), div_val=2))
+  costs = [cost_model.unpruned_cost(run, model_lib.ModelConfig.from_config(run))
+           for run in (plain, adaptive)]
+  assert costs[0] == costs[1] > 0
+
+
+def test_the_every_tail_count_is_given_only_where_capacities_make_it_differ():
+  cfg = small_cfg("allatt")
+  assert "macs_per_token_every_tail" not in cost_model.macs_per_token(cfg, 32, 32, 4)
+  adaptive = dataclasses.replace(cfg, vocab_size=256, cutoffs=(24, 96), div_val=2,
+                                 tail_capacity=2.0)
+  macs = cost_model.macs_per_token(adaptive, 32, 32, 4)
+  assert macs["macs_per_token_every_tail"] > macs["macs_per_token"]

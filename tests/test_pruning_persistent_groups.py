@@ -226,6 +226,10 @@ def test_unit_costs_add_up_to_the_cost_model(key):
   groups = [sum(s) // GROUP for s in slots]
   assert units.cost((3, 4), groups) == pytest.approx(measure(pruned))
   assert units.full_head == pytest.approx(units.head + 4 * units.group)
+  # The controller's count: heads with all their groups, as if every layer kept a head.
+  assert units.size_of(units.cost(cfg.layer_heads, [16, 16]), 2) == pytest.approx(8)
+  assert units.size_of(units.cost((3, 4), (4, 16)), 2) == pytest.approx(
+      7 - 8 * units.group / units.full_head)
 
 
 # Unit costs for the rank rule's tests: a head 10, a group 1, layers free.
@@ -474,6 +478,15 @@ def test_bad_group_configs_are_refused_with_the_fix(gates, model, match):
   config.model.update(model)
   with pytest.raises(ConfigError, match=match):
     config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_a_fixed_lambda_prices_heads_and_groups_in_parameters():
+  run = run_config.RunConfig.of(_group_config(lam=0.1))
+  cfg = model_lib.ModelConfig.from_config(run)
+  e = run.eval
+  assert cost_model.budget_units(run, cfg) == cost_model.UnitCosts.of(
+      cfg, "target_params", (e.seq_len, e.mem_len, e.batch_size),
+      run.gates.persistent_group)
 
 
 def test_a_groups_only_budget_below_its_floor_names_one_that_is_met():
