@@ -236,6 +236,23 @@ def test_masks_of_another_shape_are_refused(mask, match):
     head_removal.remove_heads(cfg, {"params": variables["params"]}, mask)
 
 
+@pytest.mark.parametrize("heads, slots, match", [
+    ({3: [0]}, None, r"Layer 3 does not exist: the model has layers 0 \.\. 2\."),
+    ({"0": [0]}, None, r"Layer '0' does not exist"),
+    ({0: [4]}, None, r"Layer 0 has no head\(s\) \[4\]: its heads are 0 \.\. 3 \(heads "
+     r"per layer: \[4, 0, 4\]\)"),
+    ({0: [1.0]}, None, r"Layer 0 has no head\(s\) \[1\.0\]"),
+    ({1: [0]}, None, r"Layer 1 has no head\(s\) \[0\]: it has no heads left"),
+    (None, {0: {1: [8]}}, r"Head 1 of layer 0 has no persistent slot\(s\) \[8\]: its "
+     r"slots are 0 \.\. 7\."),
+    (None, {0: {1: [0.5]}}, r"Head 1 of layer 0 has no persistent slot\(s\) \[0\.5\]"),
+])
+def test_heads_and_slots_that_do_not_exist_are_refused_naming_them(heads, slots, match):
+  cfg, variables = gated_model("allatt", heads_per_layer=(4, 0, 4))
+  with pytest.raises(errors.ConfigError, match=match):
+    head_removal.remove_heads(cfg, variables, heads, slots)
+
+
 def test_an_exports_config_is_the_smaller_model_standing_alone():
   """Its own head counts and relative table, no gates, no init_from and so no teacher:
   a config that loads and trains without the run it came from."""
@@ -253,3 +270,18 @@ def test_an_exports_config_is_the_smaller_model_standing_alone():
   assert exported.model.max_relative_len == cfg.max_relative_len > 0
   assert model_lib.ModelConfig.from_config(exported) == dataclasses.replace(
       pruned_cfg, gate=exported.gates)
+
+
+def test_a_layer_whose_heads_keep_no_persistent_slot_has_no_persistent_arrays():
+  cfg, variables = gated_model("allatt")
+  pruned_cfg, params = head_removal.remove_heads(
+      cfg, variables, slots={2: {h: range(8) for h in range(4)}})
+  assert pruned_cfg.persistent_slots == ((8, 8), (), (0, 0, 0, 0))
+  assert not any("persistent" in "/".join(path) for path in
+                 traverse_util.flatten_dict(params["layer_2"]))
+
+
+def test_a_txls_export_has_no_persistent_slots_whatever_num_persistent_says():
+  cfg, variables = gated_model("txl", num_persistent=8)
+  pruned_cfg, _ = head_removal.remove_heads(cfg, variables)
+  assert pruned_cfg.layer_heads == (2, 0, 4) and pruned_cfg.persistent_slots is None
