@@ -144,7 +144,7 @@ def test_a_size_budget_keeps_the_most_heads_that_fit(key):
   scale = cost_model.BudgetScale.of(run, model_lib.ModelConfig.from_config(run))
   assert scale.per_head != int(scale.per_head) or key == "target_params"
   for heads in range(1, 9):
-    # A model's own cost keeps it, however its division rounds; a little less does not.
+    # A model's own cost keeps it; a little less does not.
     assert scale.heads(scale.measure(heads)) == heads
     assert scale.heads(scale.measure(heads) - 0.01) == heads - 1
   # More than the unpruned model costs keeps every head.
