@@ -17,6 +17,7 @@ from helpers import HEAD_LOGITS
 from allatt_jax import data as data_lib
 from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
+from allatt_jax.model import gates as gates_lib
 from allatt_jax.pruning import budget
 from allatt_jax.pruning import freeze
 from allatt_jax.config import config_base
@@ -284,6 +285,34 @@ def test_group_logits_of_another_shape_are_refused():
       r"The gates of layer_1 hold shape \(4, 5\) at gates/layer_1/attention/"
       r"persistent_logits, but the config gives that layer 4 heads of 4 persistent groups")):
     gate_values.read(make_cfg(), gates)
+
+
+def test_a_soft_group_gate_keeps_its_slots_while_it_is_above_zero():
+  """Soft gates: a group whose deterministic gate is 0.22 (π = −1) still weighs its
+  slots, so it is open and its slots are kept; one clipped to 0 (π = −3) is not."""
+  soft = run_config.GatesSection(hard=False, persistent_group=GROUP)
+  group_logits_G = np.array([-1.0, -3.0, 0.0, 3.0], np.float32)
+  gates = {f"layer_{i}": {"attention": {
+      "logits": np.full((4,), 3.0, np.float32),
+      "persistent_logits": np.tile(group_logits_G, (4, 1))}} for i in range(2)}
+  read = gate_values.read(make_cfg(soft), gates)
+  values_G = np.asarray(gates_lib.deterministic(jnp.asarray(group_logits_G), soft))
+  assert 0 < values_G[0] < 0.5 and values_G[1] == 0
+  for open_HxG, slots in zip(read.groups_open, read.kept_slots):
+    np.testing.assert_array_equal(open_HxG, np.tile([True, False, True, True], (4, 1)))
+    assert [s.tolist() for s in slots] == [[0, 1, 4, 5, 6, 7]] * 4
+
+
+def test_a_headless_layer_of_a_group_gated_model_has_no_group_gates():
+  """A layer whose heads are all gone (a re-pruned export) holds no gates: it reads as
+  no heads and no groups, not as a gates collection that lacks them."""
+  cfg = make_cfg(heads_per_layer=(4, 0))
+  variables = init_variables(cfg)
+  assert "layer_1" not in variables["gates"]
+  read = gate_values.read(cfg, variables["gates"])
+  assert read.group_logits[1] is None and read.groups_open[1] is None
+  assert read.kept_slots[1] is None and read.surviving_heads[1].size == 0
+  assert read.groups_open[0].shape == (4, 4) and len(read.kept_slots[0]) == 4
 
 
 def test_the_rule_ends_at_or_just_under_the_budget_by_logit_rank():
