@@ -446,6 +446,51 @@ def test_l0_and_controller_count_heads_and_groups_by_cost():
   np.testing.assert_allclose(budget.expected_size(HARD, gates, share), 0.75, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads", [True, False], ids=["heads_and_groups", "groups_only"])
+def test_the_group_controller_steers_the_sharpened_size_from_the_gates_init(heads):
+  """With groups gated, the controller steers Σ_h P_h·(1 − s·(n − Σ_g Q_hg)) with P and
+  Q sharpened as the heads' count is (P = 1 without head gates); its target moves from
+  that size at the gates' init to the budget in heads, counted over the layers that
+  hold heads; its metrics report each multiplier."""
+  units = cost_model.UnitCosts("target_params", empty=3.0, layer=5.0, head=10.0,
+                               group=1.0, groups_per_head=4)
+  gate = run_config.GatesSection(enabled=True, heads=heads, persistent_group=GROUP,
+                                 target_params=100.0, freeze_step=100,
+                                 budget_warmup_steps=60, budget_sharpness=10.0)
+  layer_heads = (4, 0, 4)
+  penalty = budget.Penalty.of(gate, layer_heads, allowed=100.0, units=units)
+  rng = np.random.default_rng(0)
+  gates = {f"layer_{i}": {"attention": {
+      "persistent_logits": jnp.asarray(rng.normal(size=(4, 4)), jnp.float32),
+      **({"logits": jnp.asarray(rng.normal(size=4), jnp.float32)} if heads else {})}}
+           for i in (0, 2)}
+  share = 1.0 / 14.0                      # a group of a head costing 10 + 4·1
+
+  def size(head_logits_H, group_logits_HxG, k):   # one layer's, in heads
+    open_H = (gates_lib.forward_open_probability(jnp.asarray(head_logits_H), gate, k)
+              if heads else 1.0)
+    open_HxG = gates_lib.forward_open_probability(jnp.asarray(group_logits_HxG), gate, k)
+    return float(np.sum(np.asarray(open_H) * (1.0 - share * (4 - np.sum(open_HxG, 1)))))
+
+  for step, k in ((30, 1.0), (80, 5.5), (100, 10.0)):
+    want = sum(size(g["attention"].get("logits", 0.0), g["attention"]["persistent_logits"],
+                    k) for g in gates.values())
+    np.testing.assert_allclose(penalty.open_count({"gates": gates}, step), want, rtol=1e-5)
+  init = jnp.full((4,), gate.init)
+  start = 2 * size(init, jnp.full((4, 4), gate.init), 1.0)
+  end = (100.0 - 3.0 - 2 * 5.0) / 14.0    # two layers hold heads, not three
+  np.testing.assert_allclose([penalty.target(s) for s in (0, 30, 60, 100)],
+                             [start, (start + end) / 2, end, end], rtol=1e-6)
+  at_once = budget.Penalty.of(dataclasses.replace(gate, budget_warmup_steps=0),
+                              layer_heads, allowed=100.0, units=units)
+  np.testing.assert_allclose(at_once.target(0), end, rtol=1e-6)
+  multipliers = {budget.COLLECTION: {"lambda_1": jnp.float32(0.3),
+                                     "lambda_2": jnp.float32(0.7)}}
+  metrics = penalty.metrics({"gates": gates, **multipliers}, 100)
+  assert (float(metrics["lambda"]), float(metrics["lambda_2"])) == (
+      pytest.approx(0.3), pytest.approx(0.7))
+
+
 @pytest.mark.parametrize("rate,head_block,remat", [(0.0, 3, False), (0.3, 1, False),
                                                    (0.3, 3, True)])
 def test_the_core_backward_with_slot_weights_is_autodiff_of_its_forward(rate, head_block,
