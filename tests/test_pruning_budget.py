@@ -531,6 +531,11 @@ def test_pruning_warnings_name_the_budget_and_its_value():
     decision = dict(allowed=total // 2, by_gates=total // 2 + off, changed=off)
     assert bool(model_export.pruning_warnings(setup.run, total, total // 2, decision,
                                               "--config.gates")) == warned, off
+  # Of 40 heads (WikiText-103's 16 layers hold 128), a tenth is more than 2.
+  for off, warned in ((3, False), (4, True)):
+    decision = dict(allowed=20, by_gates=20 + off, changed=off)
+    assert bool(model_export.pruning_warnings(setup.run, 40, 20, decision,
+                                              "--config.gates")) == warned, off
   # A fixed λ that removed no head says so; one that removed some says nothing.
   [warning] = model_export.pruning_warnings(setup.run, total, total, None, "--config.gates")
   assert f"pruning removed no head of {total}" in warning

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from allatt_jax import data as data_lib
 from allatt_jax.config import config_base
 from allatt_jax.config import errors
 from allatt_jax.pruning import gate_values
@@ -18,6 +19,7 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.pruning import model_export
 from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 41
@@ -285,3 +287,50 @@ def test_a_txls_export_has_no_persistent_slots_whatever_num_persistent_says():
   cfg, variables = gated_model("txl", num_persistent=8)
   pruned_cfg, _ = head_removal.remove_heads(cfg, variables)
   assert pruned_cfg.layer_heads == (2, 0, 4) and pruned_cfg.persistent_slots is None
+
+
+def test_only_a_folder_with_params_reads_as_a_model_an_overwrite_may_replace(tmp_path):
+  """A run's workdir has a config.json as an export has, but it must read as 'other',
+  which not even --overwrite replaces: it holds the checkpoints the export came from."""
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  export = tmp_path / "export"
+  (export / "params").mkdir(parents=True)
+  (export / "config.json").write_text("{}")
+  (tmp_path / "empty").mkdir()
+  assert model_export.existing_target(tmp_path / "missing") == ""
+  assert model_export.existing_target(tmp_path / "empty") == ""
+  assert model_export.existing_target(export) == "model"
+  assert model_export.existing_target(run) == "other"
+
+
+@pytest.mark.slow   # saves two models and scores them
+def test_a_fixed_lambda_runs_export_warns_only_when_its_gates_closed_no_head(tmp_path):
+  """A pruning run's export (`export_pruning_run`) counts the heads its gates keep:
+  6 of 12 here, which needs no warning; gates that keep all 12 get one."""
+  cfg, variables = gated_model("allatt")
+  config = config_base.base_config()
+  config.model.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(
+      run_config.ModelSection) if f.name in config.model})
+  config.gates.update(enabled=True, hard=True, lam=0.05)
+  config.eval.update(batch_size=1, seq_len=SEQ_LEN, mem_len=SEQ_LEN)
+  splits = {split: np.asarray(tokens(i, (3 * SEQ_LEN,)), np.int32)
+            for i, split in enumerate(("train", "valid", "test"))}
+  corpus = data_lib.Corpus("text_files", "char", tuple(chr(48 + i) for i in range(VOCAB)),
+                           splits)
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  config = run_config.RunConfig.of(config)
+  pruned = model_export.export_pruning_run(tmp_path / "pruned", config, cfg, variables,
+                                           corpus, mesh, decision=None,
+                                           gate_flags="--config.gates")
+  assert pruned["heads_per_layer"] == [2, 0, 4] and pruned["budget"] is None
+  assert pruned["warnings"] == []
+  all_open = jax.tree.map(jnp.abs, variables["gates"])
+  unpruned = model_export.export_pruning_run(
+      tmp_path / "unpruned", config, cfg, {**variables, "gates": all_open}, corpus, mesh,
+      decision=None, gate_flags="--config.gates")
+  assert unpruned["heads_per_layer"] == [4, 4, 4]
+  [warning] = unpruned["warnings"]
+  assert warning.startswith("pruning removed no head of 12 (λ=0.05)"), warning
