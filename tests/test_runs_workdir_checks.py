@@ -173,6 +173,8 @@ def test_init_from_baseline_passes(baseline, tmp_path):
 
 WRONG_INIT_FROM = [
     (lambda tmp, base: tmp / "missing", r"init_from=.*missing does not exist"),
+    (lambda tmp, base: _with_file(tmp, "notes.txt", "") / "notes.txt",
+     r"init_from=.*notes.txt does not exist or is not a folder"),
     (lambda tmp, base: _with_file(tmp, "notes.txt", ""), r"has no config.json"),
     (lambda tmp, base: _with_file(tmp, "config.json", "{not json"),
      r"config.json is unreadable"),
@@ -463,6 +465,35 @@ def test_vocabulary_differs_from_init_from(baseline, tmp_path):
   with pytest.raises(DataError, match=r"is not the one config.init_from=.* was trained with"):
     workdir_checks.check_vocabulary(other, tmp_path, str(baseline), resuming=False)
   workdir_checks.check_vocabulary(TEXT8_VOCABULARY, tmp_path, str(baseline), resuming=False)
+
+
+def test_a_pruning_run_checks_its_init_froms_vocabulary_not_only_its_size(baseline, tmp_path):
+  """Another alphabet of the same 27 letters gives the same shapes: only the saved
+  fingerprint tells that the baseline's token ids mean other letters. A source saved
+  before vocabularies were (no vocabulary.json) has nothing to compare."""
+  source = shutil.copytree(baseline, tmp_path / "other_letters")
+  run_files.save_vocabulary(source, run_files.vocabulary_fingerprint(
+      "text8", tokenization.TEXT8_ALPHABET[::-1]))
+  config = tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(source))
+  with pytest.raises(DataError, match=r"is not the one config.init_from=.*other_letters"):
+    check_run(config, tmp_path / "run")
+  older = _copy_without(baseline, tmp_path / "older", run_files.VOCABULARY_FILE)
+  check_run(tiny_config(gates=dict(enabled=True, freeze_step=15), init_from=str(older)),
+            tmp_path / "run")
+
+
+def test_init_froms_vocabulary_size_is_checked_only_where_the_config_sets_one(baseline):
+  """Before the dataset is read, a config may leave model.vocab_size to it (0)."""
+  config = run_config.RunConfig.of(tiny_config(
+      model=dict(vocab_size=0), gates=dict(enabled=True, freeze_step=15),
+      init_from=str(baseline)))
+  saved, step, _ = workdir_checks.check_init_from_files(config)
+  assert (saved.model.vocab_size, step) == (27, 1)
+
+
+def test_the_workdirs_write_check_leaves_nothing_behind(tmp_path):
+  workdir_checks.check_workdir(tmp_path / "new" / "run")
+  assert list((tmp_path / "new" / "run").iterdir()) == []
 
 
 # Export.
