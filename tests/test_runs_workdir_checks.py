@@ -503,6 +503,17 @@ def test_export_of_a_run_without_gates(baseline):
     workdir_checks.check_export(baseline)
 
 
+def test_export_of_a_pruning_run_without_a_checkpoint(tmp_path):
+  run_files.save_config(tmp_path, tiny_config(gates=dict(enabled=True, freeze_step=15)))
+  with pytest.raises(CheckpointError, match="No checkpoint in"):
+    workdir_checks.check_export(tmp_path)
+
+
+def test_a_workdir_without_config_json_has_no_settings_to_compare(tmp_path):
+  """Its checkpoints are still checked against the state's shapes (`_check_resume`)."""
+  workdir_checks.check_same_settings(run_config.RunConfig.of(tiny_config()), tmp_path)
+
+
 def _cli(module, *flags):
   return subprocess.run(
       [sys.executable, "-m", module, *flags], capture_output=True, text=True, timeout=300,
