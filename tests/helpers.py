@@ -2,6 +2,7 @@
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
 a coordinator, gate logits of a model with gated persistent groups, what a fresh
 interpreter prints."""
+import dataclasses
 import functools
 import os
 import pathlib
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from allatt_jax import data as data_lib
 from allatt_jax.runs import checkpointing
 from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
@@ -24,6 +26,7 @@ from allatt_jax.training import loop
 from allatt_jax.runs import workdir_checks
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.config import run_config
+from allatt_jax.parallel import sharding
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -183,3 +186,22 @@ def accumulated_step(config):
                         state.variables), metrics
 
   return run
+
+
+def export_scoring(cfg: model_lib.ModelConfig, seq_len: int, **gates):
+  """(run config, corpus, mesh) to export and score the gated model `cfg` with: its
+  model section, hard `gates`, eval rows of `seq_len`, random text of three rows a
+  split, one device."""
+  config = config_base.base_config()
+  config.model.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(
+      run_config.ModelSection) if f.name in config.model})
+  config.gates.update(enabled=True, hard=True, **gates)
+  config.eval.update(batch_size=1, seq_len=seq_len, mem_len=seq_len)
+  rng = np.random.default_rng(0)
+  splits = {split: rng.integers(0, cfg.vocab_size, 3 * seq_len, dtype=np.int32)
+            for split in ("train", "valid", "test")}
+  corpus = data_lib.Corpus("text_files", "char",
+                           tuple(chr(48 + i) for i in range(cfg.vocab_size)), splits)
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return run_config.RunConfig.of(config), corpus, mesh

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from allatt_jax import data as data_lib
+import helpers
+
 from allatt_jax.config import config_base
 from allatt_jax.config import errors
 from allatt_jax.pruning import gate_values
@@ -19,7 +20,6 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.pruning import model_export
 from allatt_jax.config import run_config
-from allatt_jax.parallel import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 41
@@ -310,18 +310,7 @@ def test_a_fixed_lambda_runs_export_warns_only_when_its_gates_closed_no_head(tmp
   """A pruning run's export (`export_pruning_run`) counts the heads its gates keep:
   6 of 12 here, which needs no warning; gates that keep all 12 get one."""
   cfg, variables = gated_model("allatt")
-  config = config_base.base_config()
-  config.model.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(
-      run_config.ModelSection) if f.name in config.model})
-  config.gates.update(enabled=True, hard=True, lam=0.05)
-  config.eval.update(batch_size=1, seq_len=SEQ_LEN, mem_len=SEQ_LEN)
-  splits = {split: np.asarray(tokens(i, (3 * SEQ_LEN,)), np.int32)
-            for i, split in enumerate(("train", "valid", "test"))}
-  corpus = data_lib.Corpus("text_files", "char", tuple(chr(48 + i) for i in range(VOCAB)),
-                           splits)
-  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  config = run_config.RunConfig.of(config)
+  config, corpus, mesh = helpers.export_scoring(cfg, SEQ_LEN, lam=0.05)
   pruned = model_export.export_pruning_run(tmp_path / "pruned", config, cfg, variables,
                                            corpus, mesh, decision=None,
                                            gate_flags="--config.gates")

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import GROUP_LOGITS
 from helpers import HEAD_LOGITS
-from allatt_jax import data as data_lib
+from helpers import export_scoring
 from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model import gates as gates_lib
@@ -28,7 +28,6 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import head_removal
 from allatt_jax.pruning import model_export
 from allatt_jax.config import run_config
-from allatt_jax.parallel import sharding
 from allatt_jax.runs import run_files
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
@@ -193,19 +192,9 @@ def test_an_exports_results_name_the_slots_it_keeps_and_its_model_reads_them(tmp
   config, against the slots its gates keep (`head_removal`)."""
   cfg, variables = gated_model()
   pruned_cfg, _ = head_removal.remove_heads(cfg, variables)
-  config = config_base.base_config()
-  config.model.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(
-      run_config.ModelSection) if f.name in config.model})
-  config.gates.update(enabled=True, hard=True, persistent_group=GROUP)
-  config.eval.update(batch_size=1, seq_len=SEQ_LEN, mem_len=SEQ_LEN)
-  splits = {split: np.asarray(tokens(i, (3 * SEQ_LEN,)), np.int32)
-            for i, split in enumerate(("train", "valid", "test"))}
-  corpus = data_lib.Corpus("text_files", "char", tuple(chr(97 + i) for i in range(VOCAB)),
-                           splits)
-  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  results = model_export.export_and_evaluate(
-      tmp_path / "export", run_config.RunConfig.of(config), cfg, variables, corpus, mesh)
+  config, corpus, mesh = export_scoring(cfg, SEQ_LEN, persistent_group=GROUP)
+  results = model_export.export_and_evaluate(tmp_path / "export", config, cfg, variables,
+                                             corpus, mesh)
   assert results["heads_per_layer"] == list(pruned_cfg.layer_heads)
   assert results["persistent_per_layer"] == pruned_cfg.layer_slots != cfg.layer_slots
   assert results["directory"] == str(tmp_path / "export")
