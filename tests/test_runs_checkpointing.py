@@ -3,6 +3,9 @@ it restores, and what happens to a damaged one (test_runs_checkpoint_fallback.py
 the same on trained runs, in the slow tier); the model a workdir loads as, and the
 dataset it is read with."""
 import logging
+import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +138,111 @@ def test_a_run_without_checkpoints_says_so(tmp_path):
     checkpointing.latest_finished_step(tmp_path)
   with pytest.raises(CheckpointError, match=r"No checkpoint in .*/checkpoints\."):
     checkpointing.read_variables(tmp_path)
+  assert not (tmp_path / "checkpoints").exists()    # a reader creates no folder
+
+
+def test_a_run_keeps_its_newest_checkpoints(tmp_path):
+  with checkpointing.RunCheckpoints(tmp_path, keep=2, async_save=False) as checkpoints:
+    for step in STEPS:
+      checkpoints.save(step, state_of(step), data_state_of(step), force=True)
+    assert checkpoints.steps() == [6, 4]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "6"]
+
+
+def test_a_reader_leaves_a_save_in_flight_alone_and_the_run_itself_drops_it(tmp_path):
+  """orbax commits a save by renaming its temporary folder. Seen by a reader, that
+  folder may be a save the run is still writing; seen by the run as it opens, it is
+  what a stopped run left."""
+  workdir = saved_run(tmp_path)
+  in_flight = workdir / "checkpoints" / "8.orbax-checkpoint-tmp"
+  (in_flight / "state").mkdir(parents=True)
+  assert checkpointing.read_variables(workdir)[1] == 6
+  assert checkpointing.model_param_shapes(workdir, "variables/params/")[0] == 6
+  assert checkpointing.latest_finished_step(workdir) == 6
+  assert in_flight.is_dir()
+  with checkpointing.RunCheckpoints(workdir, async_save=False) as checkpoints:
+    assert checkpoints.steps() == [6, 4, 2]
+  assert not in_flight.exists()
+
+
+def test_a_checkpoint_without_state_metadata_is_unreadable_and_skipped(tmp_path):
+  """orbax writes the state's _METADATA after its arrays, so a copy without it holds
+  a save that never finished."""
+  workdir = saved_run(tmp_path)
+  (workdir / "checkpoints" / "6" / "state" / "_METADATA").unlink()
+  with checkpointing.RunCheckpoints(workdir, async_save=False, read_only=True) as run:
+    with pytest.raises(CheckpointError, match=r"Checkpoint .*/checkpoints/6 is unreadable "
+                       r"\(no state metadata\)\.$"):
+      run.state_shapes(6)
+    assert run.newest_state_shapes() == (4, run.state_shapes(4))
+  assert checkpointing.model_param_shapes(workdir, "variables/params/")[0] == 4
+
+
+def test_a_damaged_array_file_is_reported_by_what_went_wrong_without_its_store_spec(
+    tmp_path):
+  workdir = saved_run(tmp_path)
+  for chunk in (workdir / "checkpoints" / "6" / "state").rglob("d/*"):
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+  with pytest.raises(CheckpointError) as refused:
+    checkpointing.read_variables(workdir, 6)
+  reason = str(refused.value)
+  assert re.search(r"is unreadable \(ValueError: [^\n]* is not valid for value of size "
+                   r"\d+\)\. Leave out the step", reason), reason
+  assert "tensorstore_spec" not in reason and "TensorStore details" not in reason
+
+
+def _unraisable(error, source=None):
+  return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                               err_msg=None, object=source)
+
+
+def _coroutine_from(filename: str):
+  """A coroutine whose code was read from `filename`, as orbax's are from its files."""
+  namespace = {}
+  exec(compile("async def read():\n  pass\n", filename, "exec"), namespace)
+  coroutine = namespace["read"]()
+  coroutine.close()
+  return coroutine
+
+
+def test_opening_checkpoints_drops_only_orbaxs_leftovers_and_hooks_in_once(tmp_path,
+                                                                          monkeypatch):
+  """test_runs_checkpoint_fallback.py has the leftovers of a real failed read; these
+  are the ones the hook must let through."""
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)
+  checkpointing.RunCheckpoints(tmp_path, read_only=True).close()
+  hook = sys.unraisablehook
+  checkpointing.RunCheckpoints(tmp_path, read_only=True).close()
+  assert sys.unraisablehook is hook      # or every opening would wrap it once more
+  error = ValueError("a read that failed")
+  dropped = [_unraisable(RuntimeError("Event loop is closed")),
+             _unraisable(error, _coroutine_from("/site-packages/orbax/checkpoint/io.py"))]
+  passed = [_unraisable(RuntimeError("another runtime error")),
+            _unraisable(error, _coroutine_from("/site-packages/elsewhere/io.py"))]
+  for unraisable in dropped + passed:
+    sys.unraisablehook(unraisable)
+  assert seen == passed
+
+
+def test_a_model_is_read_to_host_arrays_and_a_folder_without_config_gets_its_advice(
+    tmp_path):
+  workdir = saved_run(tmp_path / "run")
+  config = helpers.tiny_run()
+  config.model.vocab_size = 27
+  run_files.save_config(workdir, run_config.RunConfig.of(config))
+  _, variables, step = checkpointing.read_model(workdir)
+  export = tmp_path / "export"
+  checkpointing.save_params(export, jax.device_get(state_of(3).variables["params"]))
+  exported = checkpointing.read_variables(export)[0]
+  assert step == 6
+  for leaf in jax.tree.leaves((variables, exported)):
+    assert type(leaf) is np.ndarray
+  # A pipeline's workdir holds runs, and no checkpoint of its own.
+  run_files.save_config(tmp_path / "pipeline" / "baseline", run_config.RunConfig.of(config))
+  with pytest.raises(CheckpointError, match=r"has no config\.json: .* It is a pipeline's "
+                     r"workdir: its runs are baseline/ in it\."):
+    checkpointing.read_model(tmp_path / "pipeline")
 
 
 def test_a_workdir_loads_as_the_model_of_a_step_with_its_own_tokenizer(tmp_path):

@@ -197,11 +197,19 @@ def tree_shapes(tree) -> dict[str, tuple[int, ...]]:
           tuple(leaf.shape) for path, leaf in leaves}
 
 
+# Where TensorStore's errors append the spec of the store they read: a thousand
+# characters of JSON after what went wrong ('[tensorstore_spec=...' today, 'See full
+# TensorStore details' in older versions).
+_TENSORSTORE_SPEC_MARKERS = (" [tensorstore_spec=", " See full TensorStore details")
+
+
 def _reason(error: Exception) -> str:
-  """The first line of a failed read's error, without the long TensorStore spec some
-  carry."""
+  """The first line of a failed read's error, without the TensorStore spec some carry."""
   lines = str(error).strip().splitlines() or [""]
-  reason = lines[0].split(" See full TensorStore details")[0][:300]
+  reason = lines[0]
+  for marker in _TENSORSTORE_SPEC_MARKERS:
+    reason = reason.split(marker)[0]
+  reason = reason[:600]
   return reason if type(error) is Exception else f"{type(error).__name__}: {reason}"
 
 
