@@ -605,13 +605,6 @@ def test_unreadable_dataset_metadata_is_rebuilt_not_trusted(text8_dirs, tmp_path
   assert json.loads((cache / "metadata.json").read_text()) == json.loads(metadata)
 
 
-def test_run_paths_keep_urls_and_make_local_paths_absolute(tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)
-  assert str(run_files.run_path("gs://bucket/runs/a") / "checkpoints") == (
-      "gs://bucket/runs/a/checkpoints")
-  assert str(run_files.run_path("runs/a")) == str(tmp_path / "runs" / "a")
-
-
 def test_config_saved_before_the_recipe_keys_keeps_its_old_meaning(tmp_path):
   """A run saved without the official-recipe keys describes the model it trained."""
   saved = json.loads(tiny_config().to_json_best_effort())
