@@ -256,6 +256,7 @@ def test_a_workdir_loads_as_the_model_of_a_step_with_its_own_tokenizer(tmp_path)
   model = trained_model.load(workdir)
   assert (model.step, model.tokenizer.vocab, model.lm.cfg.vocab_size) == (6, alphabet, 27)
   assert_bit_identical(model.variables, state_of(6).variables)
+  assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(model.variables))
   assert trained_model.load(workdir, step=2).step == 2
   run_files.save_tokenizer(workdir, tokenization.Tokenizer("text8", "char",
                                                            alphabet[:-1]).to_dict())
@@ -277,9 +278,18 @@ def test_a_models_dataset_must_have_the_vocabulary_it_was_trained_with(tmp_path)
   corpus = trained_model.load_dataset(tmp_path / "run")
   run_files.save_tokenizer(tmp_path / "run", corpus.tokenizer.to_dict())
   assert trained_model.load_dataset(tmp_path / "run").vocab == corpus.vocab
-  # The files moved, and were edited on the way.
-  moved = text_folder(tmp_path / "moved", "the cat sat on a mat\n")
-  with pytest.raises(DataError, match=rf"Dataset 'text_files' read from {moved} has another "
+  # The files moved, and their prepared copy goes where the model's user says.
+  moved = text_folder(tmp_path / "moved", "the cat sat on\n")
+  assert trained_model.load_dataset(tmp_path / "run", manual_dir=str(moved),
+                                    data_dir=str(tmp_path / "data-2")).vocab == corpus.vocab
+  assert (tmp_path / "data-2").is_dir()
+  # The files moved, and were edited on the way: to more words, or to as many others.
+  edited = text_folder(tmp_path / "edited", "the cat sat on a mat\n")
+  with pytest.raises(DataError, match=rf"Dataset 'text_files' read from {edited} has another "
                      rf"vocabulary \({corpus.vocab_size + 2} types\) than the model in .*run "
                      rf"was trained with \({corpus.vocab_size}\): its scores would mean nothing"):
-    trained_model.load_dataset(tmp_path / "run", manual_dir=str(moved))
+    trained_model.load_dataset(tmp_path / "run", manual_dir=str(edited))
+  reworded = text_folder(tmp_path / "reworded", "the cat sat in\n")
+  with pytest.raises(DataError, match=rf"read from {reworded} has another vocabulary "
+                     rf"\({corpus.vocab_size} types\)"):
+    trained_model.load_dataset(tmp_path / "run", manual_dir=str(reworded))
