@@ -267,6 +267,18 @@ def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
     model.prune_persistent_groups({0: {1: [4]}}, group_size=4)
   with pytest.raises(ConfigError, match="pass group_size=G"):
     model.prune_persistent_groups({0: {1: [0]}})
+  # Groups count a head's slots as it has them now, and a gated model's own group size
+  # is the default.
+  with pytest.raises(ConfigError, match=r"Head 3 of layer 0 has no persistent group\(s\) "
+                     r"\[2\] of 4 slots: its groups are 0 \.\. 1"):
+    smaller.prune_persistent_groups({0: {3: [2]}}, group_size=4)
+  for layer, head in ((2, 0), (0, 4)):
+    with pytest.raises(ConfigError, match=rf"Layer {layer} has no head {head} \(heads per "
+                       r"layer: \[4, 4\]\)"):
+      model.prune_persistent_groups({layer: {head: [0]}}, group_size=4)
+  gated = untrained_model(gates=dict(enabled=True, persistent_group=4))
+  assert gated.prune_persistent_groups({0: {1: [0, 3]}}).lm.cfg.persistent_slots == (
+      (16, 16, 16, 8), (16, 16, 16, 16))
 
 
 @pytest.mark.slow
@@ -296,8 +308,34 @@ def test_log_probs_carry_memory_and_match_score(model, ids):
   with_memory, _ = model.log_probs(ids[e.seq_len:2 * e.seq_len], memory)
   without, _ = model.log_probs(ids[e.seq_len:2 * e.seq_len])
   assert not np.allclose(np.asarray(with_memory), np.asarray(without))
-  with pytest.raises(ValueError, match="must lie in"):
-    model.log_probs(np.array([0, 27]))
+  # A longer text is read in segments of eval.seq_len, the memory carried between them;
+  # rows of a batch are read side by side.
+  both = np.concatenate([np.asarray(logp), np.asarray(with_memory)])
+  np.testing.assert_allclose(np.asarray(model.log_probs(ids[:2 * e.seq_len])[0]), both,
+                             rtol=1e-5, atol=1e-6)
+  rows = np.stack([ids[:e.seq_len], ids[e.seq_len:2 * e.seq_len]])
+  batched = np.asarray(model.log_probs(rows)[0])
+  assert batched.shape == (2, e.seq_len, model.lm.cfg.vocab_size)
+  np.testing.assert_allclose(batched[0], np.asarray(logp), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(batched[1], np.asarray(without), rtol=1e-5, atol=1e-6)
+  for wrong in (np.array([0, 27]), np.array([-1, 3])):
+    with pytest.raises(ValueError, match=r"must lie in \[0, 27\)"):
+      model.log_probs(wrong)
+  for wrong in (np.zeros((1, 1, 4), np.int32), np.zeros((0,), np.int32),
+                np.array([0.0, 1.0])):
+    with pytest.raises(ValueError, match=r"must be integer ids of shape \(T,\) or \(B, T\) "
+                       r"with T >= 1, not"):
+      model.log_probs(wrong)
+
+
+@pytest.mark.slow
+def test_generate_follows_its_seed_and_top_k(model):
+  def sample(num_tokens=20, **options):
+    return model.generate("the river", num_tokens=num_tokens, **options)
+  assert sample(seed=1) == sample(seed=1) != sample(seed=2)
+  assert sample(top_k=1, seed=1) == sample(top_k=1, seed=2)    # greedy
+  with pytest.raises(ConfigError, match=r"num_tokens=-1: use 0 or more\."):
+    sample(num_tokens=-1)
 
 
 @pytest.mark.slow
