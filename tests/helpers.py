@@ -1,7 +1,7 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
 a coordinator, gate logits of a model with gated persistent groups, what a fresh
-interpreter prints."""
+interpreter prints, an error as sys.unraisablehook receives it."""
 import dataclasses
 import functools
 import os
@@ -10,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -111,6 +112,12 @@ def start_run(config, workdir, vocabulary: dict | None = None):
   workdir = run_files.run_path(workdir)
   workdir_checks.check_run(setup.run, setup.abstract_state, workdir, vocabulary)
   return setup, checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
+
+
+def unraisable(error: BaseException, source=None):
+  """`error` as sys.unraisablehook receives it, raised in `source` (a coroutine, say)."""
+  return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                               err_msg=None, object=source)
 
 
 def saved_state(workdir, step):

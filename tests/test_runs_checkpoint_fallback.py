@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -188,12 +187,10 @@ def test_after_a_failed_read_other_unraisable_errors_still_reach_the_hook(
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
   assert checkpointing.read_variables(workdir)[1] == NUM_STEPS - EVERY
-  unraisable = lambda error: types.SimpleNamespace(
-      exc_type=type(error), exc_value=error, exc_traceback=None, err_msg=None, object=None)
   seen.clear()
-  sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+  sys.unraisablehook(helpers.unraisable(RuntimeError("Event loop is closed")))
   assert not seen
-  other = unraisable(ValueError("a bug elsewhere"))
+  other = helpers.unraisable(ValueError("a bug elsewhere"))
   sys.unraisablehook(other)
   assert seen == [other]
 

@@ -5,7 +5,6 @@ dataset it is read with."""
 import logging
 import re
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -191,11 +190,6 @@ def test_a_damaged_array_file_is_reported_by_what_went_wrong_without_its_store_s
   assert "tensorstore_spec" not in reason and "TensorStore details" not in reason
 
 
-def _unraisable(error, source=None):
-  return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
-                               err_msg=None, object=source)
-
-
 def _coroutine_from(filename: str):
   """A coroutine whose code was read from `filename`, as orbax's are from its files."""
   namespace = {}
@@ -216,17 +210,16 @@ def test_opening_checkpoints_drops_only_orbaxs_leftovers_and_hooks_in_once(tmp_p
   checkpointing.RunCheckpoints(tmp_path, read_only=True).close()
   assert sys.unraisablehook is hook      # or every opening would wrap it once more
   error = ValueError("a read that failed")
-  dropped = [_unraisable(RuntimeError("Event loop is closed")),
-             _unraisable(error, _coroutine_from("/site-packages/orbax/checkpoint/io.py"))]
-  passed = [_unraisable(RuntimeError("another runtime error")),
-            _unraisable(error, _coroutine_from("/site-packages/elsewhere/io.py"))]
+  dropped = [helpers.unraisable(RuntimeError("Event loop is closed")),
+             helpers.unraisable(error, _coroutine_from("/site-packages/orbax/checkpoint/io.py"))]
+  passed = [helpers.unraisable(RuntimeError("another runtime error")),
+            helpers.unraisable(error, _coroutine_from("/site-packages/elsewhere/io.py"))]
   for unraisable in dropped + passed:
     sys.unraisablehook(unraisable)
   assert seen == passed
 
 
-def test_a_model_is_read_to_host_arrays_and_a_folder_without_config_gets_its_advice(
-    tmp_path):
+def test_a_model_is_read_to_host_arrays(tmp_path):
   workdir = saved_run(tmp_path / "run")
   config = helpers.tiny_run()
   config.model.vocab_size = 27
@@ -238,7 +231,13 @@ def test_a_model_is_read_to_host_arrays_and_a_folder_without_config_gets_its_adv
   assert step == 6
   for leaf in jax.tree.leaves((variables, exported)):
     assert type(leaf) is np.ndarray
-  # A pipeline's workdir holds runs, and no checkpoint of its own.
+
+
+def test_a_pipelines_workdir_is_read_with_load_configs_advice(tmp_path):
+  """It holds runs, and no checkpoint of its own: its missing config.json is what to
+  say, not a missing checkpoint."""
+  config = helpers.tiny_run()
+  config.model.vocab_size = 27
   run_files.save_config(tmp_path / "pipeline" / "baseline", run_config.RunConfig.of(config))
   with pytest.raises(CheckpointError, match=r"has no config\.json: .* It is a pipeline's "
                      r"workdir: its runs are baseline/ in it\."):
