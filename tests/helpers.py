@@ -1,7 +1,8 @@
 """Helpers shared by several test files: the demo's tiny model as a single run, the
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
-a coordinator, gate logits of a model with gated persistent groups, what a fresh
-interpreter prints, an error as sys.unraisablehook receives it."""
+a coordinator, gate logits of a model with gated persistent groups, a command run as
+a user runs it and its one error line, what a fresh interpreter prints, an error as
+sys.unraisablehook receives it."""
 import dataclasses
 import functools
 import os
@@ -49,6 +50,27 @@ def tiny_run():
   with config.unlocked():
     del config["pipeline"]
   return config
+
+
+def command(*args, cwd=ROOT, tmp=None):
+  """`python -m ARGS` on the CPU (TFDS_DATA_DIR in `tmp`, if given), as a user runs a
+  command."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if tmp is not None:
+    env["TFDS_DATA_DIR"] = str(tmp / "tfds")
+  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                        cwd=cwd, env=env, timeout=120)
+
+
+def assert_one_error_line(result, *names):
+  """Exit status 2, no traceback, and an `error:` line naming each of `names`."""
+  output = result.stdout + result.stderr
+  assert result.returncode == 2, output
+  assert "Traceback" not in output, output
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1, output
+  for name in names:
+    assert name in errors[0], errors[0]
 
 
 def xla_flags(cpu_devices: int | None = None) -> str:

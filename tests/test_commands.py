@@ -28,28 +28,11 @@ from allatt_jax.runs import run_files
 from allatt_jax.reports import figures
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
+from helpers import assert_one_error_line
+from helpers import command
 from helpers import start_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def command(*args, cwd=ROOT, tmp=None):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  if tmp is not None:
-    env["TFDS_DATA_DIR"] = str(tmp / "tfds")
-  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                        cwd=cwd, env=env, timeout=120)
-
-
-def assert_one_error_line(result, *names):
-  """Exit status 2, no traceback, and an `error:` line naming each of `names`."""
-  output = result.stdout + result.stderr
-  assert result.returncode == 2, output
-  assert "Traceback" not in output, output
-  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-  assert len(errors) == 1, output
-  for name in names:
-    assert name in errors[0], errors[0]
 
 
 @pytest.fixture(scope="module")
