@@ -182,9 +182,12 @@ def test_samples_leave_unk_out_unless_asked(tmp_path):
   model.save(tmp_path / "model")
   kept = subprocess.run(
       [sys.executable, "-m", "allatt_jax.sample", f"--checkpoint={tmp_path / 'model'}",
-       "--prompt=the river", "--num_tokens=6", "--keep_unk"], capture_output=True,
+       "--prompt=the zebra river", "--num_tokens=6", "--keep_unk"], capture_output=True,
       text=True, cwd=ROOT, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert kept.stdout.split() == ["the", "river"] + ["<unk>"] * 6, kept.stderr
+  assert kept.stdout.split() == ["the", "<unk>", "river"] + ["<unk>"] * 6, kept.stderr
+  # The prompt's unknown word is read as <unk>, and the command says so.
+  assert ("Prompt tokens outside the vocabulary: 1 (words read as <unk>); the model "
+          "reads it as 'the <unk> river'.") in kept.stderr, kept.stderr
 
 
 def test_save_refuses_a_folder_that_holds_something_unless_overwrite(tmp_path):
