@@ -222,6 +222,17 @@ def test_unit_costs_add_up_to_the_cost_model(key):
       7 - 8 * units.group / units.full_head)
 
 
+@pytest.mark.parametrize("key", ["target_params", "target_macs"])
+@pytest.mark.parametrize("model_group", [GROUP // 2, 2 * GROUP])
+def test_unit_costs_of_groups_of_another_size_than_the_models_gates(key, model_group):
+  # An experiment plan may price groups of another size than the gated model's own.
+  lengths = (SEQ_LEN, SEQ_LEN, 2)
+  gated = make_cfg(gate=dataclasses.replace(HARD, persistent_group=model_group))
+  ungated = make_cfg(gated=False, gate=run_config.GatesSection())
+  assert cost_model.UnitCosts.of(gated, key, lengths, GROUP) == cost_model.UnitCosts.of(
+      ungated, key, lengths, GROUP)
+
+
 # Unit costs for the rank rule's tests: a head 10, a group 1, layers free.
 _Units = cost_model.UnitCosts("target_macs", empty=0.0, layer=0.0, head=10.0, group=1.0,
                               groups_per_head=4)

@@ -314,9 +314,13 @@ class UnitCosts:
          group_size: int) -> "UnitCosts":
     """The units of `cfg` (all heads with all N slots) under budget key `key`
     ('target_params' or 'target_macs') with groups of `group_size` slots."""
+    # A layer priced with one group's slots gates them as one group, whatever size the
+    # model's own gates have (an experiment plan may price another size).
+    gate = (dataclasses.replace(cfg.gate, persistent_group=group_size)
+            if cfg.gate.persistent_group else cfg.gate)
     def one_layer(heads: int, slots: int) -> float:
       single = dataclasses.replace(cfg, num_layers=1, heads_per_layer=(heads,),
-                                   num_persistent=slots if heads else 0)
+                                   num_persistent=slots if heads else 0, gate=gate)
       return _budget_cost(single, key, eval_lengths)
     no_heads = dataclasses.replace(cfg, heads_per_layer=(0,) * cfg.num_layers)
     bare = one_layer(0, 0)
