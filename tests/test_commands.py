@@ -384,6 +384,69 @@ def test_a_command_runs_the_same_through_the_command_list():
   assert (listed.returncode, listed.stderr) == (direct.returncode, direct.stderr)
 
 
+def test_an_unknown_command_is_refused_with_the_command_list(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["allatt-jax", "trian"])
+  with pytest.raises(SystemExit) as raised:
+    cli_main()
+  assert raised.value.code == 2
+  out, err = capsys.readouterr()
+  assert not out and err.startswith("error: unknown command 'trian'.\n")
+  assert err.endswith(usage_text() + "\n")
+
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--help"], ["help"]])
+def test_the_command_list_is_its_own_help(monkeypatch, capsys, argv):
+  monkeypatch.setattr(sys, "argv", ["allatt-jax", *argv])
+  cli_main()
+  assert capsys.readouterr() == (usage_text() + "\n", "")
+
+
+@pytest.fixture
+def forwarded(monkeypatch):
+  """The (module, argv) of each command the command list runs, none of them imported:
+  two command modules in one process would define one flag twice."""
+  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
+  received = []
+  monkeypatch.setattr(commands.importlib, "import_module", lambda module: types.
+                      SimpleNamespace(run=lambda argv: received.append((module, argv))))
+  return received
+
+
+def test_the_command_list_runs_the_command_named_on_the_flags_after_it(monkeypatch,
+                                                                       forwarded):
+  monkeypatch.setattr(sys, "argv", ["allatt-jax", "costs", "--flag=1"])
+  cli_main()
+  assert forwarded == [("allatt_jax.costs", ["allatt-jax", "--flag=1"])]
+
+
+@pytest.mark.parametrize("script, name", [("train", "main"), ("evaluate", "evaluate"),
+                                          ("score", "score"), ("sample", "sample"),
+                                          ("export", "export")])
+def test_console_scripts_run_their_command_on_its_flags(monkeypatch, forwarded, script,
+                                                       name):
+  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sys, "argv", [f"allatt-{script}", "--flag=1"])
+  getattr(commands, script)()
+  assert forwarded == [(f"allatt_jax.{name}", [f"allatt-{script}", "--flag=1"])]
+
+
+def cli_main():
+  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
+  commands.main()
+
+
+def usage_text():
+  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
+  return commands.usage()
+
+
+@pytest.mark.parametrize("flags, names", [
+    ((), ("exactly one of --config", "--checkpoint")),
+    (("--config=configs/demo.py", "--step=3"), ("--step", "give --checkpoint too"))])
+def test_costs_needs_one_model_and_a_step_only_of_a_checkpoint(flags, names):
+  assert_one_error_line(command("allatt_jax.costs", *flags), *names)
+
+
 @pytest.mark.slow
 def test_help_through_the_command_list_is_the_commands_help():
   direct = command("allatt_jax.score", "--help")
