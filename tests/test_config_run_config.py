@@ -3,6 +3,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +63,20 @@ def test_the_reader_types_each_element_of_a_tuple_and_each_value_of_a_mapping():
   with pytest.raises(ConfigError, match=r"^--config\.suite\.rates is \{'lr': 'fast'\}; it "
                      r"takes a dict\.$"):
     typed_section.read(_Suite, {"rates": {"lr": "fast"}}, "--config.suite")
+
+
+def test_a_model_config_built_by_hand_with_lists_holds_tuples_and_traces():
+  by_hand = model_lib.ModelConfig(vocab_size=11, num_layers=2, d_model=16, num_heads=4,
+                                  num_persistent=2, heads_per_layer=[4, 2],
+                                  persistent_slots=[[2, 2, 2, 1], [2, 0]],
+                                  max_relative_len=4)
+  as_read = dataclasses.replace(by_hand, heads_per_layer=(4, 2),
+                                persistent_slots=((2, 2, 2, 1), (2, 0)))
+  assert by_hand == as_read and hash(by_hand) == hash(as_read)
+  assert by_hand.persistent_slots == ((2, 2, 2, 1), (2, 0))
+  shapes = flax.linen.unbox(model_lib.abstract_variables(by_hand))["params"]
+  # Layer 1's two heads keep 2 and 0 slots: stored padded to its most, 2.
+  assert shapes["layer_1"]["attention"]["persistent_key"].shape == (2, 2, 4)
 
 
 def test_the_relative_table_spans_the_longest_train_or_eval_context():

@@ -35,8 +35,21 @@ class _Section:
     """
     return typed_section.read(cls, values, flag)
 
+  def __post_init__(self):
+    # A section built by hand (a notebook's ModelConfig(heads_per_layer=[4, 2])) holds
+    # tuples, as one read from a config does: a model config is hashed (its traced
+    # shapes are cached per config), and a list cannot be.
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, list):
+        object.__setattr__(self, field.name, _as_tuples(value))
+
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def _as_tuples(value):
+  return tuple(map(_as_tuples, value)) if isinstance(value, (list, tuple)) else value
 
 
 @dataclasses.dataclass(frozen=True)
