@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 
 import numpy as np
@@ -434,6 +435,16 @@ def test_one_builder_with_one_config_per_dataset_registered_with_tfds(tmp_path):
   np.testing.assert_array_equal(ids, valid)
   with pytest.raises(ValueError, match="Split 'validation': choose one of train, valid"):
     found.as_dataset(split='validation')
+
+
+def test_preparing_a_dataset_leaves_no_temporary_folder(tmp_path, monkeypatch):
+  temporary = tmp_path / 'tmp'
+  temporary.mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(temporary))
+  raw = data_fixtures.write_text_files(tmp_path / 'raw', ['a b c\n', 'a b\n', 'b c\n'])
+  corpus = data.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
+  assert corpus.vocab and (tmp_path / 'data' / 'allatt_text').is_dir()
+  assert not list(temporary.iterdir())
 
 
 def test_the_tfds_way_checks_the_files_of_a_manual_folder(tmp_path):

@@ -37,6 +37,15 @@ def dataset_config(spec: specs.DatasetSpec, name: str = '') -> DatasetConfig:
   return DatasetConfig(name=name or spec.name, description=spec.description, spec=spec)
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """The info of a dataset that TFDS's bucket never holds, so a builder made before
+  its dataset is prepared does not look there: TFDS's lookup makes a temporary folder
+  first, whether or not it may reach the bucket, and leaves it behind."""
+
+  def initialize_from_bucket(self) -> None:
+    pass
+
+
 class AllattText(tfds.core.DatasetBuilder):
   """Token ids of one dataset, encoded from its official files or your folder."""
   VERSION = tfds.core.Version(cache.VERSION)
@@ -64,7 +73,10 @@ class AllattText(tfds.core.DatasetBuilder):
     return self.builder_config.spec
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return self.dataset_info_from_configs(
+    # Not `dataset_info_from_configs`, whose only addition is a README or CITATIONS
+    # file beside this module, which has none: the spec's citation is the one.
+    return _LocalDatasetInfo(
+        builder=self,
         features=tfds.features.FeaturesDict({'ids': tfds.features.Scalar(np.int32)}),
         homepage=self.spec.homepage,
         citation=self.spec.citation,
