@@ -38,7 +38,7 @@ def lamb_by_hand(params, grads_list, lrs, weight_decay, decayed, b1=0.9, b2=0.99
   w = [np.asarray(x, np.float64) for x in flat]
   m = [np.zeros_like(x) for x in w]
   v = [np.zeros_like(x) for x in w]
-  for grads, lr in zip(grads_list, lrs):
+  for grads, lr in zip(grads_list, map(float, lrs)):   # a schedule's rate is float32
     for i, g in enumerate(jax.tree.leaves(grads)):
       m[i] = b1 * m[i] + (1 - b1) * g
       v[i] = b2 * v[i] + (1 - b2) * g * g
@@ -52,21 +52,27 @@ def lamb_by_hand(params, grads_list, lrs, weight_decay, decayed, b1=0.9, b2=0.99
   return treedef.unflatten(w)
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_official_lamb_equals_two_steps_by_hand(weight_decay):
-  config = tiny_config(weight_decay=weight_decay)
+@pytest.mark.parametrize("weight_decay, eps", [(0.0, 1e-8), (0.1, 1e-8), (0.0, 1e-3)])
+def test_official_lamb_equals_two_steps_by_hand(weight_decay, eps):
+  """`train.lamb_eps` in both places the official LAMB adds it: Adam's step and the
+  trust ratio (1e-3 makes either one visible)."""
+  config = tiny_config(weight_decay=weight_decay, lamb_eps=eps)
   params, grads = tiny_tree()
   schedule = optim.learning_rate_schedule(config.train)
   tx = optim.lamb(config.train, schedule, weight_decay)
   f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
   state, p = tx.init(f32(params)), f32(params)
+  moved = jax.tree.map(jnp.zeros_like, p)
   for step, g in zip((3, 4), grads):
     updates, state = tx.update(f32(g), state, p, step=jnp.int32(step))
     p = optax.apply_updates(p, updates)
+    moved = jax.tree.map(jnp.add, moved, updates)
   decayed = lambda name: "norm" not in name and "bias" not in name
-  expected = lamb_by_hand(params, grads, [schedule(3), schedule(4)], weight_decay, decayed)
-  jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7),
-               p, expected)
+  expected = lamb_by_hand(params, grads, [schedule(3), schedule(4)], weight_decay, decayed,
+                          eps=eps)
+  # The steps themselves, which are 1e-3 of the params they move.
+  jax.tree.map(lambda got, want, start: np.testing.assert_allclose(
+      got, want - start, rtol=2e-5, atol=1e-9), moved, expected, params)
 
 
 def test_weight_decay_spares_layer_norms_biases_and_gates():
@@ -98,6 +104,8 @@ def test_weight_decay_spares_layer_norms_biases_and_gates():
 def test_optax_lamb_stays_selectable():
   config = tiny_config(optimizer="optax_lamb")
   params, grads = jax.tree.map(lambda x: np.asarray(x, np.float32), tiny_tree())
+  # Gradients near optax.lamb's eps (1e-6), so that another eps changes the step.
+  grads = jax.tree.map(lambda g: 1e-5 * g, grads)
   schedule = optim.learning_rate_schedule(config.train)
   ours, reference = optim.lamb(config.train, schedule, 0.0), optax.lamb(schedule)
   ours_state, ref_state = ours.init(params), reference.init(params)
@@ -105,6 +113,34 @@ def test_optax_lamb_stays_selectable():
     got, ours_state = ours.update(g, ours_state, params, step=jnp.int32(step))
     want, ref_state = reference.update(g, ref_state, params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)
+
+
+def test_clipping_bounds_the_gradients_that_lambs_moments_see():
+  """The global-norm clip comes before LAMB: a gradient far above `grad_clip` moves
+  the moments as that gradient scaled to norm `grad_clip` does. LAMB's own steps are
+  normalised, so a clip of its updates would leave both steps as they were."""
+  params, (small, large) = jax.tree.map(lambda x: np.asarray(x, np.float32), tiny_tree())
+  small = jax.tree.map(lambda g: 0.05 * g, small)
+  large = jax.tree.map(lambda g: 1e3 * g, large)
+  assert optax.tree.norm(small) < 1.0 < optax.tree.norm(large)
+  scaled = jax.tree.map(lambda g: g / optax.tree.norm(large), large)
+
+  def second_update(grad_clip, grads):
+    config = tiny_config()
+    config.train.grad_clip = grad_clip
+    tx = optim.make_optimizer(config.train, optim.schedules(config))
+    variables = {"params": params}
+    state = tx.init(variables)
+    for step, g in enumerate(grads, start=3):
+      updates, state = tx.update({"params": g}, state, variables, step=jnp.int32(step))
+    return updates
+
+  clipped = second_update(1.0, [small, large])
+  unclipped = second_update(0.0, [small, large])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-9),
+               clipped, second_update(0.0, [small, scaled]))
+  assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(clipped),
+                                                    jax.tree.leaves(unclipped)))
 
 
 def test_the_update_reads_the_callers_step_not_a_counter():
