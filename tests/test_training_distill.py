@@ -188,6 +188,34 @@ def test_a_teacher_with_zero_weights_leaves_the_step_exactly_as_without(accum):
   helpers.assert_bit_identical(jax.device_get(metrics[0]), jax.device_get(metrics[1]))
 
 
+def test_an_accumulated_distilling_step_reports_the_whole_batchs_terms():
+  """With 2 micro-batches (no dropout; one gate sample per step) a distilling step
+  reports the loss, KL and hidden terms of the whole batch: each micro-batch's mean,
+  averaged."""
+  config = _tiny_pruning_config(weight=0.5, hidden_weight=0.1)
+  config.model.update(dict(dropout=0.0, dropout_attn=0.0, dropout_emb=0.0))
+  setup = assembly.run_setup(config)
+  state = setup.new_state()
+  # A teacher other than the student, so that both terms are above 0.
+  state = state.replace(teacher={**state.teacher, "params": jax.tree.map(
+      lambda p: p * 1.5 + 0.01, state.teacher["params"])})
+  host_state = jax.device_get(state)
+  tokens = np.random.default_rng(2).integers(0, 27, (4, 17), dtype=np.int32)
+  metrics = {}
+  for accum in (1, 2):
+    step = train_step.jit_train_step(
+        setup.lm, setup.optimizer, setup.penalty,
+        dataclasses.replace(setup.step_config, grad_accum_steps=accum),
+        setup.state_sharding, sharding.batch_sharding(setup.mesh),
+        sharding.replicated(setup.mesh), sample_gates=True)
+    with sharding.activate(setup.mesh):
+      _, metrics[accum] = step(jax.device_put(host_state, setup.state_sharding),
+                               tokens[:, :-1], tokens[:, 1:])
+  assert float(metrics[1]["distill_kl"]) > 0 and float(metrics[1]["distill_hidden"]) > 0
+  for key in ("loss", "nll", "distill_kl", "distill_hidden"):
+    np.testing.assert_allclose(metrics[2][key], metrics[1][key], rtol=1e-5, err_msg=key)
+
+
 def test_a_distilling_step_keeps_the_teacher_and_advances_its_own_memory():
   """The teacher's params leave a step bit for bit as they came; its memory is its own
   forward pass's on the batch, not the student's and not the old one."""

@@ -1,5 +1,6 @@
-"""Gradient accumulation: 4 micro-batches make the same update as one full batch; the
-random draws of a step and of its micro-batches."""
+"""The train step: the update the optimizer makes at the state's step and what the step
+reports of it; gradient accumulation (4 micro-batches make the same update as one full
+batch); the random draws of a step and of its micro-batches."""
 import functools
 
 import jax
@@ -20,7 +21,7 @@ VOCAB = 29
 BATCH, SEQ_LEN, MEM_LEN = 8, 8, 8
 
 
-def make_config(accum, gated, dropout=0.0):
+def make_config(accum, gated, dropout=0.0, l0_warmup_steps=0):
   config = config_base.base_config()
   config.model.update(dict(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
                            num_persistent=8, dropout=dropout, dropout_attn=dropout,
@@ -28,7 +29,8 @@ def make_config(accum, gated, dropout=0.0):
   config.train.update(dict(batch_size=BATCH, seq_len=SEQ_LEN, mem_len=MEM_LEN,
                            grad_accum_steps=accum, grad_clip=0.0))
   # π = 0.5 makes the sampled gates a mix of open and closed; λ > 0 from step 0.
-  config.gates.update(dict(enabled=gated, init=0.5, lam=0.1, l0_warmup_steps=0))
+  config.gates.update(dict(enabled=gated, init=0.5, lam=0.1,
+                           l0_warmup_steps=l0_warmup_steps))
   return run_config.RunConfig.of(config)
 
 
@@ -85,6 +87,46 @@ def assert_trees_close(a, b, **tolerance):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tolerance)
+
+
+def test_the_update_and_its_reported_rate_and_norm_are_the_states_steps():
+  """The optimizer gets the state's step (the one every schedule reads), and the step
+  reports that step's learning rate and the global norm of the gradient itself."""
+  config = make_config(1, gated=False)
+  lm, _, state = make_state(config)
+  state = state.replace(step=jnp.int32(5))
+  # Plain SGD at rate 0.5 (updates half the gradient), and a rate that is the step it
+  # is given (updates the step times the gradient).
+  optimizers = {"sgd": optax.sgd(0.5),
+                "rate_is_step": optim.scale_by_step_schedule(lambda step: step * 1.0)}
+  updates, metrics = {}, {}
+  for name, optimizer in optimizers.items():
+    started = state.replace(opt_state=optimizer.init(state.variables))
+    new_state, metrics[name] = jit_step(config, lm, optimizer, False)(started, *batch())
+    updates[name] = jax.tree.map(jnp.subtract, new_state.variables, state.variables)
+  # (Each update is read back as new params - old ones: float32's rounding of params
+  # near 1 is ~1e-7.)
+  assert_trees_close(updates["rate_is_step"], jax.tree.map(lambda u: 10 * u, updates["sgd"]),
+                     rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["sgd"]["grad_norm"], 2 * optax.tree.norm(updates["sgd"]),
+                             rtol=1e-5)
+  schedule = optim.learning_rate_schedule(config.train)
+  assert float(schedule(5)) != float(schedule(6))   # in the warm-up
+  np.testing.assert_allclose(metrics["sgd"]["learning_rate"], schedule(5), rtol=1e-6)
+
+
+def test_the_loss_is_the_nll_plus_the_reported_penalty_of_the_states_step():
+  """In the λ warm-up, where each step has its own λ: the loss adds the penalty the
+  step reports, λ of the state's step times the expected open count."""
+  config = make_config(1, gated=True, l0_warmup_steps=20)
+  lm, optimizer, state = make_state(config)
+  state = state.replace(step=jnp.int32(5))
+  _, metrics = jit_step(config, lm, optimizer, sample_gates=True)(state, *batch())
+  lam = budget.lambda_schedule(config.gates)
+  assert 0 < float(lam(5)) < float(lam(6))
+  np.testing.assert_allclose(metrics["lambda"], lam(5), rtol=1e-6)
+  np.testing.assert_allclose(metrics["penalty"], lam(5) * metrics["l0"], rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], metrics["nll"] + metrics["penalty"], rtol=1e-6)
 
 
 @pytest.mark.slow
