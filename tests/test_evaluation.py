@@ -60,14 +60,25 @@ def one_pass_nll(lm, variables, ids):
   return -logp_NxV[np.arange(len(ids) - 1), ids[1:]]
 
 
+def random_tokens(seed: int) -> np.ndarray:
+  return np.asarray(jax.random.randint(jax.random.key(seed), (NUM_TOKENS,), 0, VOCAB))
+
+
+def one_device_evaluator(lm, mem_len: int = MEM_LEN) -> stream_eval.Evaluator:
+  """The evaluator of `lm` in rows of BATCH, segments of SEQ_LEN, on one device, as a
+  run's eval section sets it."""
+  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  config = types.SimpleNamespace(eval=types.SimpleNamespace(
+      batch_size=BATCH, seq_len=SEQ_LEN, mem_len=mem_len))
+  return stream_eval.Evaluator.from_config(lm, mesh, config)
+
+
 @pytest.mark.slow
 def test_a_split_scores_every_target_once_with_the_memory_carried():
   lm, variables = tiny_model()
-  tokens = np.asarray(jax.random.randint(jax.random.key(1), (NUM_TOKENS,), 0, VOCAB))
-  mesh = jax.make_mesh((1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  evaluator = stream_eval.Evaluator(lm, mesh, batch_size=BATCH, seq_len=SEQ_LEN,
-                                    mem_len=MEM_LEN)
+  tokens = random_tokens(1)
+  evaluator = one_device_evaluator(lm)
   scored = evaluator.score(variables, tokens)
 
   # The second row's pass reads one token past the text (a 0), whose target it drops:
@@ -84,6 +95,56 @@ def test_a_split_scores_every_target_once_with_the_memory_carried():
                                          mem_len=MEM_LEN)
   assert log_probs.shape == (NUM_TOKENS - 1,)
   np.testing.assert_allclose(-log_probs, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_an_evaluator_reads_its_config_and_scores_max_batches_of_its_batches():
+  lm, variables = tiny_model()
+  evaluator = one_device_evaluator(lm, mem_len=6)
+  assert (evaluator.batch_size, evaluator.seq_len, evaluator.mem_len) == (BATCH, SEQ_LEN, 6)
+  for batches in (1, 2):
+    scored = evaluator.score(variables, random_tokens(1), max_batches=batches)
+    assert scored["tokens"] == batches * BATCH * SEQ_LEN
+
+
+def test_without_memory_each_segment_is_scored_alone():
+  lm, variables = tiny_model()
+  tokens = random_tokens(1)
+  expected = []
+  for row_start, targets in ((0, 13), (13, 12)):   # the rows of NUM_TOKENS' comment
+    for start in range(0, targets, SEQ_LEN):
+      end = min(start + SEQ_LEN, targets)
+      expected.append(one_pass_nll(lm, variables, tokens[row_start + start:row_start + end + 1]))
+  scored = one_device_evaluator(lm, mem_len=0).score(variables, tokens)
+  np.testing.assert_allclose(scored["nll"], np.concatenate(expected).mean(), rtol=1e-5)
+
+
+def test_token_nll_is_in_text_order_over_rows_and_averages_to_the_score():
+  """A token changed in the second row's first segment changes no value before its
+  own, though values come from both rows of each batch."""
+  lm, variables = tiny_model()
+  evaluator = one_device_evaluator(lm)
+  tokens = random_tokens(1)
+  changed = tokens.copy()
+  changed[16] = (tokens[16] + 1) % VOCAB   # the target of value 15, in row 2 (14 ..)
+  nll, nll_changed = (evaluator.token_nll(variables, t) for t in (tokens, changed))
+  assert nll.shape == (NUM_TOKENS - 1,)
+  np.testing.assert_allclose(nll_changed[:15], nll[:15], rtol=1e-6)
+  assert nll_changed[15] != pytest.approx(nll[15])
+  np.testing.assert_allclose(nll.mean(), evaluator.score(variables, tokens)["nll"],
+                             rtol=1e-5)
+
+
+def test_each_split_is_scored_as_its_metric_and_its_nll():
+  lm, variables = tiny_model()
+  evaluator = one_device_evaluator(lm)
+  splits = {"valid": random_tokens(1), "test": random_tokens(2)}
+  results = stream_eval.evaluate_splits(
+      evaluator, variables, types.SimpleNamespace(splits=splits, metric="bpc"))
+  assert results["valid"] != pytest.approx(results["test"])
+  for split, tokens in splits.items():
+    nll = evaluator.score(variables, tokens)["nll"]
+    assert results[f"{split}_nll"] == pytest.approx(nll)
+    assert results[split] == pytest.approx(nll / math.log(2))
 
 
 def test_a_texts_summary_counts_its_scored_tokens_and_a_word_models_unknown_words():
