@@ -1,6 +1,8 @@
-"""What a pruning run reports as it goes, through its gate freeze: the progress lines'
-heads and groups (expected, decided, kept), the rate around the steps that compile,
-the summaries without skipped steps, and the gate history."""
+"""What a run reports as it goes. A pruning run, through its gate freeze: the progress
+lines' heads and groups (expected, decided, kept), the rate around the steps that
+compile, the summaries without skipped steps, and the gate history. A baseline run:
+its summaries without gate metrics, its rate without its evaluations' time, and its
+final results."""
 import json
 import types
 
@@ -43,7 +45,7 @@ def test_a_pruning_runs_lines_rate_summaries_and_gate_history(tmp_path, monkeypa
                                gated=True, freeze_step=FREEZE)
   # Steps 1 and 4 (the first with frozen gates) compile; step 5 is not finite.
   seconds = {1: 30.0, 4: 20.0}
-  nll = {1: 2.0, 2: 2.0, 3: 2.0, 4: 1.0, 5: np.nan, 6: 3.0}
+  nll = {1: 4.0, 2: 2.0, 3: 2.0, 4: 1.0, 5: np.nan, 6: 3.0}
   lines = {}
   for done in range(1, NUM_STEPS + 1):
     clock[0] += seconds.get(done, 0.5)
@@ -58,7 +60,8 @@ def test_a_pruning_runs_lines_rate_summaries_and_gate_history(tmp_path, monkeypa
     assert "heads open 6.0/8 expected, 7 decided" in lines[done], lines[done]
     assert "groups open 20.0/32 expected, 16 decided" in lines[done], lines[done]
   assert "heads kept 7/8 (frozen)  groups kept 16/32 (frozen)" in lines[NUM_STEPS]
-  # The last line: steps 4 and 6 (step 5 skipped), the rate from the end of step 4.
+  # The last line: steps 4 and 6 (step 5 skipped; those before, logged already), the
+  # rate from the end of step 4.
   bpc = 2.0 / np.log(2)
   assert f"bpc {bpc:.4f}" in lines[NUM_STEPS] and "2.0 steps/s  ETA 0s" in lines[NUM_STEPS]
 
@@ -72,3 +75,47 @@ def test_a_pruning_runs_lines_rate_summaries_and_gate_history(tmp_path, monkeypa
   assert record["persistent_decided"][1] == [[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 0],
                                              [0, 0, 1, 0]]
   np.testing.assert_allclose(record["open_prob"][1], 1 / (1 + np.exp(-2.0)), rtol=1e-6)
+
+
+class RecordingWriter:
+  """clu's metric writer, keeping what is written."""
+
+  def __init__(self):
+    self.scalars = {}
+
+  def write_scalars(self, step, scalars):
+    self.scalars.setdefault(step, {}).update(scalars)
+
+  def flush(self):
+    pass
+
+
+def test_a_baseline_runs_summaries_rate_and_results(tmp_path, monkeypatch):
+  clock = [0.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  writer = RecordingWriter()
+  monkeypatch.setattr(progress, "_clu", lambda: (
+      types.SimpleNamespace(create_default_writer=lambda *args, **kwargs: writer),
+      types.SimpleNamespace(ReportProgress=lambda **kwargs: lambda step: None)))
+  cfg = model_lib.ModelConfig(kind="allatt", vocab_size=11, num_layers=2, d_model=16,
+                              num_heads=4, num_persistent=8, max_relative_len=32)
+  run = progress.TrainProgress(tmp_path, cfg, num_steps=4, first_step=0,
+                               tokens_per_step=64, metric="bpc", skip_nonfinite=False,
+                               gated=False)
+  # Step 1 compiles; an evaluation of 100 s follows step 2's log, as in the train loop.
+  for done in range(1, 5):
+    clock[0] += 30.0 if done == 1 else 0.5
+    run.add(done, step_metrics(2.0))   # a baseline's step reports l0 = 0 and the like too
+    if done in (2, 4):
+      run.log(done, run.fetch(done), None)
+    if done == 2:
+      clock[0] += 100.0
+      run.write_eval(done, {"valid": 3.0})
+  run.write_final(4, {"valid": 2.5, "test": 2.6})
+  run.close()
+
+  last = writer.scalars[4]
+  assert last["tokens_per_s"] == 2.0 * 64      # steps 3 and 4 in 1 s, not the evaluation
+  assert not any(key.split("/")[0] in progress.GATE_METRICS for key in last)
+  assert writer.scalars[2]["eval/valid"] == 3.0
+  assert (last["final/valid"], last["final/test"]) == (2.5, 2.6)
