@@ -142,6 +142,19 @@ def unraisable(error: BaseException, source=None):
                                err_msg=None, object=source)
 
 
+class RecordingWriter:
+  """A clu metric writer that keeps what a run writes: `scalars[step]`, its summaries."""
+
+  def __init__(self):
+    self.scalars = {}
+
+  def write_scalars(self, step, scalars):
+    self.scalars.setdefault(step, {}).update(scalars)
+
+  def flush(self):
+    pass
+
+
 def saved_state(workdir, step):
   """Everything a checkpoint holds, as host arrays: state (step, params, gates,
   optimizer state, memory) and the data position."""

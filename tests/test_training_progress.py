@@ -8,6 +8,7 @@ import types
 
 import numpy as np
 
+import helpers
 from helpers import GROUP_LOGITS
 from helpers import HEAD_LOGITS
 from allatt_jax.config import run_config
@@ -77,23 +78,10 @@ def test_a_pruning_runs_lines_rate_summaries_and_gate_history(tmp_path, monkeypa
   np.testing.assert_allclose(record["open_prob"][1], 1 / (1 + np.exp(-2.0)), rtol=1e-6)
 
 
-class RecordingWriter:
-  """clu's metric writer, keeping what is written."""
-
-  def __init__(self):
-    self.scalars = {}
-
-  def write_scalars(self, step, scalars):
-    self.scalars.setdefault(step, {}).update(scalars)
-
-  def flush(self):
-    pass
-
-
 def test_a_baseline_runs_summaries_rate_and_results(tmp_path, monkeypatch):
   clock = [0.0]
   monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-  writer = RecordingWriter()
+  writer = helpers.RecordingWriter()
   monkeypatch.setattr(progress, "_clu", lambda: (
       types.SimpleNamespace(create_default_writer=lambda *args, **kwargs: writer),
       types.SimpleNamespace(ReportProgress=lambda **kwargs: lambda step: None)))

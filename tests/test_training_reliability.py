@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import data_fixtures
+import helpers
 from helpers import assert_bit_identical
 from helpers import train_run
 from helpers import saved_state
@@ -259,14 +260,6 @@ def poisoned(monkeypatch):
   monkeypatch.setattr(train_step, "train_step", poisoned_step)
 
 
-class RecordingWriter(metric_writers.LoggingWriter):
-  scalars = {}
-
-  def write_scalars(self, step, scalars):
-    RecordingWriter.scalars.setdefault(step, {}).update(scalars)
-    super().write_scalars(step, scalars)
-
-
 def short_config(run_config, **train_overrides):
   config = run_config[1].copy_and_resolve_references()
   config.gates.enabled = False
@@ -290,9 +283,9 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, poisoned,
                                                                 tmp_path, monkeypatch):
+  writer = helpers.RecordingWriter()
   monkeypatch.setattr(metric_writers, "create_default_writer",
-                      lambda *args, **kwargs: RecordingWriter())
-  RecordingWriter.scalars = {}
+                      lambda *args, **kwargs: writer)
   config = short_config(run_config, skip_nonfinite_steps=True, log_every_steps=2)
   config.checkpoint.every_steps = 1
   train_run(config, tmp_path)
@@ -306,10 +299,10 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["variables"]),
                                                       jax.tree.leaves(skipped["variables"])))
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(last))
-  counts = {step: s["nonfinite_steps"] for step, s in RecordingWriter.scalars.items()
+  counts = {step: s["nonfinite_steps"] for step, s in writer.scalars.items()
             if "nonfinite_steps" in s}
   assert counts == {2: 0, 4: 0, 6: 1, 8: 0}
-  assert np.isfinite(RecordingWriter.scalars[6]["loss"])   # the mean of the finite step
+  assert np.isfinite(writer.scalars[6]["loss"])   # the mean of the finite step
 
 
 @pytest.mark.slow
