@@ -23,6 +23,7 @@ from allatt_jax.config import cli
 from allatt_jax.config import config_base
 from allatt_jax.config import console
 from allatt_jax import data as data_lib
+from allatt_jax import __main__ as commands
 from allatt_jax.training import assembly
 from allatt_jax.runs import run_files
 from allatt_jax.reports import figures
@@ -365,16 +366,11 @@ def test_the_command_list_names_every_command():
   assert result.returncode == 0, result.stderr
   listed = [line.split()[0] for line in result.stdout.splitlines()
             if line.startswith("  ")]
-  assert listed == list(cli_commands())
+  assert listed == list(commands.COMMANDS)
   assert all(len(line.split()) > 2 for line in result.stdout.splitlines()
              if line.startswith("  "))
   assert all(line.endswith(".") for line in result.stdout.splitlines()
              if line.startswith("  ")), result.stdout
-
-
-def cli_commands():
-  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
-  return commands.COMMANDS
 
 
 def test_a_command_runs_the_same_through_the_command_list():
@@ -387,25 +383,24 @@ def test_a_command_runs_the_same_through_the_command_list():
 def test_an_unknown_command_is_refused_with_the_command_list(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["allatt-jax", "trian"])
   with pytest.raises(SystemExit) as raised:
-    cli_main()
+    commands.main()
   assert raised.value.code == 2
   out, err = capsys.readouterr()
   assert not out and err.startswith("error: unknown command 'trian'.\n")
-  assert err.endswith(usage_text() + "\n")
+  assert err.endswith(commands.usage() + "\n")
 
 
 @pytest.mark.parametrize("argv", [[], ["-h"], ["--help"], ["help"]])
 def test_the_command_list_is_its_own_help(monkeypatch, capsys, argv):
   monkeypatch.setattr(sys, "argv", ["allatt-jax", *argv])
-  cli_main()
-  assert capsys.readouterr() == (usage_text() + "\n", "")
+  commands.main()
+  assert capsys.readouterr() == (commands.usage() + "\n", "")
 
 
 @pytest.fixture
 def forwarded(monkeypatch):
   """The (module, argv) of each command the command list runs, none of them imported:
   two command modules in one process would define one flag twice."""
-  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
   received = []
   monkeypatch.setattr(commands.importlib, "import_module", lambda module: types.
                       SimpleNamespace(run=lambda argv: received.append((module, argv))))
@@ -415,7 +410,7 @@ def forwarded(monkeypatch):
 def test_the_command_list_runs_the_command_named_on_the_flags_after_it(monkeypatch,
                                                                        forwarded):
   monkeypatch.setattr(sys, "argv", ["allatt-jax", "costs", "--flag=1"])
-  cli_main()
+  commands.main()
   assert forwarded == [("allatt_jax.costs", ["allatt-jax", "--flag=1"])]
 
 
@@ -424,20 +419,9 @@ def test_the_command_list_runs_the_command_named_on_the_flags_after_it(monkeypat
                                           ("export", "export")])
 def test_console_scripts_run_their_command_on_its_flags(monkeypatch, forwarded, script,
                                                        name):
-  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(sys, "argv", [f"allatt-{script}", "--flag=1"])
   getattr(commands, script)()
   assert forwarded == [(f"allatt_jax.{name}", [f"allatt-{script}", "--flag=1"])]
-
-
-def cli_main():
-  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
-  commands.main()
-
-
-def usage_text():
-  from allatt_jax import __main__ as commands  # pylint: disable=import-outside-toplevel
-  return commands.usage()
 
 
 @pytest.mark.parametrize("flags, names", [
