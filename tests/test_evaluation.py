@@ -2,7 +2,7 @@
 memory against one pass over each row (every target once, padding left out, the
 metric in the corpus's unit); a scored text's summary and per-token file; the
 sampler's law (temperature, top k, a fresh draw per token) and its reading of the
-prompt. test_evaluation_score_sample.py has the commands on a trained model."""
+prompt; models' speeds timed in turns. test_evaluation_score_sample.py has the commands on a trained model."""
 import dataclasses
 import functools
 import json
@@ -17,6 +17,7 @@ import pytest
 
 from allatt_jax.evaluation import generation
 from allatt_jax.evaluation import likelihood
+from allatt_jax.evaluation import speed
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.config import errors
 from allatt_jax.data import tokenization
@@ -224,3 +225,27 @@ def test_greedy_generation_continues_the_prompt_as_one_pass_over_it_would():
   for length in range(len(prompt), len(greedy)):
     greedy[length] = np.argmax(_log_probs(variables, greedy[None], lm=lm)[length - 1])
   np.testing.assert_array_equal(generated, greedy[len(prompt):])
+
+
+def test_each_model_keeps_its_best_speed_of_alternating_runs(monkeypatch):
+  """Timed in turns after an untimed compile each: on a shared machine the best of
+  each is the least disturbed comparison."""
+  timed = {"baseline": iter([100.0, 300.0, 200.0]), "pruned": iter([250.0, 150.0, 350.0])}
+  calls = []
+
+  def evaluator(lm, mesh, config):
+    del mesh, config
+
+    def score(variables, tokens, max_batches):
+      del variables, tokens
+      calls.append((lm, max_batches))
+      return {"tokens_per_s": 0.0 if max_batches == 1 else next(timed[lm])}
+    return types.SimpleNamespace(score=score)
+
+  monkeypatch.setattr(stream_eval.Evaluator, "from_config", evaluator)
+  model = lambda name: types.SimpleNamespace(lm=name, variables=None)
+  speeds = speed.tokens_per_s(None, None, None, 5,
+                              {"baseline": model("baseline"), "pruned": model("pruned")})
+  assert speeds == {"baseline_tokens_per_s": 300.0, "pruned_tokens_per_s": 350.0}
+  assert calls[:2] == [("baseline", 1), ("pruned", 1)]
+  assert calls[2:] == [("baseline", 5), ("pruned", 5)] * 3

@@ -1,13 +1,11 @@
 """The demo's report from what its stages return: the figures it derives (sparsities,
-speed-up, MAC ratios, the budget met), its summary table, and the speeds it keeps."""
+speed-up, MAC ratios, the budget met) and its summary table."""
 import pathlib
-import types
 
 import pytest
 
 from allatt_jax.config import config_base
 from allatt_jax.config import run_config
-from allatt_jax.evaluation import stream_eval
 from allatt_jax.reports import demo_report
 
 BASELINE = {"heads_per_layer": [4, 4], "persistent_per_layer": [32, 32],
@@ -78,28 +76,3 @@ def test_the_table_shows_each_size_as_a_share_and_closed_groups_only_when_there_
   unchanged["pruned"]["persistent_per_layer"] = [8, 16]
   _, rows = table_rows(demo_report.summary_table(unchanged))
   assert "persistent vectors" not in rows and rows["params (non-emb.)"] == ["1,000", "500"]
-
-
-def test_each_model_keeps_its_best_speed_of_alternating_runs(monkeypatch):
-  """Timed in turns after an untimed compile each: on a shared machine the best of
-  each is the least disturbed comparison."""
-  timed = {"baseline": iter([100.0, 300.0, 200.0]), "pruned": iter([250.0, 150.0, 350.0])}
-  calls = []
-
-  def evaluator(lm, mesh, config):
-    del mesh, config
-
-    def score(variables, tokens, max_batches):
-      del variables, tokens
-      calls.append((lm, max_batches))
-      speed = 0.0 if max_batches == 1 else next(timed[lm])
-      return {"tokens_per_s": speed}
-    return types.SimpleNamespace(score=score)
-
-  monkeypatch.setattr(stream_eval.Evaluator, "from_config", evaluator)
-  model = lambda name: types.SimpleNamespace(lm=name, variables=None)
-  speeds = demo_report.measure_speed(None, None, None, 5, model("baseline"),
-                                     model("pruned"))
-  assert speeds == {"baseline_tokens_per_s": 300.0, "pruned_tokens_per_s": 350.0}
-  assert calls[:2] == [("baseline", 1), ("pruned", 1)]
-  assert calls[2:] == [("baseline", 5), ("pruned", 5)] * 3

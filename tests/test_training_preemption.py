@@ -26,6 +26,7 @@ from allatt_jax.config import config_base
 from allatt_jax.reports import demo_report
 from allatt_jax.config import errors
 from allatt_jax.pruning import model_export
+from allatt_jax.evaluation import speed
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.training import loop
 from allatt_jax.config.errors import Preempted
@@ -154,7 +155,7 @@ def test_sigterm_in_each_phase_stops_there_and_the_rerun_goes_on(demo, tmp_path)
   assert calls.evaluations == 2 and not (pruned / "results.json").exists()
 
   # 5. During the speed comparison of the report: nothing before it is redone.
-  calls = rerun(lambda m: sigterm_before(m, demo_report, "measure_speed"),
+  calls = rerun(lambda m: sigterm_before(m, speed, "tokens_per_s"),
                 rf"^Preempted after the pruning stage \(in {pruned}\); the speed "
                 r"comparison in progress is not kept\. Rerun the same command to "
                 r"measure both models' speeds and write the report\.$")

@@ -32,7 +32,7 @@ from allatt_jax.training import preemption
 from allatt_jax.training import progress
 from allatt_jax.evaluation import stream_eval
 from allatt_jax.training import train_step
-from allatt_jax.reports import demo_report
+from allatt_jax.evaluation import speed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS, FREEZE_STEP, CHECKPOINT_EVERY = 300, 100, 25
@@ -480,9 +480,9 @@ def test_a_signal_stops_the_speed_comparison_at_its_next_timed_run(monkeypatch):
   model = types.SimpleNamespace(lm=None, variables=None)
   with preemption.PreemptionWatch() as watch:
     with pytest.raises(errors.Preempted, match="the speed comparison in progress"):
-      demo_report.measure_speed(None, None, None, 5, model, model, safe_point=lambda:
-                                watch.stop_if_asked("the speed comparison in progress",
-                                                    "measure it"))
+      speed.tokens_per_s(None, None, None, 5, {"baseline": model, "pruned": model},
+                         safe_point=lambda: watch.stop_if_asked(
+                             "the speed comparison in progress", "measure it"))
   assert timed == [5, 5]     # of 6: the run after the signal did not start
 
 

@@ -1,2 +1,2 @@
 """A trained model's scores: evaluation with memory, per-token log-likelihoods,
-generated text."""
+generated text, inference speeds."""

@@ -6,7 +6,7 @@ slots only (`gates.heads=False`), and by both, each plain and distilling; a kind
 cannot reach a budget is left out and the table says so. Each export's inference speed
 is measured against the baseline's on the same tokens (alternating, best of 3).
 """
-from allatt_jax.reports import demo_report
+from allatt_jax.evaluation import speed as speed_lib
 from allatt_jax.reports import figures
 from allatt_jax.pruning import cost_model
 from allatt_jax.parallel import sharding
@@ -119,8 +119,9 @@ def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
   speed = {}
   for r in runs.values():
     export = exp.run_dir(r.name) / "export"
-    measured = demo_report.measure_speed(exp.base, mesh, corpus.splits["valid"], batches,
-                                         baseline, trained_model.load(export))
+    measured = speed_lib.tokens_per_s(exp.base, mesh, corpus.splits["valid"], batches,
+                                      {"baseline": baseline,
+                                       "pruned": trained_model.load(export)})
     speed[r.name] = measured["pruned_tokens_per_s"] / measured["baseline_tokens_per_s"]
   return speed
 

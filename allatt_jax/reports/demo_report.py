@@ -2,7 +2,7 @@
 table the demo prints (and the README quotes).
 
 `compare_models` sets both models side by side: their sizes and costs, and their
-speeds, which `measure_speed` times on the same tokens; `build` gathers that and what
+speeds, timed in turns on the same tokens; `build` gathers that and what
 the stages returned into report.json's content; `summary_table` renders it.
 """
 from collections.abc import Callable
@@ -10,37 +10,9 @@ from collections.abc import Callable
 import jax
 
 from allatt_jax.pruning import cost_model
-from allatt_jax.evaluation import stream_eval
+from allatt_jax.evaluation import speed
 from allatt_jax.config.run_config import RunConfig
 from allatt_jax.runs.trained_model import LoadedModel
-
-
-def measure_speed(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
-                  baseline_model: LoadedModel, pruned_model: LoadedModel,
-                  repeats: int = 3, safe_point: Callable[[], None] = lambda: None
-                  ) -> dict:
-  """Inference tokens/s (evaluation with memory, at the baseline's eval batch and
-  lengths, on `mesh`, the baseline run's) of both models on `tokens`, the valid split.
-
-  The models are timed in turns, `repeats` times each, and each keeps its best: on a
-  shared machine the best of alternating runs is the least disturbed comparison.
-  `safe_point` is called before each compile and each timed run, the last included:
-  it may stop the command there (by raising), as a signal asks.
-  """
-  evaluators = {}
-  for name, model in (("baseline", baseline_model), ("pruned", pruned_model)):
-    safe_point()
-    evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
-                        model.variables)
-    evaluators[name][0].score(model.variables, tokens, max_batches=1)   # compile, untimed
-  speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
-  for _ in range(repeats):
-    for name, (evaluator, variables) in evaluators.items():
-      safe_point()
-      scored = evaluator.score(variables, tokens, max_batches=num_batches)
-      speeds[f"{name}_tokens_per_s"] = max(speeds[f"{name}_tokens_per_s"],
-                                           scored["tokens_per_s"])
-  return speeds
 
 
 def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
@@ -48,10 +20,11 @@ def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batch
                    safe_point: Callable[[], None] = lambda: None) -> dict:
   """What the report says of both models themselves, under 'baseline' and 'pruned':
   heads and persistent vectors per layer and costs at the baseline's eval lengths
-  (cost_model); and under 'speed' their inference speeds (`measure_speed`, which
+  (cost_model); and under 'speed' their inference speeds (`speed.tokens_per_s`, which
   calls `safe_point` between its compiles and timed runs)."""
-  speed = measure_speed(config, mesh, tokens, num_batches, baseline_model, pruned_model,
-                        safe_point=safe_point)
+  speeds = speed.tokens_per_s(config, mesh, tokens, num_batches,
+                              {"baseline": baseline_model, "pruned": pruned_model},
+                              safe_point=safe_point)
   t = config.eval
   compared = {name: {"heads_per_layer": list(lm.cfg.layer_heads),
                      "persistent_per_layer": lm.cfg.layer_slots,
@@ -59,7 +32,7 @@ def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batch
                      **cost_model.macs_per_token(lm.cfg, t.seq_len, t.mem_len,
                                                  t.batch_size)}
               for name, lm in (("baseline", baseline_model.lm), ("pruned", pruned_model.lm))}
-  return {**compared, "speed": speed}
+  return {**compared, "speed": speeds}
 
 
 def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, baseline: dict,
@@ -67,7 +40,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
   """report.json's content: the stages' results (`loop.train_and_evaluate`'s),
   both models as `compare_models` describes them, the pruning goal and the budget's
   decision."""
-  b, p, speed = compared["baseline"], compared["pruned"], compared["speed"]
+  b, p, speeds = compared["baseline"], compared["pruned"], compared["speed"]
   key = prune_config.gates.budget_target
   budget = None
   if key:
@@ -107,8 +80,8 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "lambda": None if key else prune_config.gates.lam,
           "budget": budget},
       "speed": {
-          **speed,
-          "speedup": speed["pruned_tokens_per_s"] / speed["baseline_tokens_per_s"],
+          **speeds,
+          "speedup": speeds["pruned_tokens_per_s"] / speeds["baseline_tokens_per_s"],
           "macs_ratio": p["macs_per_token"] / b["macs_per_token"],
           "macs_ratio_non_embedding": (p["macs_per_token_non_embedding"]
                                        / b["macs_per_token_non_embedding"])},
