@@ -107,3 +107,27 @@ def test_a_baseline_runs_summaries_rate_and_results(tmp_path, monkeypatch):
   assert not any(key.split("/")[0] in progress.GATE_METRICS for key in last)
   assert writer.scalars[2]["eval/valid"] == 3.0
   assert (last["final/valid"], last["final/test"]) == (2.5, 2.6)
+
+
+def test_a_run_gating_only_groups_reports_groups_not_heads(tmp_path, capsys):
+  """With `gates.heads=False` every head stays, ungated: the lines count groups only,
+  of all 8 heads."""
+  cfg = model_lib.ModelConfig(kind="allatt", vocab_size=11, num_layers=2, d_model=16,
+                              num_heads=4, num_persistent=8, max_relative_len=32,
+                              gated=True, gate=run_config.GatesSection(
+                                  persistent_group=GROUP, heads=False))
+  gates = {f"layer_{i}": {"attention": {"persistent_logits": np.array(GROUP_LOGITS[i],
+                                                                       np.float32)}}
+           for i in range(2)}
+  run = progress.TrainProgress(tmp_path, cfg, num_steps=NUM_STEPS, first_step=0,
+                               tokens_per_step=64, metric="bpc", skip_nonfinite=False,
+                               gated=True, freeze_step=FREEZE)
+  for done in range(1, NUM_STEPS + 1):
+    run.add(done, step_metrics(2.0))
+  run.log(NUM_STEPS, run.fetch(NUM_STEPS), gates)
+  run.close()
+  line = capsys.readouterr().out.splitlines()[-1]
+  # helpers' group logits open 4, 1, 0, 2 groups of layer 0's heads, 3, 4, 2, 1 of
+  # layer 1's.
+  assert "  groups kept 17/32 (frozen)  λ 0.01" in line, line
+  assert "heads" not in line, line
