@@ -370,6 +370,19 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 
 
 @pytest.mark.slow
+def test_a_budget_whose_gates_freeze_with_the_last_step_is_kept_by_the_final_state(
+    tmp_path, demo_baseline, data):
+  """The train loop's last pass trains no step: it decides the heads of gates that
+  freeze with the last step, on the final state."""
+  config = demo_config(data, target_sparsity=0.5, freeze_step=30)
+  assert config.pipeline.prune_train.num_steps == 30
+  report = run_pipeline(config, with_baseline(tmp_path, demo_baseline))
+  recorded = json.loads((tmp_path / "pruned" / loop.BUDGET_FILE).read_text())
+  assert recorded["step"] == 30
+  assert sum(report["pruned"]["heads_per_layer"]) == 4
+
+
+@pytest.mark.slow
 def test_a_resume_with_changed_settings_is_refused(tmp_path, data):
   config = demo_config(data)
   baseline = assembly.checked_pipeline(config).baseline

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -29,6 +30,7 @@ from allatt_jax.experiments import __main__ as cli
 from allatt_jax.experiments import plan as plan_lib
 from allatt_jax.experiments import runs as runs_lib
 from allatt_jax.training import config_checks
+from allatt_jax.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GATES, TRAIN, DISTILL = ("--config.pipeline.prune_gates", "--config.pipeline.prune_train",
@@ -547,3 +549,12 @@ def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_
   # The budget it names passes.
   config.gates.target_params = one_head
   config_checks.check_config(run_config.RunConfig.of(config), 1)
+
+
+def test_a_training_deadline_is_refused_across_processes_before_the_workdir(tmp_path,
+                                                                            monkeypatch):
+  """Hosts would stop at different steps: refused before the run is even read."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ConfigError, match=r"^A training deadline needs a single process"):
+    loop.train_and_evaluate(None, tmp_path / "run", deadline=0.0)
+  assert not any(tmp_path.iterdir())
