@@ -143,16 +143,19 @@ def unraisable(error: BaseException, source=None):
 
 
 class RecordingWriter:
-  """A clu metric writer that keeps what a run writes: `scalars[step]`, its summaries."""
+  """A clu metric writer that keeps what a run writes: `scalars[step]`, its summaries;
+  `unflushed`, the steps written since the last flush."""
 
   def __init__(self):
     self.scalars = {}
+    self.unflushed = []
 
   def write_scalars(self, step, scalars):
     self.scalars.setdefault(step, {}).update(scalars)
+    self.unflushed.append(step)
 
   def flush(self):
-    pass
+    self.unflushed = []
 
 
 def saved_state(workdir, step):

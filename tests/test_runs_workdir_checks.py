@@ -6,6 +6,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -18,6 +19,7 @@ from allatt_jax import data as data_lib
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
+from allatt_jax.training import loop
 from allatt_jax.config import run_config
 from allatt_jax.runs import run_files
 from allatt_jax.runs import workdir_checks
@@ -25,6 +27,7 @@ from allatt_jax.data import tokenization
 from allatt_jax.config.errors import CheckpointError
 from allatt_jax.config.errors import ConfigError
 from allatt_jax.config.errors import DataError
+from allatt_jax.config.errors import Preempted
 from helpers import start_run
 from helpers import train_run
 
@@ -208,17 +211,21 @@ def test_a_wrong_init_from_is_refused_before_the_dataset_is_read(baseline, tmp_p
 
 
 def test_a_run_that_stopped_short_is_named_as_init_from_with_its_step(baseline, tmp_path,
-                                                                      text8_dirs):
+                                                                      text8_dirs, capsys):
   """A preempted baseline looks finished from the outside: the run says first which
   step it starts from. A finished run, or an export, gets no note."""
   manual_dir, data_dir = text8_dirs
   pruning = lambda init_from: assembly.checked_config(tiny_config(
       gates=dict(enabled=True, freeze_step=15), init_from=str(init_from),
       data=dict(manual_dir=manual_dir, data_dir=data_dir)))
-  note = assembly.prepared_run(pruning(baseline)).note
-  assert note.startswith(
+  prepared = assembly.prepared_run(pruning(baseline))
+  assert prepared.note.startswith(
       f"warning: config.init_from={baseline} is a run that stopped at step 1 of its 30: "
-      "this run starts from that checkpoint."), note
+      "this run starts from that checkpoint."), prepared.note
+  capsys.readouterr()
+  with pytest.raises(Preempted):
+    loop.train_and_evaluate(prepared, tmp_path / "pruned", deadline=time.monotonic())
+  assert capsys.readouterr().out.startswith(prepared.note + "\n")
   finished = shutil.copytree(baseline, tmp_path / "finished")
   run_files.save_config(finished, run_config.derived_run(run_files.load_config(baseline),
                                                          train=dict(num_steps=1)))

@@ -125,8 +125,8 @@ def test_gates_frozen_bit_identical_while_params_train(data_dir, persistent_grou
 
 def test_steps_from_the_freeze_on_are_frozen_steps_and_the_last_step_logs(tmp_path, capsys):
   """Gates frozen at step 2: the steps after it train without sampling or the L0 term,
-  so no line after the freeze shows a penalty; 5 steps logged every 2 end with a
-  line for step 5."""
+  so no line after the freeze shows a penalty, and each says the heads kept; 5 steps
+  logged every 2 end with a line for step 5."""
   text8 = data_fixtures.text8_data(tmp_path / "text8")
   config = tiny_config(text8["data_dir"], num_steps=5, log_every_steps=2)
   config.data.update(text8)
@@ -138,6 +138,8 @@ def test_steps_from_the_freeze_on_are_frozen_steps_and_the_last_step_logs(tmp_pa
   assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
   assert "penalty" in lines[0]
   assert not any("penalty" in line for line in lines[1:]), lines
+  # Sampled up to the freeze, then the heads kept.
+  assert "expected" in lines[0] and all("(frozen)" in line for line in lines[1:]), lines
 
 
 def test_a_finished_runs_evaluation_is_redone_only_for_another_state_or_evaluation(tmp_path):

@@ -4,6 +4,7 @@ The interrupted runs are real `python -m allatt_jax.main` processes sent SIGTERM
 SIGINT or SIGKILL; they must end exactly where an uninterrupted run (in this process)
 ends.
 """
+import itertools
 import os
 import pathlib
 import random
@@ -303,6 +304,38 @@ def test_nonfinite_steps_are_skipped_without_update_and_counted(run_config, pois
             if "nonfinite_steps" in s}
   assert counts == {2: 0, 4: 0, 6: 1, 8: 0}
   assert np.isfinite(writer.scalars[6]["loss"])   # the mean of the finite step
+
+
+@pytest.mark.slow
+def test_a_stopped_run_flushes_the_steps_it_logged(run_config, tmp_path, monkeypatch):
+  """TensorBoard's writer may hold them in memory for minutes: the run flushes it when
+  it stops, whatever stops it."""
+  writer = helpers.RecordingWriter()
+  monkeypatch.setattr(metric_writers, "create_default_writer",
+                      lambda *args, **kwargs: writer)
+  with pytest.raises(errors.Preempted, match="^Time box reached"):
+    train_run(short_config(run_config, log_every_steps=1), tmp_path,
+              deadline=time.monotonic())
+  assert list(writer.scalars) == [1] and not writer.unflushed
+
+
+@pytest.mark.slow
+def test_a_resumed_runs_rate_counts_the_batch_tokens_of_steps_after_its_compile(
+    run_config, tmp_path, monkeypatch):
+  config = short_config(run_config)
+  with pytest.raises(errors.Preempted, match="^Time box reached: saved a checkpoint at step 1 "):
+    train_run(config, tmp_path, deadline=time.monotonic())
+  writer = helpers.RecordingWriter()
+  monkeypatch.setattr(metric_writers, "create_default_writer",
+                      lambda *args, **kwargs: writer)
+  # A clock that ticks once a reading: the steps timed are those between the reading
+  # at the end of the compiling step and the log's.
+  monkeypatch.setattr(progress, "time",
+                      types.SimpleNamespace(perf_counter=itertools.count().__next__))
+  train_run(config, tmp_path)
+  # Resumed at step 2, which compiles: steps 3 and 4 are timed by step 4's log.
+  tokens_per_step = config.train.batch_size * config.train.seq_len
+  assert writer.scalars[4]["tokens_per_s"] == 2 * tokens_per_step
 
 
 @pytest.mark.slow
