@@ -14,6 +14,7 @@ import helpers
 from helpers import train_run
 from helpers import run_pipeline
 from allatt_jax.runs import checkpointing
+from allatt_jax.evaluation import speed
 from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
 from allatt_jax.model import transformer as model_lib
@@ -42,18 +43,28 @@ def tiny_config(data_dir, **train_overrides):
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, data_dir):
-  """The whole demo pipeline at tiny size: baseline, pruning, export, report."""
+  """The whole demo pipeline at tiny size: baseline, pruning, export, report; and what
+  its speed comparison timed: (batches, heads per layer of each model)."""
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.data.data_dir = data_dir
   # Strong, early pressure so that even 30 tiny steps close some heads.
   config.pipeline.prune_gates.update(dict(lam=0.5, init=0.5, learning_rate=0.2))
   workdir = tmp_path_factory.mktemp("demo")
-  report = run_pipeline(config, workdir)
-  return workdir, config, report
+  timed, tokens_per_s = [], speed.tokens_per_s
+
+  def recorded(run, mesh, tokens, num_batches, models, **kwargs):
+    timed.append((num_batches, {name: list(model.lm.cfg.layer_heads)
+                                for name, model in models.items()}))
+    return tokens_per_s(run, mesh, tokens, num_batches, models, **kwargs)
+
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(speed, "tokens_per_s", recorded)
+    report = run_pipeline(config, workdir)
+  return workdir, config, report, timed
 
 
 def test_demo_report_and_files(demo_run):
-  workdir, _, report = demo_run
+  workdir, config, report, timed = demo_run
   assert json.loads((workdir / "report.json").read_text()) == report
   for key in ("dataset", "metric", "baseline", "pruned", "speed"):
     assert key in report
@@ -67,11 +78,14 @@ def test_demo_report_and_files(demo_run):
   assert report["speed"]["macs_ratio"] < 1.0
   assert (workdir / "gates.png").stat().st_size > 1000
   assert (workdir / "pruned" / "export" / "config.json").is_file()
+  # Its speeds are the baseline's and the export's, over the pipeline's speed_batches.
+  assert timed == [(config.pipeline.speed_batches,
+                    {"baseline": [4, 4], "pruned": pruned_heads})]
 
 
 def test_exported_model_scores_like_gated_model(demo_run):
   """Exported logits equal the gated model's deterministic logits on real text."""
-  workdir, config, report = demo_run
+  workdir, config, report, _ = demo_run
   assert report["pruned"]["valid"] == pytest.approx(report["pruned"]["gated_valid"], rel=1e-5)
   assert report["pruned"]["test"] == pytest.approx(report["pruned"]["gated_test"], rel=1e-5)
 
