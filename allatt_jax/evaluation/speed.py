@@ -22,9 +22,9 @@ def tokens_per_s(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches
   evaluators = {}
   for name, model in models.items():
     safe_point()
-    evaluators[name] = (stream_eval.Evaluator.from_config(model.lm, mesh, config),
-                        model.variables)
-    evaluators[name][0].score(model.variables, tokens, max_batches=1)   # compile, untimed
+    evaluator = stream_eval.Evaluator.from_config(model.lm, mesh, config)
+    evaluator.score(model.variables, tokens, max_batches=1)   # compile, untimed
+    evaluators[name] = evaluator, model.variables
   speeds = {f"{name}_tokens_per_s": 0.0 for name in evaluators}
   for _ in range(repeats):
     for name, (evaluator, variables) in evaluators.items():
