@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from allatt_jax.model.attention import relative
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import core_choice
 from allatt_jax.model import transformer as model_lib
@@ -17,37 +18,74 @@ from allatt_jax.training import assembly
 from allatt_jax.config.errors import ConfigError
 
 
-def test_threefry_matches_jax_at_20_rounds():
-  key = jnp.array([0x13198A2E, 0x03707344], jnp.uint32)
-  count = jnp.arange(64, dtype=jnp.uint32) * jnp.uint32(2654435761)
-  expected = jax.extend.random.threefry_2x32(key, count)
-  b0, b1 = xla_core.threefry2x32(key[0], key[1], count[:32], count[32:], rounds=20)
-  np.testing.assert_array_equal(jnp.concatenate([b0, b1]), expected)
+def _lowbias32(x: int) -> int:
+  """The finalizer in Python's integers, written from its definition."""
+  x ^= x >> 16
+  x = (x * 0x7FEB352D) & 0xFFFFFFFF
+  x ^= x >> 15
+  x = (x * 0x846CA68B) & 0xFFFFFFFF
+  return x ^ (x >> 16)
 
 
-def test_dropout_hash_bits_are_balanced_and_uncorrelated():
-  # The rounds dropout uses, on the consecutive counters a mask hashes.
-  n = 1 << 16
-  lo = jnp.arange(n, dtype=jnp.uint32)
-  b0, b1 = xla_core.threefry2x32(jnp.uint32(7), jnp.uint32(9), jnp.zeros_like(lo), lo)
-  words = np.asarray(b0 ^ b1)
-  bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-  np.testing.assert_allclose(bits.mean(0), 0.5, atol=0.01)   # ~5 sd of 1/sqrt(4n)
-  keep = (words >= np.uint32(0.2 * 2**32)).astype(np.float64)
-  assert abs(np.corrcoef(keep[:-1], keep[1:])[0, 1]) < 0.02
-  assert abs(np.corrcoef(keep[:-64], keep[64:])[0, 1]) < 0.02
+def test_dropout_hash_is_lowbias32_of_the_documented_seeds():
+  words = [0, 1, 2, 0x9E3779B9, 0xFFFFFFFF]
+  np.testing.assert_array_equal(dropout_mask.mix(jnp.array(words, jnp.uint32)),
+                                [_lowbias32(w) for w in words])
+  key, (h, b, t, c), rate = (11, 13), (3, 2, 5, 7), 0.25
+  expected = np.zeros((h, b, t, c), bool)
+  for index in np.ndindex(h, b, t, c):
+    head, batch, query, column = index
+    row_seed = _lowbias32(_lowbias32((key[0] + _lowbias32(head)) & 0xFFFFFFFF)
+                          ^ (batch * t + query))
+    column_seed = _lowbias32(key[1] ^ column)
+    expected[index] = _lowbias32(row_seed ^ column_seed) >= int(rate * 2**32)
+  np.testing.assert_array_equal(
+      dropout_mask.keep_mask(jnp.array(key, jnp.uint32), (h, b, t, c), rate), expected)
 
 
-def test_keep_mask_rate_keys_and_head_offset():
-  shape = (4, 3, 64, 96)
-  keys = jnp.array([[1, 2], [3, 4]], jnp.uint32)
-  a = xla_core.keep_mask(keys[0], shape, 0.2, 0)
-  b = xla_core.keep_mask(keys[1], shape, 0.2, 0)
-  assert abs(float(a.mean()) - 0.8) < 0.01
-  assert 0.6 < float((a == b).mean()) < 0.7   # independent masks agree on 0.8² + 0.2²
+# Keys chosen once at random; the checks below are deterministic.
+_MASK_KEYS = np.array([[0x2F6A1C3B, 0x91D04E77], [0x5B3E0A19, 0x0C7D6F25]], np.uint32)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+def test_dropout_mask_keeps_one_minus_rate_and_neighbours_are_independent(rate):
+  """At the benchmark layer's proportions: the kept fraction within 3σ of 1 − rate,
+  and along each axis (keys or slots, queries, batch rows, heads) the four kinds of
+  disjoint adjacent pairs (kept, kept), (kept, dropped), ... in the proportions of
+  independent draws: χ² with 3 degrees of freedom within 3σ of its mean (3 + 3·√6)."""
+  shape = (8, 4, 48, 384)
+  keep = np.asarray(dropout_mask.keep_mask(_MASK_KEYS[0], shape, rate))
+  sigma = np.sqrt(rate * (1 - rate) / keep.size)
+  assert abs(keep.mean() - (1 - rate)) < 3 * sigma, (keep.mean(), sigma)
+  p = np.array([1 - rate, rate])
+  expected_share = np.outer(p, p).ravel()
+  for axis in (3, 2, 1, 0):
+    along = np.moveaxis(keep, axis, -1)
+    even = along.shape[-1] // 2 * 2
+    first, second = along[..., 0:even:2].ravel(), along[..., 1:even:2].ravel()
+    counts = np.array([np.sum(first & second), np.sum(first & ~second),
+                       np.sum(~first & second), np.sum(~first & ~second)])
+    expected = first.size * expected_share
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 3 + 3 * np.sqrt(6), (axis, chi2, counts)
+
+
+def test_dropout_masks_differ_across_keys_and_heads_and_follow_the_head_offset():
+  shape, rate = (4, 3, 64, 96), 0.2
+  a = np.asarray(dropout_mask.keep_mask(_MASK_KEYS[0], shape, rate))
+  b = np.asarray(dropout_mask.keep_mask(_MASK_KEYS[1], shape, rate))
+  # Independent masks agree on 0.8² + 0.2² = 0.68 of their weights, within 3σ.
+  def assert_independent(x, y):
+    sigma = np.sqrt(0.68 * 0.32 / x.size)
+    assert abs(float(np.mean(x == y)) - 0.68) < 3 * sigma
+
+  assert_independent(a, b)
+  for head in range(1, 4):
+    assert_independent(a[0], a[head])
   # Heads 2.. drawn as a block starting at head 2 get the same mask.
-  np.testing.assert_array_equal(a[2:], xla_core.keep_mask(keys[0], (2, *shape[1:]), 0.2, 2))
-  assert bool(xla_core.keep_mask(keys[0], shape, 0.0, 0).all())
+  np.testing.assert_array_equal(
+      a[2:], dropout_mask.keep_mask(_MASK_KEYS[0], (2, *shape[1:]), rate, first_head=2))
+  assert bool(dropout_mask.keep_mask(_MASK_KEYS[0], shape, 0.0).all())
 
 
 def _inputs(num_persistent, dtype=jnp.float32, h=4, b=2, t=5, s=4, dh=8):

@@ -5,7 +5,7 @@ round-off of a reordered sum: outputs and every gradient (q through both bias pa
 and the persistent queries, k, v, the position table, persistent keys and values,
 slot weights) within 1e-6 of each array's largest value plus 1e-6 of each element's,
 with the same dropout masks; each as close to a float64 reference as the XLA core
-is. Also: the packed keep bits are the XLA core's masks; the model's log-probabilities
+is. Also: every part draws the XLA core's dropout masks; the model's log-probabilities
 and an accumulated train step; pruned layers of uneven head counts, a stream start,
 slot weights (a closed slot takes no mass); the Pallas part in interpret mode and the
 cuDNN part's plumbing (against a stand-in for cuDNN) against the XLA part; a 2 × 2
@@ -37,7 +37,7 @@ from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
 from allatt_jax.perf import gpu_check
 from allatt_jax.perf import gpu_pieces
-from allatt_jax.model.attention import keep_bits
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.model.attention import persistent_cudnn
@@ -143,8 +143,8 @@ def _float64_reference(rate, qu, qv, qp, k, v, r_pad, pk, pv, mask, keys, pw):
                             -1)
   e = weights * jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
   p = e / e.sum(-1, keepdims=True)
-  keep = jnp.concatenate([xla_core.keep_mask(keys[0], ctx.shape, rate, 0),
-                          xla_core.keep_mask(keys[1], pers.shape, rate, 0)], -1)
+  keep = jnp.concatenate([dropout_mask.keep_mask(keys[0], ctx.shape, rate),
+                          dropout_mask.keep_mask(keys[1], pers.shape, rate)], -1)
   p = jnp.where(keep, p / (1 - rate), 0.0)
   kk = k.shape[2]
   return (jnp.einsum("hbtk,hbkd->hbtd", p[..., :kk], v)
@@ -172,16 +172,31 @@ def test_split_core_is_as_exact_as_the_xla_core():
   assert np.all(split_error <= 1.5 * xla_error + 2e-7), (split_error, xla_error)
 
 
-@pytest.mark.parametrize("shape", [(3, 2, 5, 70), (2, 1, 3, 64), (1, 2, 2, 5)])
-def test_packed_keep_bits_are_the_xla_cores_masks(shape):
-  rate = 0.3
-  words = keep_bits.packed(KEYS[1], shape, rate)
-  assert words.shape == (*shape[:3], -(-shape[3] // 32)) and words.dtype == jnp.uint32
-  keep = keep_bits.unpacked(words, shape[3])
-  np.testing.assert_array_equal(keep, xla_core.keep_mask(KEYS[1], shape, rate, 0))
-  # A block of heads counts its heads from its first (the XLA core's head loop).
-  np.testing.assert_array_equal(keep[1:], xla_core.keep_mask(
-      KEYS[1], (shape[0] - 1, *shape[1:]), rate, 1))
+def seeds(rate, qp, pk):
+  """The persistent part's dropout seeds under KEYS[1], as the split core makes them."""
+  if not rate:
+    return None, None
+  return (dropout_mask.row_seeds(KEYS[1], *qp.shape[:3]),
+          dropout_mask.column_seeds(KEYS[1], pk.shape[1]))
+
+
+@pytest.mark.parametrize("part", [persistent_cores.PARTS["xla"],
+                                  persistent_cores.Part("pallas", SMALL_TILES)], ids=str)
+def test_every_persistent_part_drops_the_xla_cores_weights(part):
+  """Each slot's dropped weight read off a part's output: with equal scores (qp = 0)
+  and one-hot values, out[n] = keep_n / ((1 − rate)·N), so out·(1 − rate)·N is the
+  mask the part drew, over several tiles of rows and slots (15 rows in tiles of 8, 70
+  slots in tiles of 32)."""
+  rate, (h, b, t, n) = 0.3, (3, 3, 5, 70)
+  qp = np.zeros((h, b, t, n), np.float32)
+  one_hot = np.broadcast_to(np.eye(n, dtype=np.float32), (h, n, n))
+  rows, columns = seeds(rate, qp, one_hot)
+  acc, _, norm = jax.jit(functools.partial(part.forward, rate, h, jnp.float32))(
+      qp, one_hot, one_hot, None, rows, columns)
+  drawn = np.asarray(acc / norm[..., None]) * (1 - rate) * n
+  np.testing.assert_allclose(drawn, np.round(drawn), atol=1e-5)
+  np.testing.assert_array_equal(drawn.round() == 1,
+                                dropout_mask.keep_mask(KEYS[1], (h, b, t, n), rate))
 
 
 def assert_kept_fraction(keep, rate):
@@ -197,18 +212,18 @@ def tiny_model(**model):
 
 
 def test_masks_follow_the_step_key_and_differ_across_steps_and_layers(monkeypatch):
-  """Each layer's packed mask keeps 1 - rate of its weights; no two layers or steps
-  draw the same mask."""
+  """Each layer's persistent mask keeps 1 - rate of its weights; no two layers or
+  steps draw the same mask."""
   masks = []
-  packed = keep_bits.packed
+  def recording(key_2, num_heads, batch, length):
+    rows = dropout_mask.row_seeds(key_2, num_heads, batch, length)
+    keep = dropout_mask.kept(rows[..., None], dropout_mask.column_seeds(key_2, 512), 0.3)
+    jax.debug.callback(lambda k: masks.append(np.asarray(k)), keep)
+    return rows
 
-  def recording(key_2, shape, rate):
-    words = packed(key_2, shape, rate)
-    jax.debug.callback(lambda w: masks.append(np.asarray(keep_bits.unpacked(w, shape[3]))),
-                       words)
-    return words
-
-  monkeypatch.setattr(keep_bits, "packed", recording)
+  # The split core's own seeds: its context part draws through dropout_mask too.
+  monkeypatch.setattr(split_core, "dropout_mask", types.SimpleNamespace(
+      row_seeds=recording, column_seeds=dropout_mask.column_seeds))
   config = tiny_model(attention_impl="split", persistent_impl="xla", num_persistent=512)
   lm = model_lib.TransformerLM.from_config(config)
   tokens = np.random.default_rng(1).integers(0, 11, (4, 7))
@@ -317,27 +332,32 @@ def test_a_resumed_split_run_with_attention_dropout_ends_bit_identical(tmp_path)
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("rate, closed, tiles", [
-    (0.0, None, SMALL_TILES), (0.3, "groups", SMALL_TILES),
-    (0.3, None, persistent_pallas.Tiles(rows=8, slots=64, chunks=2))])
-def test_pallas_part_matches_the_xla_part(rate, closed, tiles, monkeypatch):
+@pytest.mark.parametrize("rate, closed, closed_scale, tiles", [
+    (0.0, None, 1.0, SMALL_TILES), (0.3, "groups", 1.0, SMALL_TILES),
+    (0.3, None, 1.0, persistent_pallas.Tiles(rows=8, slots=64, chunks=2)),
+    # Closed slots scoring 30 times the open ones: the running max is the open slots'
+    # (with theirs, every open exponential would underflow: l = 0, out = 0/0).
+    (0.3, "groups", 30.0, SMALL_TILES)],
+    ids=["no_dropout", "slot_weights", "wide_tiles", "closed_slots_above_the_rest"])
+def test_pallas_part_matches_the_xla_part(rate, closed, closed_scale, tiles, monkeypatch):
   """In Pallas' interpreter, several tiles in every direction (15 query rows in tiles
-  of 8, 70 slots in tiles of 32 or 64: one or two words of keep bits a row, 2 chunks);
-  alone and inside the split core. 3e-6:
+  of 8, 70 slots in tiles of 32 or 64, 2 chunks); alone and inside the split core;
+  finite. 3e-6:
   sums over slot tiles round otherwise (observed 2e-6 at one element of dqp, where
   large terms cancel; there the Pallas and XLA parts are 1.2e-6 and 0.8e-6 from a
   float64 reference)."""
-  args, mask, dout = core_inputs(t=5, n=70, dh=12, closed=closed)
+  args, mask, dout = core_inputs(t=5, n=70, dh=12, closed=closed, closed_scale=closed_scale)
   qp, pk, pv, pw = args[2], args[6], args[7], args[8]
-  bits = keep_bits.packed(KEYS[1], (*qp.shape[:3], pk.shape[1]), rate) if rate else None
   part = persistent_cores.Part("pallas", tiles)
   run = lambda p: jax.jit(functools.partial(persistent_cores.outputs_and_grads, p, rate,
-                                            jnp.float32))(qp, pk, pv, pw, bits, dout)
+                                            jnp.float32))(qp, pk, pv, pw, *seeds(rate, qp, pk),
+                                                          dout)
   for name, got, expected in zip(("out", "lse", "dqp", "dpk", "dpv", "dpw"), run(part),
                                  run(persistent_cores.PARTS["xla"])):
     if expected is None:
       assert got is None
     else:
+      assert np.all(np.isfinite(got)), name
       assert_close(got, expected, name, tolerance=3e-6)
   monkeypatch.setattr(persistent_cores, "part", lambda *_: part)
   got, expected = run_cores(
@@ -351,23 +371,21 @@ def test_pallas_part_matches_the_xla_part(rate, closed, tiles, monkeypatch):
                                    persistent_pallas.Tiles(rows=16, slots=64, chunks=2),
                                    *gpu_pieces.TILE_CANDIDATES], ids=str)
 def test_pallas_part_lowers_for_the_gpu(tiles):
-  """The Triton lowering accepts the three kernels (one to four columns of keep bits a
-  tile; the device check's tiles) in bf16 with dropout and slot weights, with the
-  tiles' warps and pipeline stages; compiling them needs a GPU."""
+  """The Triton lowering accepts the three kernels (the device check's tiles and
+  others) in bf16 with dropout and slot weights, with the tiles' warps and pipeline
+  stages; compiling them needs a GPU."""
   rate = 0.2
-  qp, pk, pv, pw, bits, dout = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2,
-                                                              b=2, t=24, n=70, dh=12)
+  args = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2, b=2, t=24, n=70, dh=12)
   kernels = dict(rate=rate, tiles=tiles, interpret=False)
 
-  def forward_and_backward(qp, pk, pv, pw, bits, dout):
-    acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, bits, **kernels)
+  def forward_and_backward(qp, pk, pv, pw, rows, columns, dout):
+    acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, rows, columns, **kernels)
     delta = jnp.sum(acc * dout, -1) / norm
-    return acc, persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout,
-                                           **kernels)
+    return acc, persistent_pallas.backward(qp, pk, pv, pw, rows, columns, top, norm, delta,
+                                           dout, **kernels)
 
   try:
-    lowered = jax.jit(forward_and_backward).trace(qp, pk, pv, pw, bits, dout).lower(
-        lowering_platforms=("cuda",))
+    lowered = jax.jit(forward_and_backward).trace(*args).lower(lowering_platforms=("cuda",))
   except ModuleNotFoundError as e:   # a jaxlib without the Triton dialect
     pytest.skip(str(e))
   text = lowered.as_text()
@@ -395,7 +413,18 @@ def _stand_in_for_cudnn():
   def backward_rule(**kwargs):
     query, key, value, *_, stats, out = kwargs["res"]
     dout = kwargs["grad_output"]
-    assert kwargs["layout"] == fa.AttentionLayout.BNTH.value and not kwargs["dropout_rate"]
+    # What the forward computed: no mask, bias, dropout or window, the queries come
+    # scaled; one batch row of B·T queries per head against its slots (BNTH).
+    settings = {name: kwargs[name] for name in (
+        "scale", "dropout_rate", "mask_type", "layout", "sliding_window_length",
+        "variadic_args")}
+    assert settings == dict(scale=1.0, dropout_rate=0.0, mask_type=fa.MaskType.NO_MASK,
+                            layout=fa.AttentionLayout.BNTH.value, sliding_window_length=None,
+                            variadic_args=(False, False)), settings
+    (_, heads, rows, head_dim), slots = query.shape, key.shape[2]
+    assert key.shape == value.shape == (1, heads, slots, head_dim)
+    assert stats.shape == (1, heads, rows) and stats.dtype == jnp.float32
+    assert out.shape == dout.shape == query.shape
     p = jnp.exp(jnp.einsum("bntd,bnsd->bnts", query, key) - stats[..., None])
     ds = p * (jnp.einsum("bntd,bnsd->bnts", dout, value)
               - jnp.sum(out * dout, -1, keepdims=True))
@@ -406,7 +435,8 @@ def _stand_in_for_cudnn():
   return types.SimpleNamespace(
       dot_product_attention=dot_product_attention, MaskType=fa.MaskType,
       AttentionLayout=fa.AttentionLayout, _dot_product_attention_bwd_rule=backward_rule,
-      _dot_product_attention_fwd_rule=fa._dot_product_attention_fwd_rule)
+      _dot_product_attention_fwd_rule=fa._dot_product_attention_fwd_rule,
+      check_cudnn_version=lambda: None)
 
 
 def test_cudnn_part_hands_cudnn_the_merged_statistics(monkeypatch):
@@ -414,7 +444,7 @@ def test_cudnn_part_hands_cudnn_the_merged_statistics(monkeypatch):
   core is the XLA core: its residuals (the merged lse and output) are built right."""
   assert not persistent_cudnn._unknown_parameters(persistent_cudnn._module())
   monkeypatch.setattr(persistent_cudnn, "_module", _stand_in_for_cudnn)
-  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype, head_dim: None)
   args, mask, dout = core_inputs()
   got, expected = run_cores(
       functools.partial(split_core.attend, 0.0, 2, False, jnp.float32, persistent="cudnn"),
@@ -423,22 +453,63 @@ def test_cudnn_part_hands_cudnn_the_merged_statistics(monkeypatch):
   assert_all_close(got, expected, tolerance=2e-6)
 
 
+def test_cudnn_part_refuses_head_dims_cudnn_cannot_take(monkeypatch):
+  """On a GPU with cuDNN (pretended), heads of 8 to 256 in steps of 8 run; any other
+  size is refused in one line, so the model falls back to the XLA part (and a config
+  asking for cuDNN is refused) instead of failing while it traces."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(persistent_cudnn, "_module", _stand_in_for_cudnn)
+  for head_dim in (8, 64, 256):
+    assert persistent_cudnn.why_not_here(jnp.bfloat16, head_dim) is None
+  for head_dim in (12, 264, 4):
+    why_not = persistent_cudnn.why_not_here(jnp.bfloat16, head_dim)
+    assert why_not == (f"cuDNN's attention takes head dimensions up to 256 in multiples "
+                       f"of 8 and this model's heads have {head_dim}")
+  assert persistent_cores.part("cudnn", 0.0, False, jnp.bfloat16, 12).name == "xla"
+  assert persistent_cores.part("cudnn", 0.0, False, jnp.bfloat16, 16).name == "cudnn"
+
+
+def test_a_jaxlib_without_triton_imports_the_model_and_says_why_pallas_cannot_run():
+  """Pallas' Triton backend missing (as from a jaxlib built without it): the model
+  still imports and runs, and 'pallas' is refused with the reason, in one line."""
+  script = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None   # its import now fails
+from allatt_jax.model import transformer
+from allatt_jax.model.attention import persistent_cores
+from allatt_jax.config.errors import ConfigError
+print(persistent_cores.why_not_here("pallas", "float32", 64))
+try:
+  persistent_cores.check_config("split", "pallas", 0.0, "float32", False, 64)
+except ConfigError as e:
+  print(e)
+"""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  reason, error = result.stdout.strip().splitlines()[-2:]
+  assert reason.startswith("this jaxlib lacks Pallas' Triton backend (ModuleNotFoundError: ")
+  assert error.startswith("config.model.persistent_impl='pallas' asks for the persistent "
+                          f"part's pallas implementation, but {reason}.")
+
+
 def test_choices_and_refusals(monkeypatch):
   # On a CPU: 'auto' is the XLA core (the CPU demo computes what it computed), and
   # the split core's 'auto' persistent part is XLA's.
   assert not core_choice.use_split("auto", 0.0) and core_choice.use_split("split", 0.2)
-  assert persistent_cores.part("auto", 0.3, True, jnp.float32).name == "xla"
+  assert persistent_cores.part("auto", 0.3, True, jnp.float32, 8).name == "xla"
   # Asked for where they cannot run (a model read from disk): the XLA part.
   for impl in ("pallas", "cudnn"):
-    assert persistent_cores.part(impl, 0.0, False, jnp.bfloat16).name == "xla"
+    assert persistent_cores.part(impl, 0.0, False, jnp.bfloat16, 8).name == "xla"
   with pytest.raises(ConfigError, match=r"^config\.model\.persistent_impl='cudnn': cuDNN's "
                      r"attention dropout cannot follow the step's key.*\(attention dropout "
                      r"here: 0\.2\)\. Use --config\.model\.persistent_impl=auto"):
-    persistent_cores.part("cudnn", 0.2, False, jnp.bfloat16)
+    persistent_cores.part("cudnn", 0.2, False, jnp.bfloat16, 8)
   with pytest.raises(ConfigError, match="cannot weight persistent slots"):
-    persistent_cores.part("cudnn", 0.0, True, jnp.bfloat16)
+    persistent_cores.part("cudnn", 0.0, True, jnp.bfloat16, 8)
   with pytest.raises(ConfigError, match=r"persistent_impl='flash' is unknown"):
-    persistent_cores.part("flash", 0.0, False, jnp.float32)
+    persistent_cores.part("flash", 0.0, False, jnp.float32, 8)
 
   config = config_base.base_config()
   config.model.update(dict(vocab_size=11, num_persistent=8, attention_impl="split"))
@@ -453,7 +524,7 @@ def test_choices_and_refusals(monkeypatch):
     assert "\n" not in str(error.value)
   # Training with attention dropout: refused whatever the device.
   config.model.persistent_impl, config.model.dropout_attn = "cudnn", 0.2
-  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype, head_dim: None)
   with pytest.raises(ConfigError, match="dropout cannot follow the step's key"):
     check()
   # 'auto' runs the split core only where a layer has no dropout: evaluation, here.
@@ -475,7 +546,7 @@ def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
   split core without attention dropout and the XLA core with it (as measured on an
   H200); the split core's 'auto' part is the fastest whose trial passes in time."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype: None)
+  monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype, head_dim: None)
   monkeypatch.setattr(persistent_cores, "TRIAL_SECONDS", 0.5)
 
   def trial(name, rate, weighted, dtype):
@@ -491,7 +562,7 @@ def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
   try:
     assert core_choice.use_split("auto", 0.0) and not core_choice.use_split("auto", 0.2)
     choose = lambda rate, weighted, dtype=jnp.bfloat16: persistent_cores.part(
-        "auto", rate, weighted, dtype).name
+        "auto", rate, weighted, dtype, 64).name
     assert choose(0.0, False) == "cudnn"
     assert choose(0.2, False) == "pallas"   # cuDNN's dropout would not follow the key
     assert choose(0.2, True) == "xla"       # Pallas stalled, cuDNN cannot weight slots
@@ -572,7 +643,7 @@ def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
     assert result.get("status", "ok") == "ok", (piece, result)
   assert results["part:xla:0.2"]["agrees"] and results["layer:split-xla:0.2"]["ms"] > 0
   assert gpu_pieces.run_piece("layer:split-pallas:0.0", dry=True) == {
-      "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32)}
+      "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32, 16)}
   assert gpu_check._best_split(results, dry=True) == "xla"
   report = {"date": "2026-11-27", "dry_run": True, "seconds": 1.0,
             "pieces": {**results, "benchmark": {"status": "timeout", "limit_s": 1.0}}}

@@ -71,8 +71,9 @@ def _timed(fn, args, calls: int = 10) -> dict:
 
 
 def _unavailable(name: str, rate: float, dtype) -> str | None:
+  head_dim = LAYER["gpu"][-1]   # the pieces' heads, all of a size every part takes
   return (persistent_cores.refusal(name, rate, False)
-          or persistent_cores.why_not_here(name, dtype))
+          or persistent_cores.why_not_here(name, dtype, head_dim))
 
 
 def _versions(dry: bool) -> dict:

@@ -243,7 +243,7 @@ def _check_model(config):
         f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
   weighted = bool(config.gates.enabled and config.gates.persistent_group)
   persistent_cores.check_config(m.attention_impl, m.persistent_impl, m.dropout_attn, m.dtype,
-                                weighted)
+                                weighted, m.d_model // m.num_heads)
   if m.kind == "txl" and m.d_ff < 1:
     raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")

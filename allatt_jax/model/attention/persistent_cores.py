@@ -6,8 +6,9 @@ process; 'xla' elsewhere).
 
 A part scores queries qp (H, B, T, dh) against their head's N persistent slots (keys
 pk and values pv (H, N, dh), shared by every batch row; no position term, no shift, no
-mask), with slot weights pw (H, N) or None (every slot at 1) and the dropout keep bits
-of `keep_bits.packed` (or None: no dropout):
+mask), with slot weights pw (H, N) or None (every slot at 1) and the dropout mask's
+seeds (dropout_mask.py: row_seeds (H, B, T) and column_seeds (N,) of the layer's
+persistent key, from which each part draws the same mask; None: no dropout):
 
   forward  -> (acc, m, l), float32: the log-sum-exp log Σ_n w_n·exp(s_n) as a shift m
               (H, B, T) and the sum l = Σ_n w_n·exp(s_n − m), and the output before
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from allatt_jax.model.attention import xla_core
-from allatt_jax.model.attention import keep_bits
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import persistent_cudnn
 from allatt_jax.model.attention import persistent_pallas
 from allatt_jax.config.errors import ConfigError
@@ -50,29 +51,30 @@ class Part:
   name: str
   tiles: persistent_pallas.Tiles | None = None
 
-  def forward(self, rate, head_block, score_dtype, qp, pk, pv, pw, bits):
+  def forward(self, rate, head_block, score_dtype, qp, pk, pv, pw, row_seeds, column_seeds):
     if self.name == "xla":
-      fn = functools.partial(_xla_forward, rate, score_dtype)
+      fn = functools.partial(_xla_forward, rate, score_dtype, column_seeds)
       return xla_core.over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                       pv, pw, bits)
+                                       pv, pw, row_seeds)
     forward = (functools.partial(persistent_pallas.forward, rate=rate, tiles=self.tiles)
                if self.name == "pallas" else persistent_cudnn.forward)
-    return _per_shard(forward, False, qp, pk, pv, pw, bits)
+    return _per_shard(forward, False, qp, pk, pv, pw, row_seeds, column_seeds)
 
-  def backward(self, rate, head_block, score_dtype, qp, pk, pv, pw, bits, top, norm, delta,
-               out, dout):
+  def backward(self, rate, head_block, score_dtype, qp, pk, pv, pw, row_seeds, column_seeds,
+               top, norm, delta, out, dout):
     if self.name == "xla":
-      fn = functools.partial(_xla_backward, rate, score_dtype)
+      fn = functools.partial(_xla_backward, rate, score_dtype, column_seeds)
       return xla_core.over_head_blocks(lambda _, *a: fn(*a), head_block, qp, pk,
-                                       pv, pw, bits, top, norm, delta, dout)
+                                       pv, pw, row_seeds, top, norm, delta, dout)
     if self.name == "pallas":
-      backward = lambda qp, pk, pv, pw, bits, top, norm, delta, out, dout: (
-          persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout, rate=rate,
-                                     tiles=self.tiles))
+      backward = lambda qp, pk, pv, pw, rows, columns, top, norm, delta, out, dout: (
+          persistent_pallas.backward(qp, pk, pv, pw, rows, columns, top, norm, delta, dout,
+                                     rate=rate, tiles=self.tiles))
     else:
-      backward = lambda qp, pk, pv, pw, bits, top, norm, delta, out, dout: (
+      backward = lambda qp, pk, pv, pw, rows, columns, top, norm, delta, out, dout: (
           persistent_cudnn.backward(qp, pk, pv, top + jnp.log(norm), out, dout))
-    return _per_shard(backward, True, qp, pk, pv, pw, bits, top, norm, delta, out, dout)
+    return _per_shard(backward, True, qp, pk, pv, pw, row_seeds, column_seeds, top, norm,
+                      delta, out, dout)
 
 
 PARTS = {name: Part(name) for name in IMPLS[1:]}
@@ -83,7 +85,13 @@ def _scores(qp, pk, score_dtype):
                     preferred_element_type=score_dtype).astype(jnp.float32)
 
 
-def _xla_forward(rate, score_dtype, qp, pk, pv, pw, bits):
+def _keep(rate, row_seeds, column_seeds):
+  """The (H, B, T, N) keep mask of the seeds, or None without dropout."""
+  return (None if row_seeds is None
+          else dropout_mask.kept(row_seeds[..., None], column_seeds, rate))
+
+
+def _xla_forward(rate, score_dtype, column_seeds, qp, pk, pv, pw, row_seeds):
   s = _scores(qp, pk, score_dtype)
   if pw is None:
     top = s.max(-1, keepdims=True)
@@ -92,13 +100,14 @@ def _xla_forward(rate, score_dtype, qp, pk, pv, pw, bits):
     w = xla_core.slot_axes(pw)
     top = jnp.where(w > 0, s, xla_core.NEG_INF).max(-1, keepdims=True)
     e = jnp.exp(jnp.minimum(s - top, xla_core.MAX_EXPONENT)) * w
-  keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
+  keep = _keep(rate, row_seeds, column_seeds)
   acc = jnp.einsum("hbtn,hnd->hbtd", xla_core.dropped(e, keep, rate).astype(pv.dtype),
                    pv, preferred_element_type=jnp.float32)
   return acc, top[..., 0], e.sum(-1)
 
 
-def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dout):
+def _xla_backward(rate, score_dtype, column_seeds, qp, pk, pv, pw, row_seeds, top, norm,
+                  delta, dout):
   f32, dtype = jnp.float32, dout.dtype
   # Tied to dout, the scores' recomputation neither merges with the forward pass's
   # (which would keep them from forward to backward) nor runs before it is needed.
@@ -107,7 +116,7 @@ def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dou
   q = (jnp.exp(exponent if pw is None else jnp.minimum(exponent, xla_core.MAX_EXPONENT))
        * (1.0 / norm[..., None]))
   dp = jnp.einsum("hbtd,hnd->hbtn", dout, pv, preferred_element_type=score_dtype)
-  keep = None if bits is None else keep_bits.unpacked(bits, pk.shape[1])
+  keep = _keep(rate, row_seeds, column_seeds)
   q_dropped = xla_core.dropped(q, keep, rate)
   dlog_q = q_dropped * dp.astype(f32) - q * delta[..., None]
   dpw = None
@@ -122,21 +131,23 @@ def _xla_backward(rate, score_dtype, qp, pk, pv, pw, bits, top, norm, delta, dou
   return dqp, dpk, dpv, dpw
 
 
-def _per_shard(fn, backward: bool, qp, pk, pv, *rest):
+def _per_shard(fn, backward: bool, qp, pk, pv, pw, row_seeds, column_seeds, *rows_rest):
   """fn on each shard of a mesh of several devices (heads over 'model', batch rows over
   'data'; the slot gradients summed over 'data'), or on the whole arrays: a kernel's
-  call is not partitioned by XLA."""
+  call is not partitioned by XLA. The seeds are the whole layer's, so each shard
+  draws its part of the layer's mask."""
+  args = (qp, pk, pv, pw, row_seeds, column_seeds, *rows_rest)
   num_heads, batch = qp.shape[:2]
   mesh = jax.sharding.get_abstract_mesh()
   shards = {axis: mesh.shape.get(axis, 1) for axis in ("model", "data")}
   if (mesh.empty or mesh.size == 1 or num_heads % shards["model"]
       or batch % shards["data"]):
-    return fn(qp, pk, pv, *rest)
+    return fn(*args)
   P = jax.sharding.PartitionSpec
   heads = "model" if "model" in mesh.shape else None
   rows = "data" if "data" in mesh.shape else None
   per_row, per_head = P(heads, rows), P(heads)
-  in_specs = (per_row, per_head, per_head, per_head) + (per_row,) * (len(rest) - 1)
+  in_specs = (per_row, per_head, per_head, per_head, per_row, P()) + (per_row,) * len(rows_rest)
 
   def local(*args):
     results = fn(*args)
@@ -147,18 +158,20 @@ def _per_shard(fn, backward: bool, qp, pk, pv, *rest):
 
   out_specs = (per_row, per_head, per_head, per_head) if backward else (per_row,) * 3
   # check_vma=False: kernel outputs carry no varying-axes types to check.
-  return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-      qp, pk, pv, *rest)
+  return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
-def why_not_here(impl: str, dtype) -> str | None:
+def why_not_here(impl: str, dtype, head_dim: int) -> str | None:
   """Why `impl` cannot run on this process's default device for a model computing in
-  `dtype` (None: it can)."""
-  if impl == "pallas" and jax.default_backend() != "gpu":
-    return (f"its kernels need a CUDA GPU (Pallas' Triton backend) and this process runs "
-            f"on {jax.default_backend()}")
+  `dtype` with heads of `head_dim` (None: it can)."""
+  if impl == "pallas":
+    if persistent_pallas.unavailable():
+      return persistent_pallas.unavailable()
+    if jax.default_backend() != "gpu":
+      return (f"its kernels need a CUDA GPU (Pallas' Triton backend) and this process "
+              f"runs on {jax.default_backend()}")
   if impl == "cudnn":
-    return persistent_cudnn.why_not_here(dtype)
+    return persistent_cudnn.why_not_here(dtype, head_dim)
   return None
 
 
@@ -176,9 +189,10 @@ def refusal(impl: str, rate: float, weighted: bool) -> str | None:
   return None
 
 
-def part(impl: str, rate: float, weighted: bool, dtype) -> Part:
+def part(impl: str, rate: float, weighted: bool, dtype, head_dim: int) -> Part:
   """The part `model.persistent_impl=impl` runs for a layer with attention dropout
-  `rate`, slot weights (`weighted`) and compute `dtype`: 'auto' as the module says; an
+  `rate`, slot weights (`weighted`), compute `dtype` and heads of `head_dim`: 'auto'
+  as the module says; an
   implementation that cannot run here falls back to 'xla' with a warning (a model read
   from disk; a command's own config is refused by `check_config`).
 
@@ -189,12 +203,12 @@ def part(impl: str, rate: float, weighted: bool, dtype) -> Part:
     raise ConfigError(f"config.model.persistent_impl={impl!r} is unknown; choose one of "
                       f"{', '.join(map(repr, IMPLS))}.")
   if impl == "auto":
-    return PARTS[_auto(bool(rate), weighted, jnp.dtype(dtype).name)]
+    return PARTS[_auto(bool(rate), weighted, jnp.dtype(dtype).name, head_dim)]
   refused = refusal(impl, rate, weighted)
   if refused:
     raise ConfigError(f"config.model.persistent_impl={impl!r}: {refused}. Use "
                       "--config.model.persistent_impl=auto, pallas or xla.")
-  why_not = why_not_here(impl, dtype)
+  why_not = why_not_here(impl, dtype, head_dim)
   if why_not:
     _warn_once(impl, why_not)
     return PARTS["xla"]
@@ -202,7 +216,7 @@ def part(impl: str, rate: float, weighted: bool, dtype) -> Part:
 
 
 def check_config(attention_impl: str, impl: str, dropout_attn: float, dtype: str,
-                 weighted: bool) -> None:
+                 weighted: bool, head_dim: int) -> None:
   """Raises ConfigError if a model with these settings asks for a persistent part
   that cannot run here, or must not run (`refusal`); the split core runs where
   `attention_impl` is 'split', or 'auto' on a GPU for the layers without attention
@@ -210,7 +224,7 @@ def check_config(attention_impl: str, impl: str, dropout_attn: float, dtype: str
   if attention_impl not in ("split", "auto") or impl in ("auto", "xla"):
     return
   rate = 0.0 if attention_impl == "auto" else dropout_attn
-  why_not = refusal(impl, rate, weighted) or why_not_here(impl, dtype)
+  why_not = refusal(impl, rate, weighted) or why_not_here(impl, dtype, head_dim)
   if why_not:
     raise ConfigError(f"config.model.persistent_impl={impl!r} asks for the persistent "
                       f"part's {impl} implementation, but {why_not}. Use "
@@ -224,7 +238,7 @@ def _warn_once(impl: str, why_not: str) -> None:
 
 
 @functools.cache
-def _auto(dropout: bool, weighted: bool, dtype: str) -> str:
+def _auto(dropout: bool, weighted: bool, dtype: str, head_dim: int) -> str:
   """'xla' off the GPU; on it the fastest part whose trial passes within
   TRIAL_SECONDS (the XLA part's own trial only times it)."""
   if jax.default_backend() != "gpu":
@@ -232,7 +246,7 @@ def _auto(dropout: bool, weighted: bool, dtype: str) -> str:
   rate = 0.2 if dropout else 0.0
   seconds = {}
   for name in PARTS:
-    why_not = refusal(name, rate, weighted) or why_not_here(name, dtype)
+    why_not = refusal(name, rate, weighted) or why_not_here(name, dtype, head_dim)
     try:
       if why_not:
         raise RuntimeError(why_not)
@@ -269,23 +283,29 @@ def _within(seconds: float, fn):
 
 
 def trial_problem(dtype, rate: float, weighted: bool, h=2, b=8, t=128, n=512, dh=64):
-  """(qp, pk, pv, pw, bits, dout) of a persistent part's trial, as NumPy arrays (jnp
-  ones would be staged into whatever is tracing); `weighted`: every fourth slot closed."""
+  """(qp, pk, pv, pw, row_seeds, column_seeds, dout) of a persistent part's trial, as
+  NumPy arrays (jnp ones would be staged into whatever is tracing); `weighted`: every
+  fourth slot closed."""
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape).astype(dtype)
   pw = (np.arange(n) % 4 != 0)[None].repeat(h, 0).astype(dtype) if weighted else None
-  bits = (np.asarray(keep_bits.packed(np.array([3, 4], np.uint32), (h, b, t, n), rate))
-          if rate else None)
-  return normal(h, b, t, dh), normal(h, n, dh), normal(h, n, dh), pw, bits, normal(h, b, t, dh)
+  key_2 = np.array([3, 4], np.uint32)
+  row_seeds, column_seeds = ((np.asarray(dropout_mask.row_seeds(key_2, h, b, t)),
+                              np.asarray(dropout_mask.column_seeds(key_2, n)))
+                             if rate else (None, None))
+  return (normal(h, b, t, dh), normal(h, n, dh), normal(h, n, dh), pw, row_seeds,
+          column_seeds, normal(h, b, t, dh))
 
 
-def outputs_and_grads(part_: Part, rate: float, score_dtype, qp, pk, pv, pw, bits, dout):
+def outputs_and_grads(part_: Part, rate: float, score_dtype, qp, pk, pv, pw, row_seeds,
+                      column_seeds, dout):
   """A part alone as the only softmax: (out, lse, dqp, dpk, dpv, dpw)."""
-  acc, top, norm = part_.forward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, bits)
+  acc, top, norm = part_.forward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, row_seeds,
+                                 column_seeds)
   out = (acc / norm[..., None]).astype(dout.dtype)
   delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), -1)
-  grads = part_.backward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, bits, top, norm,
-                         delta, out, dout)
+  grads = part_.backward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, row_seeds,
+                         column_seeds, top, norm, delta, out, dout)
   return (out, top + jnp.log(norm), *grads)
 
 

@@ -70,9 +70,13 @@ def _unknown_parameters(fa) -> list[str]:
           if name not in _KNOWN]
 
 
-def why_not_here(dtype) -> str | None:
+# cuDNN's fused attention takes head dimensions up to this, in multiples of HEAD_DIM_STEP.
+MAX_HEAD_DIM, HEAD_DIM_STEP = 256, 8
+
+
+def why_not_here(dtype, head_dim: int) -> str | None:
   """Why this part cannot run on this process's default device for a model computing
-  in `dtype` (None: it can)."""
+  in `dtype` with heads of `head_dim` (None: it can)."""
   if jax.default_backend() != "gpu":
     return (f"it needs a GPU with cuDNN and this process runs on {jax.default_backend()}")
   fa = _module()
@@ -89,6 +93,9 @@ def why_not_here(dtype) -> str | None:
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return (f"cuDNN's attention takes bfloat16 or float16 and the model computes in "
             f"{jnp.dtype(dtype).name}")
+  if head_dim > MAX_HEAD_DIM or head_dim % HEAD_DIM_STEP:
+    return (f"cuDNN's attention takes head dimensions up to {MAX_HEAD_DIM} in multiples of "
+            f"{HEAD_DIM_STEP} and this model's heads have {head_dim}")
   return None
 
 
@@ -97,10 +104,10 @@ def _as_bnth(x_HxBxTxD):
   return x_HxBxTxD.reshape(1, h, b * t, d)
 
 
-def forward(qp, pk, pv, pw, bits):
+def forward(qp, pk, pv, pw, row_seeds, column_seeds):
   """(acc, m, l) of the persistent part (persistent_cores.py): cuDNN's output, its
-  log-sum-exp and 1; `pw` and `bits` are None (persistent_cores.refusal)."""
-  del pw, bits
+  log-sum-exp and 1; `pw` and the seeds are None (persistent_cores.refusal)."""
+  del pw, row_seeds, column_seeds
   h, b, t, dh = qp.shape
   out, lse = _module().dot_product_attention(
       _as_bnth(qp), pk[None], pv[None], scale=1.0, qkv_layout="BNTH", return_residual=True)

@@ -13,30 +13,43 @@ tile of `rows` queries by `slots` slots at a time, none keeping a (rows, N) arra
   slot-weight gradients of one slot tile from a chunk of the queries, the chunks'
   shares summed by XLA.
 
-Dropout reads the packed keep bits (keep_bits.py): a tile's words, a column of rows
-each, are broadcast over their 32 slots and shifted, so the kernels hash nothing.
-Slot weights are a slot's factor on its exponential (0: closed, also for the padding
-slots); a closed slot's exponent is capped at 80 as in the XLA core. Off the GPU the
-kernels run in Pallas' interpreter.
+Dropout draws the XLA core's mask in registers (dropout_mask.py): a tile reads the
+seeds of its rows and of its slots (a word each) and hashes each weight's pair, so
+no mask is stored or gathered. Slot weights are a slot's factor on its exponential
+(0: closed, also for the padding slots); a closed slot's exponent is capped at 80 as
+in the XLA core. Off the GPU the kernels run in Pallas' interpreter. A jaxlib without
+Pallas' Triton backend still imports this module: `unavailable` says why it cannot run.
 """
 import dataclasses
 import functools
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import xla_core
-from allatt_jax.model.attention import keep_bits
+
+try:   # a jaxlib built without Triton lacks it; the model must import all the same
+  from jax.experimental.pallas import triton as plgpu
+  _TRITON_MISSING = None
+except ImportError as e:
+  plgpu = None
+  _TRITON_MISSING = f"{type(e).__name__}: {e}"
 
 _F32 = jnp.float32
 
 
+def unavailable() -> str | None:
+  """Why this jax cannot run these kernels whatever the device (None: it can)."""
+  if _TRITON_MISSING:
+    return f"this jaxlib lacks Pallas' Triton backend ({_TRITON_MISSING})"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """`rows` queries by `slots` slots per tile (`slots` whole words of keep bits), at
-  most `chunks` programs along the queries for each slot tile's gradients; `warps` per
+  """`rows` queries by `slots` slots per tile, at most `chunks` programs along the queries for each slot tile's gradients; `warps` per
   program of the forward and query-gradient kernels, `slot_warps` of the
   slot-gradient kernel, and `stages` of Triton's software pipeline. The defaults are
   untuned: launch/gpu_check.sh times others beside them."""
@@ -104,34 +117,27 @@ def _t_dot(a, b):    # a.T @ b
   return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _keep(g: _Geometry, bits_ref, row0, word0):
-  """The keep mask of a tile: rows row0.. of the block's bits, slots from word word0.
-
-  Each of the tile's words is a column of `rows`, loaded once and broadcast over its
-  32 slots, rather than gathered once per weight (as until 2026-11-27, when the split
-  core with this part ran 2.1 times slower with dropout than without on an H200)."""
+def _keep(g: _Geometry, row_ref, rows, column_ref, columns):
+  """The keep mask of a tile, hashed in registers from the seeds of its rows and its
+  slots (slices of the blocks' seeds); None without dropout."""
   if not g.rate:
     return None
-  rows, slots = g.tiles.rows, g.tiles.slots
-  slot = jax.lax.broadcasted_iota(jnp.uint32, (rows, slots), 1)
-  word_of_slot = slot // keep_bits.WORD
-  words = jnp.zeros((rows, slots), jnp.uint32)
-  for j in range(slots // keep_bits.WORD):
-    column = bits_ref[pl.ds(row0, rows), word0 + j]
-    words = jnp.where(word_of_slot == j, column[:, None], words)
-  return ((words >> (slot % keep_bits.WORD)) & jnp.uint32(1)) != 0
+  return dropout_mask.kept(row_ref[rows][:, None], column_ref[columns][None, :], g.rate)
 
 
 def _refs(g: _Geometry, refs):
-  """q, pk, pv, w, bits (None without dropout), then the rest."""
+  """q, pk, pv, w, the row and column seeds (None without dropout), then the rest."""
   q_ref, pk_ref, pv_ref, w_ref, *rest = refs
-  bits_ref = rest.pop(0) if g.rate else None
-  return q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest
+  row_ref = column_ref = None
+  if g.rate:
+    row_ref, column_ref, *rest = rest
+  return q_ref, pk_ref, pv_ref, w_ref, row_ref, column_ref, rest
 
 
 def _forward_kernel(g: _Geometry, *refs):
-  q_ref, pk_ref, pv_ref, w_ref, bits_ref, (acc_ref, top_ref, norm_ref) = _refs(g, refs)
-  q, slots = q_ref[...], g.tiles.slots
+  q_ref, pk_ref, pv_ref, w_ref, row_ref, column_ref, (acc_ref, top_ref, norm_ref) = _refs(
+      g, refs)
+  q, rows, slots = q_ref[...], g.tiles.rows, g.tiles.slots
 
   def step(nb, carry):
     m, l, acc = carry
@@ -142,11 +148,11 @@ def _forward_kernel(g: _Geometry, *refs):
     correction = jnp.exp(m - m_next)
     e = jnp.exp(jnp.minimum(s - m_next[:, None], xla_core.MAX_EXPONENT)) * w
     l = l * correction + e.sum(axis=1)
-    e = xla_core.dropped(e, _keep(g, bits_ref, 0, n0 // keep_bits.WORD), g.rate)
+    keep = _keep(g, row_ref, pl.ds(0, rows), column_ref, pl.ds(n0, slots))
+    e = xla_core.dropped(e, keep, g.rate)
     pv = pv_ref[pl.ds(n0, slots), :]
     return m_next, l, acc * correction[:, None] + _dot(e.astype(pv.dtype), pv)
 
-  rows = g.tiles.rows
   m, l, acc = jax.lax.fori_loop(0, g.n_tiles, step, (
       jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32),
       jnp.zeros((rows, g.dh_pad), _F32)))
@@ -164,16 +170,16 @@ def _grads(g, q, pk, pv, keep, top, inv_norm, delta, dout):
 
 
 def _query_grads_kernel(g: _Geometry, *refs):
-  q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest = _refs(g, refs)
+  q_ref, pk_ref, pv_ref, w_ref, row_ref, column_ref, rest = _refs(g, refs)
   top_ref, norm_ref, delta_ref, dout_ref, dq_ref = rest
   q, dout, top, delta = q_ref[...], dout_ref[...], top_ref[...], delta_ref[...]
   inv_norm = 1.0 / norm_ref[...]
-  slots = g.tiles.slots
+  rows, slots = g.tiles.rows, g.tiles.slots
 
   def step(nb, dq):
     n0 = nb * slots
     pk = pk_ref[pl.ds(n0, slots), :]
-    keep = _keep(g, bits_ref, 0, n0 // keep_bits.WORD)
+    keep = _keep(g, row_ref, pl.ds(0, rows), column_ref, pl.ds(n0, slots))
     _, dlog_q = _grads(g, q, pk, pv_ref[pl.ds(n0, slots), :], keep, top, inv_norm, delta,
                        dout)
     ds = dlog_q * w_ref[pl.ds(n0, slots)][None, :]
@@ -184,22 +190,22 @@ def _query_grads_kernel(g: _Geometry, *refs):
 
 
 def _slot_grads_kernel(g: _Geometry, *refs):
-  q_ref, pk_ref, pv_ref, w_ref, bits_ref, rest = _refs(g, refs)
+  q_ref, pk_ref, pv_ref, w_ref, row_ref, column_ref, rest = _refs(g, refs)
   top_ref, norm_ref, delta_ref, dout_ref, dpk_ref, dpv_ref, *dpw_ref = rest
   pk, pv, w = pk_ref[...], pv_ref[...], w_ref[...][None, :]
-  rows, dtype = g.tiles.rows, pk_ref.dtype
+  rows, slots, dtype = g.tiles.rows, g.tiles.slots, pk_ref.dtype
 
   def step(i, carry):
     dpk, dpv, dpw = carry
     block = pl.ds(i * rows, rows)
     q, dout = q_ref[block, :], dout_ref[block, :]
-    q_dropped, dlog_q = _grads(g, q, pk, pv, _keep(g, bits_ref, i * rows, 0), top_ref[block],
-                               1.0 / norm_ref[block], delta_ref[block], dout)
+    keep = _keep(g, row_ref, block, column_ref, pl.ds(0, slots))
+    q_dropped, dlog_q = _grads(g, q, pk, pv, keep, top_ref[block], 1.0 / norm_ref[block],
+                               delta_ref[block], dout)
     return (dpk + _t_dot((dlog_q * w).astype(dtype), q),
             dpv + _t_dot((q_dropped * w).astype(dtype), dout),
             dpw + dlog_q.sum(axis=0))
 
-  slots = g.tiles.slots
   zero = jnp.zeros((slots, g.dh_pad), _F32)
   dpk, dpv, dpw = jax.lax.fori_loop(0, g.q_tiles // g.chunks, step,
                                     (zero, zero, jnp.zeros((slots,), _F32)))
@@ -214,10 +220,11 @@ def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warp
   size 64, bf16 with dropout, ptxas (Triton 3.9, sm_90a) gives the forward and query
   gradient kernels 128 and 175 registers at 4 warps, the slot gradients' 232 at 8
   warps (at 4: 255 and spills); see docs/performance.md."""
+  params = (None if plgpu is None
+            else plgpu.CompilerParams(num_warps=warps, num_stages=g.tiles.stages))
   return pl.pallas_call(
       functools.partial(kernel, g), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=g.interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=g.tiles.stages))
+      out_shape=out_shape, interpret=g.interpret, name=name, compiler_params=params)
 
 
 def _geometry(qp, pk, pw, rate, tiles, interpret) -> _Geometry:
@@ -227,48 +234,51 @@ def _geometry(qp, pk, pw, rate, tiles, interpret) -> _Geometry:
                    interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
 
 
-def _padded(g: _Geometry, qp, pk, pv, pw, bits, *rows_H):
-  """Queries (and `rows_H`: per-row arrays) as (H, m_pad, ...), slots as (H, n_pad, ...),
-  the head size as dh_pad; the slot weights, 0 on the padding slots."""
+def _padded(g: _Geometry, qp, pk, pv, pw, row_seeds, column_seeds, *rows_H):
+  """Queries, their row seeds (and `rows_H`: per-row arrays) as (H, m_pad, ...), slots
+  as (H, n_pad, ...) and their seeds as (n_pad,), the head size as dh_pad; the slot
+  weights, 0 on the padding slots."""
   h = qp.shape[0]
 
   def pad(x, *sizes):
-    widths = [(0, 0)] + [(0, s - d) for s, d in zip(sizes, x.shape[1:])]
+    widths = [(0, s - d) for s, d in zip(sizes, x.shape)]
     return jnp.pad(x, widths)
 
-  flat = lambda x: x.reshape(h, g.m, *x.shape[3:])
+  per_row = lambda x: pad(x.reshape(h, g.m, *x.shape[3:]), h, g.m_pad,
+                          *((g.dh_pad,) if x.ndim == 4 else ()))
   w = jnp.ones((h, g.n), _F32) if pw is None else pw.astype(_F32)
-  words = g.n_pad // keep_bits.WORD
-  return (pad(flat(qp), g.m_pad, g.dh_pad), pad(pk, g.n_pad, g.dh_pad),
-          pad(pv, g.n_pad, g.dh_pad), pad(w, g.n_pad),
-          None if bits is None else pad(flat(bits), g.m_pad, words),
-          *(pad(flat(x), g.m_pad, *((g.dh_pad,) if x.ndim == 4 else ())) for x in rows_H))
+  return (per_row(qp), pad(pk, h, g.n_pad, g.dh_pad), pad(pv, h, g.n_pad, g.dh_pad),
+          pad(w, h, g.n_pad), None if row_seeds is None else per_row(row_seeds),
+          None if column_seeds is None else pad(column_seeds, g.n_pad),
+          *map(per_row, rows_H))
 
 
-def _row_specs(g: _Geometry, with_bits: bool):
-  """Specs of q, pk, pv, w and bits for a grid (head, query tile)."""
+def _row_specs(g: _Geometry):
+  """Specs of q, pk, pv, w and the seeds (with dropout) for a grid (head, query tile)."""
   rows, d = g.tiles.rows, g.dh_pad
   specs = [pl.BlockSpec((None, rows, d), lambda h, i: (h, i, 0)),
            pl.BlockSpec((None, g.n_pad, d), lambda h, i: (h, 0, 0)),
            pl.BlockSpec((None, g.n_pad, d), lambda h, i: (h, 0, 0)),
            pl.BlockSpec((None, g.n_pad), lambda h, i: (h, 0))]
-  if with_bits:
-    specs.append(pl.BlockSpec((None, rows, g.n_pad // keep_bits.WORD), lambda h, i: (h, i, 0)))
+  if g.rate:
+    specs += [pl.BlockSpec((None, rows), lambda h, i: (h, i)),
+              pl.BlockSpec((g.n_pad,), lambda h, i: (0,))]
   return specs
 
 
-def forward(qp, pk, pv, pw, bits, *, rate, tiles: Tiles | None = None,
+def forward(qp, pk, pv, pw, row_seeds, column_seeds, *, rate, tiles: Tiles | None = None,
             interpret: bool | None = None):
   """(acc (H, B, T, dh), m, l (H, B, T)), float32, of the persistent part
-  (persistent_cores.py). `interpret`: Pallas' interpreter (default: off the GPU)."""
+  (persistent_cores.py); the seeds: dropout_mask's (None without dropout).
+  `interpret`: Pallas' interpreter (default: off the GPU)."""
   g = _geometry(qp, pk, pw, rate, tiles, interpret)
   h, b, t, dh = qp.shape
-  args = [x for x in _padded(g, qp, pk, pv, pw, bits) if x is not None]
+  args = [x for x in _padded(g, qp, pk, pv, pw, row_seeds, column_seeds) if x is not None]
   rows = g.tiles.rows
   stats = pl.BlockSpec((None, rows), lambda h, i: (h, i))
   stats_shape = jax.ShapeDtypeStruct((h, g.m_pad), _F32)
   acc, top, norm = _call(
-      _forward_kernel, g, (h, g.q_tiles), _row_specs(g, bits is not None),
+      _forward_kernel, g, (h, g.q_tiles), _row_specs(g),
       [pl.BlockSpec((None, rows, g.dh_pad), lambda h, i: (h, i, 0)), stats, stats],
       [jax.ShapeDtypeStruct((h, g.m_pad, g.dh_pad), _F32), stats_shape, stats_shape],
       "allatt_persistent_forward", g.tiles.warps)(*args)
@@ -276,24 +286,24 @@ def forward(qp, pk, pv, pw, bits, *, rate, tiles: Tiles | None = None,
   return rows_of(acc[..., :dh]), rows_of(top), rows_of(norm)
 
 
-def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
+def backward(qp, pk, pv, pw, row_seeds, column_seeds, top, norm, delta, dout, *, rate,
              tiles: Tiles | None = None, interpret: bool | None = None):
   """(dqp, dpk, dpv, dpw or None) given the merged softmax's shift `top`, sum `norm`
   and δ (H, B, T)."""
   g = _geometry(qp, pk, pw, rate, tiles, interpret)
   h, b, t, dh = qp.shape
   # Padding rows get a sum of 1 (their gradients are 0: their dout and δ are).
-  q, pk_, pv_, w, bits_, top_, norm_, delta_, dout_ = _padded(g, qp, pk, pv, pw, bits, top,
-                                                              norm, delta, dout)
+  *slot_args, top_, norm_, delta_, dout_ = _padded(g, qp, pk, pv, pw, row_seeds,
+                                                   column_seeds, top, norm, delta, dout)
   norm_ = norm_.at[:, g.m:].set(1.0)
-  slot_args = [x for x in (q, pk_, pv_, w, bits_) if x is not None]
+  slot_args = [x for x in slot_args if x is not None]
   rows, d, slots = g.tiles.rows, g.dh_pad, g.tiles.slots
   stats = pl.BlockSpec((None, rows), lambda h, i: (h, i))
   queries = pl.BlockSpec((None, rows, d), lambda h, i: (h, i, 0))
   dq = _call(_query_grads_kernel, g, (h, g.q_tiles),
-             _row_specs(g, bits is not None) + [stats] * 3 + [queries], queries,
-             jax.ShapeDtypeStruct(q.shape, qp.dtype), "allatt_persistent_query_grads",
-             g.tiles.warps)(
+             _row_specs(g) + [stats] * 3 + [queries], queries,
+             jax.ShapeDtypeStruct(slot_args[0].shape, qp.dtype),
+             "allatt_persistent_query_grads", g.tiles.warps)(
                  *slot_args, top_, norm_, delta_, dout_)
 
   # Grid (head, slot tile, chunk): each program a slot tile against a chunk of queries.
@@ -303,9 +313,8 @@ def backward(qp, pk, pv, pw, bits, top, norm, delta, dout, *, rate,
   slot_tile = pl.BlockSpec((None, slots, d), lambda h, s, c: (h, s, 0))
   in_specs = [chunk_rows, slot_tile, slot_tile,
               pl.BlockSpec((None, slots), lambda h, s, c: (h, s))]
-  if bits is not None:
-    in_specs.append(pl.BlockSpec((None, chunk, slots // keep_bits.WORD),
-                                 lambda h, s, c: (h, c, s)))
+  if g.rate:
+    in_specs += [chunk_stats, pl.BlockSpec((slots,), lambda h, s, c: (s,))]
   share = pl.BlockSpec((None, None, slots, d), lambda h, s, c: (h, c, s, 0))
   shares = jax.ShapeDtypeStruct((h, g.chunks, g.n_pad, d), _F32)
   out_specs, out_shape = [share, share], [shares, shares]

@@ -22,9 +22,9 @@ exp(s − lse) errs by |lse| ulps, which made the split core's float32 gradients
 times further from a float64 reference than the XLA core's; with the pair they are
 closer (tests/test_model_split_core.py).
 
-Dropout: the context's mask is the XLA core's (hashed in each pass, a sixth of the
-scores); the persistent one is hashed once, packed 32 to a word (keep_bits.py) and
-read by both passes: the same masks as the XLA core's, drawn from the same key.
+Dropout: both parts draw the XLA core's masks (dropout_mask.py) where they use them;
+the persistent part from the seeds of its rows and slots, hashed here once a step.
+So the split core drops the weights the XLA core drops, under the same key.
 """
 import functools
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from allatt_jax.model.attention import xla_core
-from allatt_jax.model.attention import keep_bits
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import persistent_cores
 
 
@@ -49,11 +49,12 @@ def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv
   if pk is None:
     return xla_core.attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v,
                            r_pad, pk, pv, mask_TxK, keys_2x2, pw)
-  part = persistent_cores.part(persistent, rate, pw is not None, qp.dtype)
-  bits = (keep_bits.packed(keys_2x2[1], (*qp.shape[:3], pk.shape[1]), rate) if rate
-          else None)
+  part = persistent_cores.part(persistent, rate, pw is not None, qp.dtype, qp.shape[-1])
+  row_seeds, column_seeds = ((dropout_mask.row_seeds(keys_2x2[1], *qp.shape[:3]),
+                              dropout_mask.column_seeds(keys_2x2[1], pk.shape[1]))
+                             if rate else (None, None))
   return _split(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_pad, pk, pv,
-                mask_TxK, keys_2x2, bits, pw)
+                mask_TxK, keys_2x2, row_seeds, column_seeds, pw)
 
 
 def _context_scores(qu, qv, k, r_pad, mask_TxK, score_dtype):
@@ -101,19 +102,19 @@ def _context_backward(rate, score_dtype, mask_TxK, keys_2x2, first_head, qu, qv,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _split(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_pad, pk, pv,
-           mask_TxK, keys_2x2, bits, pw):
+           mask_TxK, keys_2x2, row_seeds, column_seeds, pw):
   return _split_fwd(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_pad, pk,
-                    pv, mask_TxK, keys_2x2, bits, pw)[0]
+                    pv, mask_TxK, keys_2x2, row_seeds, column_seeds, pw)[0]
 
 
 def _split_fwd(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_pad, pk, pv,
-               mask_TxK, keys_2x2, bits, pw):
+               mask_TxK, keys_2x2, row_seeds, column_seeds, pw):
   context = functools.partial(_context_forward, rate, score_dtype, not remat, mask_TxK,
                               keys_2x2)
   acc_ctx, top_ctx, norm_ctx, p_ctx = xla_core.over_head_blocks(
       context, head_block, qu, qv, k, v, r_pad)
   acc_pers, top_pers, norm_pers = part.forward(rate, head_block, score_dtype, qp, pk, pv, pw,
-                                               bits)
+                                               row_seeds, column_seeds)
   top = jnp.maximum(top_ctx, top_pers)
   scale_ctx, scale_pers = jnp.exp(top_ctx - top), jnp.exp(top_pers - top)
   norm = norm_ctx * scale_ctx + norm_pers * scale_pers
@@ -122,23 +123,23 @@ def _split_fwd(rate, head_block, remat, score_dtype, part, qu, qv, qp, k, v, r_p
           + acc_pers.astype(jnp.float32) * (scale_pers * inv_norm)[..., None]).astype(v.dtype))
   # The kept context weights' share of the merged sum (the backward pass's factor).
   share_ctx = None if p_ctx is None else norm_ctx * scale_ctx * inv_norm
-  return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, bits, pw, p_ctx,
-               share_ctx, top, norm, out)
+  return out, (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, row_seeds, column_seeds,
+               pw, p_ctx, share_ctx, top, norm, out)
 
 
 def _split_bwd(rate, head_block, remat, score_dtype, part, residuals, dout):
   del remat   # the residuals say whether the context weights were kept
-  (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, bits, pw, p_ctx, share_ctx, top,
-   norm, out) = residuals
+  (qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK, keys_2x2, row_seeds, column_seeds, pw, p_ctx,
+   share_ctx, top, norm, out) = residuals
   context = functools.partial(_context_backward, rate, score_dtype, mask_TxK, keys_2x2)
   dqu, dqv, dk, dv, dr_pad = xla_core.over_head_blocks(
       context, head_block, qu, qv, k, v, r_pad, p_ctx, share_ctx, top, norm, out, dout)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
-  dqp, dpk, dpv, dpw = part.backward(rate, head_block, score_dtype, qp, pk, pv, pw, bits,
-                                     top, norm, delta, out, dout)
+  dqp, dpk, dpv, dpw = part.backward(rate, head_block, score_dtype, qp, pk, pv, pw, row_seeds,
+                                     column_seeds, top, norm, delta, out, dout)
   cast = lambda grad, like: grad.astype(like.dtype)
   return (cast(dqu, qu), cast(dqv, qv), cast(dqp, qp), cast(dk, k), cast(dv, v),
-          cast(dr_pad, r_pad), cast(dpk, pk), cast(dpv, pv), None, None, None,
+          cast(dr_pad, r_pad), cast(dpk, pk), cast(dpv, pv), None, None, None, None,
           None if pw is None else cast(dpw, pw))
 
 

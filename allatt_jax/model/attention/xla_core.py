@@ -1,8 +1,8 @@
 """The attention core: scores, softmax over context and persistent slots, dropout and
 values, with a hand-written backward pass (`jax.custom_vjp`) that recomputes what the
 forward need not keep and loops over blocks of heads, so the (B, H, T, K+N) weights of
-all heads never sit in memory at once. Dropout masks come from a Threefry-2x32 hash of
-the position, regenerated rather than stored.
+all heads never sit in memory at once. Dropout masks are hashed from each weight's
+place in each pass that uses them (dropout_mask.py), never stored.
 
 Slot weights w_n in [0, 1] (`pw`, (H, N)) multiply a slot's exponential:
 p_n = w_n·exp(s_n)/Z, Z summing the context's and the weighted slots' exponentials:
@@ -16,6 +16,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from allatt_jax.model.attention import dropout_mask
 
 # A masked logit: finite, so that exp(masked - max) is exactly 0 (never inf - inf).
 NEG_INF = -1e30
@@ -44,51 +46,6 @@ def _rel_unshift(g_BxHxTxK: jax.Array) -> jax.Array:
   return flat.reshape(*lead, t, k + 1)
 
 
-# Threefry-2x32 rounds. Random123 (Salmon et al. 2011) knows no statistical failure of
-# Threefry-2x32 from 13 rounds on and defaults to 20 as a margin; 13 suffice for
-# dropout masks and make the hash, the dearest part of attention dropout on CPU, a
-# third cheaper.
-_THREEFRY_ROUNDS = 13
-
-
-def threefry2x32(k0, k1, x0, x1, rounds: int = _THREEFRY_ROUNDS):
-  """Threefry-2x32 (Salmon et al. 2011), the counter-based hash behind jax.random.
-
-  Written out rather than through jax.random: on CPU, jax lowers threefry to a rolled
-  loop whose every iteration writes the full array, which made dropout on the
-  (B, H, T, N) attention weights cost more than the attention itself. Unrolled, XLA
-  fuses the hash into the elementwise pass that uses the bits.
-  """
-  rotations = (13, 15, 26, 6, 17, 29, 16, 24)
-  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
-  x0, x1 = x0 + ks[0], x1 + ks[1]
-  for r in range(rounds):
-    rot = rotations[r % 8]
-    x0 = x0 + x1
-    x1 = x0 ^ ((x1 << rot) | (x1 >> (32 - rot)))
-    if r % 4 == 3:   # Key injection after every fourth round.
-      i = r // 4 + 1
-      x0 = x0 + ks[i % 3]
-      x1 = x1 + ks[(i + 1) % 3] + jnp.uint32(i)
-  return x0, x1
-
-
-def keep_mask(key_2, shape, rate: float, first_head) -> jax.Array:
-  """Bernoulli(1 - rate) dropout mask hashed from each element's position.
-
-  The mask is a pure function of the key and of each element's (head, flat index
-  within the head) counter, so the backward pass recomputes it instead of keeping
-  it, and a loop over blocks of heads draws the same mask as one pass over all.
-  Counters are unique up to 2^32 elements per head.
-  """
-  hi = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + jnp.asarray(first_head, jnp.uint32)
-  lo = jnp.zeros(shape, jnp.uint32)
-  for axis in range(1, len(shape)):
-    lo = lo * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-  b0, b1 = threefry2x32(key_2[0], key_2[1], hi, lo)
-  return (b0 ^ b1) >= jnp.uint32(int(rate * 2.0 ** 32))
-
-
 def dropped(p, keep, rate):
   return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
 
@@ -96,8 +53,9 @@ def dropped(p, keep, rate):
 def keep_masks(keys_2x2, p_ctx, p_pers, rate, first_head):
   if not rate:
     return None, None
-  return (keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
-          None if p_pers is None else keep_mask(keys_2x2[1], p_pers.shape, rate, first_head))
+  return (dropout_mask.keep_mask(keys_2x2[0], p_ctx.shape, rate, first_head),
+          None if p_pers is None else dropout_mask.keep_mask(keys_2x2[1], p_pers.shape, rate,
+                                                              first_head))
 
 
 def _weights(qu, qv, qp, k, r_pad, pk, pw, mask_TxK, score_dtype):
