@@ -398,10 +398,11 @@ def test_evaluate_cli_picks_a_step(workdir):
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(workdir, tmp_path, capsys):
-  readme = (ROOT / "README.md").read_text()
-  section = readme[readme.index("## Python API"):]
-  example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+@pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
+def test_the_docs_python_examples_run(page, workdir, tmp_path, capsys):
+  """The first Python block under each page's "Python API" heading, as a user copies it."""
+  text = (ROOT / page).read_text()
+  example = re.search(r"^#+ .*Python API\n.*?```python\n(.*?)```", text, re.S | re.M).group(1)
   shutil.copytree(workdir, tmp_path / "baseline")
   exec(example.replace("/tmp/allatt_demo", str(tmp_path)), {})  # pylint: disable=exec-used
   printed = capsys.readouterr().out.splitlines()

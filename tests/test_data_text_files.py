@@ -467,10 +467,12 @@ def test_recipe_trains_prunes_exports_and_scores(tmp_path):
   config = config_base.load(ROOT / 'configs' / 'demo.py', 'tiny')
   config.data.update(dict(name='text_files', manual_dir=str(raw), level='word',
                           data_dir=str(tmp_path / 'data')))
-  config.pipeline.prune_gates.target_sparsity = 0.5     # no vocab_size: the data's
+  config.pipeline.prune_gates.target_macs = 0.5     # no vocab_size: the data's
   report = run_pipeline(config, tmp_path / 'run')
   assert report['metric'] == 'ppl' and report['dataset'] == 'text_files'
   assert np.isfinite(report['pruned']['test'])
+  budget = report['pruned']['budget']   # every head costs the same: half of them
+  assert budget['key'] == 'target_macs' and budget['cost'] == budget['unpruned'] / 2
   assert report['pruned']['sparsity'] == 0.5
   stats = corpus_lib.load_corpus('text_files', str(tmp_path / 'data'), str(raw))
   assert run_files.load_config(tmp_path / 'run' / 'baseline').model.vocab_size == stats.vocab_size

@@ -1,10 +1,14 @@
-"""The demo's outputs that README.md quotes, made from a finished demo workdir.
+"""The demo's outputs that the README and docs/commands.md quote, made from a finished
+demo workdir.
 
 Each sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->` (NAME: demo, score,
-sample); `generated_blocks` makes them from the workdir (its report.json, and scoring
-and sampling its models as the README's commands do) and `rewrite_blocks` puts them in.
+sample) in one of `QUOTING_FILES`; `generated_blocks` makes them from the workdir (its
+report.json, and scoring and sampling its models as the docs' commands do),
+`read_quoting_files` finds them and `rewrite_blocks` puts them in.
 """
+import collections
 import json
+import pathlib
 import re
 import textwrap
 
@@ -15,29 +19,59 @@ from allatt_jax.runs import run_files
 from allatt_jax.evaluation import generation
 from allatt_jax.runs import trained_model
 
-# The demo folder the README's commands use; outputs name it whatever the workdir.
+# The demo folder the docs' commands use; outputs name it whatever the workdir.
 README_WORKDIR = "/tmp/allatt_demo"
 SCORED_TEXT = ("The town lies on the east bank of the river, where the old bridge "
                "crosses to the market and the church.")
 SAMPLE_OPTIONS = dict(prompt="the city was founded in", num_tokens=120, temperature=0.7,
                       top_k=10, seed=0)
+BLOCK_NAMES = ("demo", "score", "sample")
+# Where the blocks are quoted, relative to the repository's root: the README shows the
+# demo's table, the commands page the score and sample outputs.
+QUOTING_FILES = ("README.md", "docs/commands.md")
 _BLOCK = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- end:\2 -->)", re.S)
 
 
-def rewrite_blocks(readme: str, blocks: dict[str, str]) -> str:
-  """`readme` with the text between each pair of markers replaced by blocks[NAME].
+def rewrite_blocks(text: str, blocks: dict[str, str]) -> str:
+  """`text` with the text between each pair of markers it holds replaced by blocks[NAME].
 
   Raises:
-    ConfigError: a block without markers in `readme`, or markers without a block.
+    ConfigError: markers for a block not in `blocks`.
   """
-  found = {m.group(2) for m in _BLOCK.finditer(readme)}
-  if found != blocks.keys():
+  unknown = {m.group(2) for m in _BLOCK.finditer(text)} - blocks.keys()
+  if unknown:
     raise errors.ConfigError(
-        f"README.md has generated blocks {sorted(found)}, this command writes "
-        f"{sorted(blocks)}; add or remove the <!-- generated:NAME --> ... "
-        "<!-- end:NAME --> markers to match.")
+        f"Generated blocks {sorted(unknown)} have markers but no generator (this command "
+        f"writes {sorted(blocks)}); remove their <!-- generated:NAME --> ... "
+        "<!-- end:NAME --> markers.")
   return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group(2)].rstrip("\n") + "\n"
-                    + m.group(4), readme)
+                    + m.group(4), text)
+
+
+def read_quoting_files(root) -> dict[pathlib.Path, str]:
+  """{path: text} of `QUOTING_FILES` under the repository root `root`, checked to hold
+  the markers of every block of `BLOCK_NAMES` once between them, before any is made.
+
+  Raises:
+    ConfigError: a file missing, or a block whose markers are missing, repeated or
+      unknown.
+  """
+  root = pathlib.Path(root)
+  missing = [name for name in QUOTING_FILES if not (root / name).is_file()]
+  if missing:
+    raise errors.ConfigError(
+        f"{root} has no {' or '.join(missing)}: give the repository's root, whose "
+        f"{' and '.join(QUOTING_FILES)} quote the demo's outputs.")
+  texts = {root / name: (root / name).read_text() for name in QUOTING_FILES}
+  counts = collections.Counter(dict.fromkeys(BLOCK_NAMES, 0))
+  counts.update(m.group(2) for text in texts.values() for m in _BLOCK.finditer(text))
+  wrong = {name: n for name, n in counts.items() if n != 1 or name not in BLOCK_NAMES}
+  if wrong:
+    raise errors.ConfigError(
+        f"{' and '.join(QUOTING_FILES)} must hold the markers of each generated block "
+        f"{list(BLOCK_NAMES)} once; found {dict(sorted(wrong.items()))} times. Add or "
+        "remove <!-- generated:NAME --> ... <!-- end:NAME --> markers to match.")
+  return texts
 
 
 def _demo_block(report: dict) -> str:
