@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first thing a lent GPU runs: the split attention core's persistent parts and a
 # layer's timings there, then the benchmark (allatt_jax/perf/gpu_check.py; docs/performance.md,
-# "The split core on a GPU"). Each piece runs in its own process under `timeout`.
+# "The device check"). Each piece runs in its own process under `timeout`.
 #
 #   launch/gpu_check.sh              # on the GPU, within 9 minutes
 #   launch/gpu_check.sh --dry-run    # on a CPU: the XLA parts at tiny shapes
