@@ -36,6 +36,7 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
 from allatt_jax.perf import gpu_check
+from allatt_jax.perf import gpu_compile
 from allatt_jax.perf import gpu_pieces
 from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model import transformer as model_lib
@@ -373,7 +374,7 @@ def test_pallas_part_matches_the_xla_part(rate, closed, closed_scale, tiles, mon
 def test_pallas_part_lowers_for_the_gpu(tiles):
   """The Triton lowering accepts the three kernels (the device check's tiles and
   others) in bf16 with dropout and slot weights, with the tiles' warps and pipeline
-  stages; compiling them needs a GPU."""
+  stages, for an abstract GPU (test_perf_gpu_compile.py compiles them)."""
   rate = 0.2
   args = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2, b=2, t=24, n=70, dh=12)
   kernels = dict(rate=rate, tiles=tiles, interpret=False)
@@ -385,7 +386,7 @@ def test_pallas_part_lowers_for_the_gpu(tiles):
                                            dout, **kernels)
 
   try:
-    lowered = jax.jit(forward_and_backward).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = gpu_compile.lowered_for_gpu(forward_and_backward, *args)
   except ModuleNotFoundError as e:   # a jaxlib without the Triton dialect
     pytest.skip(str(e))
   text = lowered.as_text()
