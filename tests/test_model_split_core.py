@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import types
 
 import flax.linen as nn
@@ -43,6 +42,7 @@ from allatt_jax.model import transformer as model_lib
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.model.attention import persistent_cudnn
 from allatt_jax.model.attention import persistent_pallas
+from allatt_jax.model.attention import persistent_trial
 from allatt_jax.config import run_config
 from allatt_jax.model.attention import split_core
 from allatt_jax.config.errors import ConfigError
@@ -543,22 +543,23 @@ def test_choices_and_refusals(monkeypatch):
 
 
 def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
-  """On a GPU (pretended: the trials' times and failures are given), 'auto' is the
-  split core without attention dropout and the XLA core with it (as measured on an
-  H200); the split core's 'auto' part is the fastest whose trial passes in time."""
+  """On a GPU (pretended: the trials' times and failures are given; their processes:
+  test_model_persistent_trial.py), 'auto' is the split core without attention dropout
+  and the XLA core with it (as measured on an H200); the split core's 'auto' part is
+  the fastest whose trial passes in time."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(persistent_cudnn, "why_not_here", lambda dtype, head_dim: None)
-  monkeypatch.setattr(persistent_cores, "TRIAL_SECONDS", 0.5)
 
-  def trial(name, rate, weighted, dtype):
+  def seconds(name, rate, weighted, dtype, limit):
     del rate
-    if name == "pallas" and weighted:
-      time.sleep(2)   # a stalled compile: given up after TRIAL_SECONDS
+    assert limit == persistent_cores.TRIAL_SECONDS
+    if name == "pallas" and weighted:   # a stalled compile, its process ended
+      raise TimeoutError(f"not done within {limit:g} s; its process was ended")
     if name == "pallas" and dtype == "float16":
       raise RuntimeError("it disagrees with the XLA part")
     return {"xla": 3e-3, "pallas": 2e-3, "cudnn": 1e-3}[name]
 
-  monkeypatch.setattr(persistent_cores, "trial", trial)
+  monkeypatch.setattr(persistent_trial, "seconds", seconds)
   persistent_cores._auto.cache_clear()
   try:
     assert core_choice.use_split("auto", 0.0) and not core_choice.use_split("auto", 0.2)

@@ -24,7 +24,6 @@ As in the XLA core, a closed slot's exponent is capped at 80, so w·exp is 0, no
 import dataclasses
 import functools
 import statistics
-import threading
 import time
 
 from absl import logging
@@ -36,10 +35,11 @@ from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import persistent_cudnn
 from allatt_jax.model.attention import persistent_pallas
+from allatt_jax.model.attention import persistent_trial
 from allatt_jax.config.errors import ConfigError
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
-# Seconds each candidate of 'auto' may take to compile, check and time.
+# Seconds each candidate of 'auto' may take to start, compile, check and time.
 TRIAL_SECONDS = 60.0
 
 
@@ -240,7 +240,8 @@ def _warn_once(impl: str, why_not: str) -> None:
 @functools.cache
 def _auto(dropout: bool, weighted: bool, dtype: str, head_dim: int) -> str:
   """'xla' off the GPU; on it the fastest part whose trial passes within
-  TRIAL_SECONDS (the XLA part's own trial only times it)."""
+  TRIAL_SECONDS, each in a process of its own (persistent_trial.py; the XLA part's
+  own trial only times it)."""
   if jax.default_backend() != "gpu":
     return "xla"
   rate = 0.2 if dropout else 0.0
@@ -250,8 +251,7 @@ def _auto(dropout: bool, weighted: bool, dtype: str, head_dim: int) -> str:
     try:
       if why_not:
         raise RuntimeError(why_not)
-      seconds[name] = _within(TRIAL_SECONDS, functools.partial(trial, name, rate, weighted,
-                                                               dtype))
+      seconds[name] = persistent_trial.seconds(name, rate, weighted, dtype, TRIAL_SECONDS)
     except Exception as e:  # pylint: disable=broad-except  # whatever fails is not chosen
       logging.info("persistent_impl='auto': %s left out (%s: %s)", name, type(e).__name__,
                    str(e).strip().splitlines()[0] if str(e).strip() else "")
@@ -259,27 +259,6 @@ def _auto(dropout: bool, weighted: bool, dtype: str, head_dim: int) -> str:
   logging.info("persistent_impl='auto' chose %r (trial seconds per step: %s)", best,
                {k: f"{v:.2e}" for k, v in seconds.items()})
   return best
-
-
-def _within(seconds: float, fn):
-  """fn() in a thread of its own, given up after `seconds` (a compile that stalls then
-  costs this process a thread, not its start); re-raises what fn raised."""
-  result = {}
-
-  def target():
-    try:
-      result["value"] = fn()
-    except Exception as e:  # pylint: disable=broad-except  # handed to the caller
-      result["error"] = e
-
-  thread = threading.Thread(target=target, daemon=True)
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    raise TimeoutError(f"not done within {seconds:.0f} s")
-  if "error" in result:
-    raise result["error"]
-  return result["value"]
 
 
 def trial_problem(dtype, rate: float, weighted: bool, h=2, b=8, t=128, n=512, dh=64):
