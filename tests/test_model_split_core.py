@@ -9,7 +9,7 @@ is. Also: every part draws the XLA core's dropout masks; the model's log-probabi
 and an accumulated train step; pruned layers of uneven head counts, a stream start,
 slot weights (a closed slot takes no mass); the Pallas part in interpret mode and the
 cuDNN part's plumbing (against a stand-in for cuDNN) against the XLA part; a 2 × 2
-mesh; the choices of part and their refusals; the device script's dry run.
+mesh; the choices of part and their refusals.
 """
 import dataclasses
 import functools
@@ -34,7 +34,6 @@ from allatt_jax.model.attention import core_choice
 from allatt_jax.model.attention import xla_core
 from allatt_jax.config import config_base
 from allatt_jax.training import config_checks
-from allatt_jax.perf import gpu_check
 from allatt_jax.perf import gpu_compile
 from allatt_jax.perf import gpu_pieces
 from allatt_jax.model.attention import dropout_mask
@@ -630,153 +629,3 @@ def test_split_core_on_a_2x2_mesh():
   assert result.returncode == 0, result.stderr[-3000:]
   differences = json.loads(result.stdout.strip().splitlines()[-1])
   assert max(differences.values()) < 2e-6, differences
-
-
-def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
-  """The device script's pieces (launch/gpu_check.sh), in this process at a dry run's
-  tiny shapes, and the table it writes into docs/performance.md."""
-  pieces = gpu_check._pieces(dry=False)
-  for piece in ("versions", "part:pallas:0.2", "part:cudnn:0.0", "layer:xla:0.2",
-                "layer:split-pallas:0.2", "layer:split-cudnn:0.0", "alone:cudnn"):
-    assert piece in pieces
-  results = {piece: gpu_pieces.run_piece(piece, dry=True) for piece in gpu_check._pieces(True)}
-  assert results["versions"]["backend"] == "cpu"
-  for piece, result in results.items():
-    assert result.get("status", "ok") == "ok", (piece, result)
-  assert results["part:xla:0.2"]["agrees"] and results["layer:split-xla:0.2"]["ms"] > 0
-  assert gpu_pieces.run_piece("layer:split-pallas:0.0", dry=True) == {
-      "status": "unavailable", "why": persistent_cores.why_not_here("pallas", jnp.float32, 16)}
-  assert gpu_check._best_split(results, dry=True) == "xla"
-  report = {"date": "2026-11-27", "dry_run": True, "seconds": 1.0,
-            "pieces": {**results, "benchmark": {"status": "timeout", "limit_s": 1.0}}}
-  doc = tmp_path / "performance.md"
-  doc.write_text(f"# Performance\n\n{gpu_check.BEGIN}\nold\n{gpu_check.END}\n\nafter\n")
-  for _ in range(2):
-    gpu_check.write_table(doc, gpu_check.table(report))
-  text = doc.read_text()
-  assert text.count(gpu_check.BEGIN) == 1 and "old" not in text and text.endswith("after\n")
-  assert "| `layer:split-xla:0.2` | ok |" in text and "| `benchmark` | timeout |" in text
-
-
-def test_gpu_check_times_the_pallas_part_on_each_tiles_and_keeps_what_a_stall_leaves():
-  """The tiles piece (a dry run: the first two tiles, in Pallas' interpreter) hands
-  over its figures after each tiles; a piece stopped at its limit keeps its last
-  line, and the table names the fastest tiles."""
-  reports = []
-  result = gpu_pieces.run_piece("tiles:pallas:0.2", dry=True, report=reports.append)
-  names = [str(t) for t in gpu_pieces.TILE_CANDIDATES[:2]]
-  assert [list(r["tiles"]) for r in reports] == [names[:1], names] and reports[-1] == result
-  ms = {name: result["tiles"][name]["ms"] for name in names}
-  assert result["best"] == min(ms, key=ms.get) and result["ms"] == ms[result["best"]]
-  assert result["speedup"] == pytest.approx(ms[names[0]] / ms[result["best"]])
-  assert "tiles:pallas:0.2" in gpu_check._pieces(dry=False)
-  assert "did not pass" in gpu_check._skip_reason("tiles:pallas:0.2", {})
-
-  stalls = ("import json, time; print(json.dumps({'tiles': {'a': {}}, 'best': 'a'}), "
-            "flush=True); time.sleep(60)")
-  stopped = gpu_check._spawn([sys.executable, "-c", stalls], limit=3)
-  assert stopped["status"] == "timeout" and stopped["best"] == "a", stopped
-  row = next(line for line in gpu_check.table({
-      "date": "d", "dry_run": True, "seconds": 1.0,
-      "pieces": {"tiles:pallas:0.2": {**result, "status": "timeout"}}}).splitlines()
-      if "`tiles:pallas:0.2`" in line)
-  assert "| timeout |" in row and f"fastest of 2 tiles: {result['best']}," in row
-
-
-def test_gpu_check_times_no_part_that_failed_its_trial_or_is_refused():
-  """A part's trial runs right before its layers; a part that stalled or disagreed in
-  its trial at a rate is not timed at that rate, nor cuDNN's with dropout."""
-  pieces = gpu_check._pieces(dry=False)
-  for part in gpu_pieces.PARTS:
-    for rate in gpu_pieces.RATES:
-      assert pieces.index(f"part:{part}:{rate}") < pieces.index(f"layer:split-{part}:{rate}")
-  assert pieces.index("layer:split-xla:0.2") < pieces.index("layer:xla:0.0")
-  results = {"part:pallas:0.2": {"status": "timeout"},
-             "part:pallas:0.0": {"status": "ok", "agrees": False},
-             "part:xla:0.2": {"status": "ok", "agrees": True}}
-  assert "(timeout)" in gpu_check._skip_reason("layer:split-pallas:0.2", results)
-  assert "did not pass" in gpu_check._skip_reason("alone:pallas", results)
-  assert "did not pass" in gpu_check._skip_reason("layer:split-xla:0.0", results)
-  for piece in ("layer:split-xla:0.2", "layer:xla:0.2", "part:pallas:0.0", "versions"):
-    assert gpu_check._skip_reason(piece, results) is None
-  assert gpu_check._skip_reason("part:cudnn:0.2", {}) == persistent_cores.refusal(
-      "cudnn", 0.2, False)
-
-
-def test_gpu_check_times_the_split_train_step_only_where_its_layer_beat_the_xla_core():
-  layer = lambda ms: {"status": "ok", "ms": ms}
-  results = {"layer:xla:0.2": layer(3.9), "layer:split-xla:0.2": layer(5.0),
-             "layer:split-pallas:0.2": layer(7.1)}
-  assert gpu_check._benchmark_flags(results, dry=False) == ["--config=configs/bench_gpu.py:lease"]
-  results["layer:split-pallas:0.2"] = layer(1.9)
-  assert gpu_check._benchmark_flags(results, dry=False) == [
-      "--config=configs/bench_gpu.py:lease",
-      "--variant=split:model.attention_impl=split,model.persistent_impl=pallas"]
-  assert gpu_check._benchmark_flags({}, dry=True)[-1] == (
-      "--variant=split:model.attention_impl=split,model.persistent_impl=xla")
-
-
-def test_gpu_check_without_a_gpu_stops_after_its_first_piece(tmp_path, capsys):
-  """Not a dry run on a CPU: the GPU-sized pieces would spend the whole budget; it
-  stops with what to do once the versions piece finds no GPU, and writes nothing."""
-  doc = tmp_path / "performance.md"
-  doc.write_text("# Performance\n")
-  with pytest.raises(SystemExit, match=r"^gpu_check: jax runs on cpu here, not on a GPU, .* "
-                     r"On a CPU run `launch/gpu_check.sh --dry-run`"):
-    gpu_check.check(False, 30.0, tmp_path / "report.json", doc)
-  assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["versions"]
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["performance.md"]
-  assert doc.read_text() == "# Performance\n"
-
-
-def test_gpu_check_keeps_the_rounds_of_a_benchmark_stopped_at_its_limit(tmp_path,
-                                                                       monkeypatch):
-  out = tmp_path / "benchmark.json"
-  out.write_text("{}")   # an earlier check's report: never taken for this one's
-  stopped = {"status": "timeout", "seconds": 301.0, "limit_s": 300.0}
-  monkeypatch.setattr(gpu_check, "_spawn", lambda *args, **kwargs: stopped)
-  assert gpu_check._benchmark(["--config=c"], out, tmp_path / "b.log", 300) == stopped
-  report = {"rounds_done": 1, "train": {"baseline": {"tokens_per_s": 300e3}},
-            "variants": {"before": {"train": {"tokens_per_s": 100e3},
-                                    "train_tokens_per_s_ratio": 1 / 3}}}
-  def stopped_after_a_round(*args, **kwargs):
-    out.write_text(json.dumps(report))
-    return stopped
-  monkeypatch.setattr(gpu_check, "_spawn", stopped_after_a_round)
-  result = gpu_check._benchmark(["--config=c"], out, tmp_path / "b.log", 300)
-  assert result == {**stopped, "flags": ["--config=c"], "rounds_done": 1, "report": str(out),
-                    "train": {"xla": {"tokens_per_s": 300e3, "ratio": 1.0},
-                              "before": {"tokens_per_s": 100e3, "ratio": 1 / 3}}}
-  row = next(line for line in gpu_check.table({
-      "date": "d", "dry_run": False, "seconds": 1.0,
-      "pieces": {"benchmark": result}}).splitlines() if "`benchmark`" in line)
-  assert "| timeout |" in row and "1 rounds: xla: 300,000 tokens/s (x1.00)" in row
-
-
-def test_gpu_check_layer_pieces_need_no_command_packages():
-  """The accelerator image lacks ml_collections, clu and TFDS: a layer piece runs
-  without them (and without optax, orbax and etils)."""
-  blocked = ("ml_collections", "clu", "tensorflow_datasets", "tensorflow", "optax", "orbax",
-             "etils")
-  script = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"
-            "from allatt_jax.perf import gpu_check\n"
-            "gpu_check.main(['--piece=layer:split-xla:0.2', '--dry-run'])")
-  done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                        text=True, timeout=120, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "ok"
-
-
-@pytest.mark.slow   # the CPU benchmark of configs/bench_cpu.py:tiny: a minute
-def test_gpu_check_dry_run_end_to_end(tmp_path):
-  done = subprocess.run([str(REPO / "launch" / "gpu_check.sh"), "--dry-run",
-                         f"--out_dir={tmp_path}"], env={**os.environ, "PYTHON": sys.executable},
-                        capture_output=True, text=True, timeout=600, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  report = json.loads(next(tmp_path.glob("gpu_check_*[0-9].json")).read_text())
-  assert {r["status"] for r in report["pieces"].values()} == {"ok"}
-  assert set(report["pieces"]["benchmark"]["train"]) == {"xla", "split"}
-  benchmark = json.loads(next(tmp_path.glob("gpu_check_*_benchmark.json")).read_text())
-  assert set(benchmark["train"]) == {"baseline", "flops_per_token"}   # gated_steps=False
-  assert "variant split: train" in next(tmp_path.glob("gpu_check_*_benchmark.log")).read_text()
-  assert gpu_check.BEGIN in (tmp_path / "performance.md").read_text()
