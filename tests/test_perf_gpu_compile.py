@@ -11,9 +11,7 @@ from allatt_jax.perf import gpu_pieces
 
 def _ptxas():
   """The ptxas to compile with, or a one-line skip saying why there is none."""
-  try:
-    import triton  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
+  if not gpu_compile.has_triton():
     pytest.skip("the kernels are lowered but not compiled: the triton package is not "
                 "installed (pip install -e .[gpu-compile])")
   ptxas = gpu_compile.find_ptxas()
@@ -39,8 +37,7 @@ def test_persistent_kernels_compile_for_sm90(shape, rate):
       ("allatt_persistent_forward", tiles.warps, tiles.stages),
       ("allatt_persistent_query_grads", tiles.warps, tiles.stages),
       ("allatt_persistent_slot_grads", tiles.slot_warps, tiles.stages)]
-  for kernel in kernels:
-    compiled = gpu_compile.assemble(kernel, ptxas)
+  for compiled in gpu_compile.compiled(kernels, ptxas):
     assert compiled.registers > 0 and compiled.shared_bytes <= gpu_compile.SHARED_BYTES
 
 
@@ -52,5 +49,6 @@ def test_device_checks_tiles_compile_for_sm90(tiles):
   seconds on an error)."""
   ptxas = _ptxas()
   fn, args = gpu_compile.persistent_part(gpu_compile.SHAPES["benchmark"], 0.2, tiles)
-  for kernel in gpu_compile.triton_kernels(gpu_compile.lowered_for_gpu(fn, *args)):
-    assert gpu_compile.assemble(kernel, ptxas).shared_bytes <= gpu_compile.SHARED_BYTES
+  kernels = gpu_compile.triton_kernels(gpu_compile.lowered_for_gpu(fn, *args))
+  for compiled in gpu_compile.compiled(kernels, ptxas):
+    assert compiled.shared_bytes <= gpu_compile.SHARED_BYTES

@@ -9,16 +9,19 @@ Three steps, each what the GPU's own compile does first:
 1. `lowered_for_gpu`: jax lowers the function for CUDA on an abstract H100 (jax ≥ 0.11
    takes the kernels' compute capability from the device's kind and finds no GPU here
    without it; 0.10 assumes sm_90 by itself);
-2. `ptx`: each Triton kernel of that lowering (its Triton IR, warps and stages, from
-   the custom call's backend config) through the Triton compiler's passes to PTX.
-   jaxlib holds only the Triton dialect and XLA the passes, so this step takes them
-   from the `triton` package (`pip install -e .[gpu-compile]`);
-3. `assemble`: ptxas for sm_90a, with the registers and spills it reports.
+2. `triton_kernels`, `ptx`: each Triton kernel of that lowering (its Triton IR, warps
+   and stages, from the custom call's backend config) through the Triton compiler's
+   passes to PTX. jaxlib holds only the Triton dialect and XLA the passes, so this
+   step takes them from the `triton` package (`pip install -e .[gpu-compile]`), in a
+   process of its own (triton_passes.py: its LLVM and TensorFlow's clash);
+3. `compiled`: ptxas for sm_90a, with the registers and spills it reports.
 
 ptxas is the CUDA toolkit's (PTXAS, then PATH, CUDA_HOME, /usr/local/cuda) or else the
 one the `triton` package ships.
 """
 import dataclasses
+import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -26,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +67,6 @@ class Assembled:
   spill_stores: int
   spill_loads: int
   shared_bytes: int
-  seconds: float
 
   def __str__(self):
     k = self.kernel
@@ -116,16 +117,19 @@ def triton_kernels(lowered: jax.stages.Lowered) -> list[Kernel]:
   return kernels
 
 
+def has_triton() -> bool:
+  """Whether the `triton` package is installed (found, not imported: see ptx)."""
+  return importlib.util.find_spec("triton") is not None
+
+
 def find_ptxas() -> str | None:
   """The path of a ptxas (the CUDA toolkit's, else the `triton` package's), or None."""
-  found = os.environ.get("PTXAS") or shutil.which("ptxas")
   homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
-  candidates = [found] + [str(pathlib.Path(home, "bin", "ptxas")) for home in homes if home]
-  try:
-    import triton  # pylint: disable=import-outside-toplevel
-    candidates.append(str(pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"))
-  except ImportError:
-    pass
+  candidates = [os.environ.get("PTXAS") or shutil.which("ptxas")]
+  candidates += [str(pathlib.Path(home, "bin", "ptxas")) for home in homes if home]
+  if has_triton():
+    package = importlib.util.find_spec("triton").submodule_search_locations[0]
+    candidates.append(str(pathlib.Path(package, "backends", "nvidia", "bin", "ptxas")))
   return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
@@ -135,62 +139,48 @@ def ptxas_release(ptxas: str) -> str:
   return re.search(r"release (\d+\.\d+)", out).group(1)
 
 
-def ptx(kernel: Kernel, release: str) -> tuple[str, int]:
-  """(PTX for sm_90a in the PTX version of CUDA `release`, shared memory bytes) of a
-  kernel, through the Triton compiler's passes (its 'ttir' to 'ptx' stages).
+def ptx(kernels: list[Kernel], release: str) -> list[tuple[str, int]]:
+  """(PTX for sm_90a in the PTX version of CUDA `release`, shared memory bytes) of
+  each kernel, by Triton's passes in a process of its own (triton_passes.py).
 
   Raises:
-    ModuleNotFoundError: the `triton` package is not installed.
-    RuntimeError: a pass failed (Triton prints its reproducer to stderr).
+    RuntimeError: the `triton` package is missing, or a pass failed (the process's
+      last lines in the message).
   """
-  # pylint: disable=import-outside-toplevel
-  from triton._C.libtriton import ir as triton_ir
-  from triton.backends.compiler import GPUTarget
-  from triton.backends.nvidia import compiler as nvidia
-  from triton.compiler import compiler
-
-  backend = compiler.make_backend(GPUTarget("cuda", CAPABILITY, 32))
-  options = backend.parse_options(dict(
-      num_warps=kernel.num_warps, num_stages=kernel.num_stages, enable_fp_fusion=True,
-      ptx_version=nvidia.ptx_get_version(release)))
-  context = triton_ir.context()
-  triton_ir.load_dialects(context)
-  backend.load_dialects(context)
-  with tempfile.TemporaryDirectory() as folder:
-    path = pathlib.Path(folder, f"{kernel.name}.ttir")
-    path.write_text(kernel.ttir)
-    module = triton_ir.parse_mlir_module(str(path), context)
-  module.context = context
-  stages, metadata = {}, {}
-  backend.add_stages(stages, options, compiler.Language.TRITON)
-  for stage in ("ttir", "ttgir", "llir", "ptx"):
-    module = stages[stage](module, metadata)
-  return module, metadata["shared"]
-
-
-def assemble(kernel: Kernel, ptxas: str) -> Assembled:
-  """The kernel compiled to sm_90a by `ptxas`, with what ptxas reports.
-
-  Raises:
-    ModuleNotFoundError: the `triton` package is not installed.
-    RuntimeError: a Triton pass or ptxas failed (ptxas's last lines in the message).
-  """
-  start = time.perf_counter()
-  text, shared = ptx(kernel, ptxas_release(ptxas))
-  with tempfile.TemporaryDirectory() as folder:
-    source = pathlib.Path(folder, f"{kernel.name}.ptx")
-    source.write_text(text)
-    done = subprocess.run([ptxas, f"--gpu-name=sm_{CAPABILITY}a", "-v", str(source), "-o",
-                           str(source.with_suffix(".cubin"))],
-                          capture_output=True, text=True, check=False)
-  log = done.stdout + done.stderr
+  job = {"capability": CAPABILITY, "release": release,
+         "kernels": [dict(name=k.name, ttir=k.ttir, num_warps=k.num_warps,
+                          num_stages=k.num_stages) for k in kernels]}
+  done = subprocess.run([sys.executable, "-m", "allatt_jax.perf.triton_passes"],
+                        input=json.dumps(job), capture_output=True, text=True, check=False)
   if done.returncode:
-    raise RuntimeError(f"ptxas could not compile {kernel.name} for sm_{CAPABILITY}a: "
-                       + " | ".join(log.strip().splitlines()[-3:]))
-  registers = re.search(r"Used (\d+) registers", log)
-  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-  return Assembled(kernel, int(registers.group(1)), int(spills.group(1)), int(spills.group(2)),
-                   shared, time.perf_counter() - start)
+    raise RuntimeError("Triton's passes failed: "
+                       + " | ".join(done.stderr.strip().splitlines()[-3:]))
+  return [(k["ptx"], k["shared_bytes"]) for k in json.loads(done.stdout)]
+
+
+def compiled(kernels: list[Kernel], ptxas: str) -> list[Assembled]:
+  """The kernels compiled to sm_90a by `ptxas`, with what ptxas reports.
+
+  Raises:
+    RuntimeError: Triton's passes or ptxas failed (ptxas's last lines in the message).
+  """
+  results = []
+  for kernel, (text, shared) in zip(kernels, ptx(kernels, ptxas_release(ptxas))):
+    with tempfile.TemporaryDirectory() as folder:
+      source = pathlib.Path(folder, f"{kernel.name}.ptx")
+      source.write_text(text)
+      done = subprocess.run([ptxas, f"--gpu-name=sm_{CAPABILITY}a", "-v", str(source), "-o",
+                             str(source.with_suffix(".cubin"))],
+                            capture_output=True, text=True, check=False)
+    log = done.stdout + done.stderr
+    if done.returncode:
+      raise RuntimeError(f"ptxas could not compile {kernel.name} for sm_{CAPABILITY}a: "
+                         + " | ".join(log.strip().splitlines()[-3:]))
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    results.append(Assembled(kernel, int(registers.group(1)), int(spills.group(1)),
+                             int(spills.group(2)), shared))
+  return results
 
 
 def persistent_part(shape, rate: float, tiles: persistent_pallas.Tiles | None = None):
@@ -223,8 +213,8 @@ def main() -> None:
     for rate in (0.0, 0.2):
       print(f"{name} shape (H, B, T, N, dh) = {shape}, attention dropout {rate}:")
       fn, args = persistent_part(shape, rate)
-      for kernel in triton_kernels(lowered_for_gpu(fn, *args)):
-        print(f"  {assemble(kernel, ptxas)}")
+      for kernel in compiled(triton_kernels(lowered_for_gpu(fn, *args)), ptxas):
+        print(f"  {kernel}")
 
 
 if __name__ == "__main__":
