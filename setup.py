@@ -20,9 +20,11 @@ setuptools.setup(
         "allatt-sample = allatt_jax.__main__:sample",
         "allatt-export = allatt_jax.__main__:export",
     ]},
-    python_requires=">=3.10",
+    # jax 0.10 needs Python >= 3.11 and numpy >= 2.0; jax 0.11 and 0.12 need Python
+    # >= 3.12 (numpy >= 2.1, 2.2): pip installs jax 0.10.x on Python 3.11.
+    python_requires=">=3.11",
     install_requires=[
-        "jax>=0.10,<0.12",
+        "jax>=0.10,<0.13",
         "flax>=0.12,<0.14",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
@@ -32,14 +34,19 @@ setuptools.setup(
         "clu>=0.0.12",
         "tensorboard>=2.18",
         "absl-py>=2.1",
-        "numpy>=1.26",
+        "numpy>=2.0",
         "matplotlib>=3.8",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
-        "tpu": ["jax[tpu]>=0.10,<0.12"],
-        # jax[cuda12] also runs on newer drivers; cuda13 takes jax's CUDA 13 wheels.
-        "cuda": ["jax[cuda12]>=0.10,<0.12"],
-        "cuda13": ["jax[cuda13]>=0.10,<0.12"],
+        "tpu": ["jax[tpu]>=0.10,<0.13"],
+        # jax[cuda12] also runs on newer drivers (its last wheels: jax 0.12.0). cuda13
+        # takes jax's CUDA 13 wheels: jax 0.11 or 0.12, as the lent GPUs run (0.11.2),
+        # only on Python >= 3.12; on 3.11 pip installs jax 0.10.x with them.
+        "cuda": ["jax[cuda12]>=0.10,<0.13"],
+        "cuda13": ["jax[cuda13]>=0.10,<0.13"],
+        # Pallas' Triton kernels compiled for sm_90a without a GPU
+        # (allatt_jax/perf/gpu_compile.py, tests/test_perf_gpu_compile.py; CI).
+        "gpu-compile": ["triton>=3.9,<3.10; platform_system == 'Linux'"],
     },
 )
