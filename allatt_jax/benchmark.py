@@ -11,12 +11,15 @@ A pipeline config (configs/demo.py) has its baseline timed, and the gated and
 distilling steps of its pruning stage (`pipeline.prune_gates`, `prune_distill`,
 `prune_train`). `--profile` adds where the baseline step's time goes;
 `--variant=NAME:section.key=value,...` times the config with overrides beside it.
+The report's `compiles` lists this process's XLA compiles so far, each function's
+name and seconds: on a GPU they take most of a benchmark's minutes.
 """
 from collections.abc import Sequence
 import dataclasses
 import json
 
 from absl import flags
+import jax
 
 from allatt_jax.perf import bench_report
 from allatt_jax.perf import config_variants
@@ -38,8 +41,18 @@ _VARIANT = flags.DEFINE_multi_string(
     "overrides, in the same rounds (adds to the config's benchmark.variants).")
 
 
+# This process's XLA compiles, in order: {"function": name, "seconds": ...}.
+_COMPILES = []
+
+
+def _record_compile(event: str, seconds: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES.append({"function": kwargs.get("fun_name", "?"), "seconds": seconds})
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
+  jax.monitoring.register_event_duration_secs_listener(_record_compile)
   plan = timing.BenchmarkPlan.from_dict(_CONFIG.value.get("benchmark", {}))
   plan = dataclasses.replace(
       plan, profile=plan.profile or _PROFILE.value,
@@ -53,11 +66,16 @@ def main(argv: Sequence[str]) -> None:
     report = timing.measure(assembly.checked_config(config), plan, on_round=_write)
   _write(report)
   print(bench_report.summary(report))
+  seconds = sorted((c["seconds"] for c in _COMPILES), reverse=True)
+  print(f"{len(seconds)} XLA compiles, {sum(seconds):.1f} s; over a second: "
+        + ", ".join(f"{s:.1f}" for s in seconds if s > 1.0))
   print(json.dumps(report, indent=2))
 
 
 def _write(report: dict) -> None:
-  """The report to --out, atomically: it is rewritten after every round."""
+  """The report, with the compiles so far, to --out, atomically: it is rewritten after
+  every round."""
+  report["compiles"] = list(_COMPILES)
   if _OUT.value:
     run_files.write_json(_OUT.value, report)
 

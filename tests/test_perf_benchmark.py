@@ -225,7 +225,7 @@ def test_the_gpu_benchmark_times_the_paper_wt103_model_as_it_trains():
   assert lease.model == gpu.model and lease.train == gpu.train and lease.eval == gpu.eval
   assert timing.BenchmarkPlan.from_dict(lease.benchmark) == timing.BenchmarkPlan(
       rounds=2, matmul_size=8192, heads_kept=(1.0, 0.5), gated_steps=False,
-      variants={"before": plan.variants["before"]})
+      variant_evaluations=False, variants={"split": plan.variants["split"]})
 
 
 @pytest.mark.slow   # trains a few steps in a process
@@ -364,6 +364,13 @@ def test_the_report_is_the_medians_of_its_rounds_and_their_ratios(tiny_run):
                              "of the config's, eval (all heads) 500 tokens/s = x0.500")
              for line in lines), lines
   assert f"gated step overhead {0.25 / 0.15 - 1:+.1%} per token" in "\n".join(lines)
+  # A variant whose evaluation the plan leaves out (variant_evaluations=False).
+  timed.variants["two"] = (timed.variants["two"][0], None)
+  two = bench_report.build(timed)["variants"]["two"]
+  assert two["eval"] is None and two["eval_tokens_per_s_ratio"] is None
+  assert two["train_tokens_per_s_ratio"] == pytest.approx(0.5)
+  assert "of the config's, eval not timed;" in bench_report.summary(
+      bench_report.build(timed))
   assert any(line.startswith("eval  50% heads      1600 tokens/s") and
              f"speed-up 1.60 of ideal {1 / mac_ratio:.2f} ({1.6 * mac_ratio:.0%})" in line
              for line in lines), lines

@@ -22,7 +22,7 @@ class Timed:
   plan: Any                          # timing.BenchmarkPlan
   train_steps: dict                  # name -> TrainStep
   models: list                       # Inference, one per plan.heads_kept
-  variants: dict                     # name -> (TrainStep, Inference)
+  variants: dict                     # name -> (TrainStep, Inference or None)
   load_before: tuple[float, float, float]
   pruning_stage: bool = False        # the gated steps are a pipeline's pruning stage's
   peaks: list[tuple[float, float]] = dataclasses.field(default_factory=list)
@@ -118,7 +118,8 @@ def build(timed: Timed) -> dict:
   variants = {
       name: config_variants.entry(timed.plan.variants[name],
                                   _train_entry(timed, step, (peak, peak_cpu)),
-                                  evaluation.figures(), train_report["baseline"], full)
+                                  evaluation and evaluation.figures(),
+                                  train_report["baseline"], full)
       for name, (step, evaluation) in timed.variants.items()}
   return {
       "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
@@ -231,7 +232,8 @@ def _variants(report: dict) -> list[str]:
   lines = []
   for name, v in report["variants"].items():
     train, proxy = v["train"], v["train"]["proxy"]
-    evaluation = (f"eval (all heads) {v['eval']['tokens_per_s']:,.0f} tokens/s"
+    evaluation = ("eval not timed" if v["eval"] is None else
+                  f"eval (all heads) {v['eval']['tokens_per_s']:,.0f} tokens/s"
                   + (f" = x{v['eval_tokens_per_s_ratio']:.3f}"
                      if v["eval_tokens_per_s_ratio"] else ""))
     lines.append(

@@ -141,11 +141,11 @@ def resolve(run: run_config.RunConfig, variants: Mapping[str, Any]
 def entry(overrides, train: dict, evaluation: dict, base_train: dict,
           base_eval: dict | None) -> dict:
   """A variant's report: its overrides, its baseline train step's figures (`train`,
-  as the config's), its evaluation's with every head, and their tokens/s as ratios
-  to the config's, measured in the same rounds (None for the evaluation where the
-  plan's `heads_kept` leaves out 1.0)."""
+  as the config's), its evaluation's with every head (None: not timed), and their
+  tokens/s as ratios to the config's, measured in the same rounds (None for the
+  evaluation where it or the plan's `heads_kept` leaves out 1.0)."""
   return {"overrides": {section: dict(keys) for section, keys in overrides.items()},
           "train": train, "eval": evaluation,
           "train_tokens_per_s_ratio": train["tokens_per_s"] / base_train["tokens_per_s"],
           "eval_tokens_per_s_ratio": (evaluation["tokens_per_s"] / base_eval["tokens_per_s"]
-                                      if base_eval else None)}
+                                      if evaluation and base_eval else None)}

@@ -11,10 +11,10 @@ rate, or stalls, is not timed at that rate; cuDNN's is not with dropout
 (persistent_cores.refusal). Then, in a process of its own:
 
   benchmark         python -m allatt_jax.benchmark --config=configs/bench_gpu.py:lease
-                    --profile: the config (at dropout 0.2 the XLA core) and `before`,
-                    and the fastest split at 0.2 where its layer beat the XLA core's,
-                    in the same rounds, with at least BENCHMARK_S seconds; its JSON and
-                    log beside the report's
+                    --profile: the config (at dropout 0.2 the XLA core) and the split
+                    core on the part whose split layer was fastest at 0.2, in the same
+                    rounds, with at least BENCHMARK_S seconds; its JSON and log beside
+                    the report's
 
 After every piece it rewrites the report: its JSON and its Markdown table, so that a
 run stopped at its limit keeps the pieces that finished (one stopped by SIGTERM also
@@ -139,18 +139,15 @@ def _best_split(results: dict) -> str:
 
 
 def _benchmark_flags(results: dict, dry: bool) -> list[str]:
-  """The benchmark's config: on a GPU `configs/bench_gpu.py:lease` (the config and
-  `before`), with the split core's fastest part at dropout 0.2 as a variant where its
-  layer beat the XLA core's there (a train step that runs the split core is worth
-  its minutes only then); a dry run always times the split core."""
+  """The benchmark's config, on a GPU `configs/bench_gpu.py:lease` (its five compiles
+  fit BENCHMARK_S), on a CPU the tiny one, with its split variant on the persistent
+  part whose split layer was fastest at dropout 0.2."""
   best = _best_split(results)
-  split = [f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"]
+  split = f"--variant=split:model.attention_impl=split,model.persistent_impl={best}"
   if dry:
     return ["--config=configs/bench_cpu.py:tiny", "--config.benchmark.gated_steps=False",
-            *split]
-  ms = lambda piece: results.get(piece, {}).get("ms", float("inf"))
-  pays = ms(f"layer:split-{best}:0.2") < ms("layer:xla:0.2")
-  return ["--config=configs/bench_gpu.py:lease", *(split if pays else [])]
+            split]
+  return ["--config=configs/bench_gpu.py:lease", split]
 
 
 def _benchmark_summary(result: dict, flags: list[str], out: pathlib.Path) -> dict:

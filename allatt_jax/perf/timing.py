@@ -49,6 +49,7 @@ class BenchmarkPlan:
   profile: bool = False            # trace baseline steps after the rounds (step_profile)
   profile_steps: int = 3           # steps per trace
   gated_steps: bool = True         # also time the gated and the distilling train steps
+  variant_evaluations: bool = True  # also time each variant's evaluation (all heads)
   # name -> {section: {key: value}}: configs timed beside this one (config_variants.py)
   variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
       default_factory=lambda: types.MappingProxyType({}))
@@ -314,16 +315,17 @@ def measure(config: run_config.RunConfig, plan: BenchmarkPlan,
   models = [_ready(f"evaluation, {f:.0%} of the heads",
                    lambda f=f: Inference(config, model, f, plan.eval_segments))
             for f in plan.heads_kept]
-  # Each variant's baseline step and its evaluation with all heads.
+  # Each variant's baseline step and its evaluation with all heads (or None).
   variants = {name: (_ready(f"variant {name}: train step",
                            lambda c=c: TrainStep(c, gated=False, like=train_steps["baseline"])),
                      _ready(f"variant {name}: evaluation", lambda c=c: Inference(
-                         c, random_model(c), 1.0, plan.eval_segments)))
+                         c, random_model(c), 1.0, plan.eval_segments))
+                     if plan.variant_evaluations else None)
               for name, c in variant_configs.items()}
   timed = bench_report.Timed(config, plan, train_steps, models, variants, load_before,
                              pruning_stage=pruning is not None)
   steps = list(timed.usages)   # the config's train steps, then the variants'
-  evaluations = [*models, *(evaluation for _, evaluation in variants.values())]
+  evaluations = [*models, *(e for _, e in variants.values() if e is not None)]
 
   # Each step's first step in a round runs untimed: after another executable has
   # run, it pays for fresh buffers and cold caches (6-26% slower at bench_cpu size, in
