@@ -3,7 +3,8 @@ persistent parts do there, each piece in a process of its own under a time limit
 that a stalled compile costs that piece's seconds and the rest go on.
 
   python -m allatt_jax.perf.gpu_check              # on a GPU, within --budget (525 s)
-  python -m allatt_jax.perf.gpu_check --dry-run    # on a CPU: the XLA parts at tiny shapes
+  python -m allatt_jax.perf.gpu_check --dry-run    # on a CPU: the XLA parts at tiny
+                                                   # shapes, the others' refusals
 
 Pieces (gpu_pieces.py), each rate's layers first, a part's trial right before its
 layers, each printing its result as a JSON line. A part that fails its trial at a
