@@ -190,7 +190,7 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
   benchmark = json.loads(next(tmp_path.glob("gpu_check_*_benchmark.json")).read_text())
   assert set(benchmark["train"]) == {"baseline", "flops_per_token"}   # gated_steps=False
   assert "variant split: train" in next(tmp_path.glob("gpu_check_*_benchmark.log")).read_text()
-  assert gpu_check.BEGIN in (tmp_path / "performance.md").read_text()
+  assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".json", ".log", ".md"]
 
 
 def test_gpu_check_writes_where_the_lent_machine_returns_files(tmp_path, monkeypatch):
@@ -228,8 +228,13 @@ def test_gpu_check_rewrites_its_report_after_every_piece_and_records_a_stop(tmp_
     return {"status": "ok", "backend": "cpu", "agrees": True}
 
   monkeypatch.setattr(gpu_check, "_spawn", spawn)
-  with pytest.raises(SystemExit) as stop:
-    gpu_check.check(True, 600.0, paths)
+  handler = signal.getsignal(signal.SIGTERM)
+  try:
+    with pytest.raises(SystemExit) as stop:
+      gpu_check.check(True, 600.0, paths)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN   # ignored to the end
+  finally:
+    signal.signal(signal.SIGTERM, handler)
   assert stop.value.code == 124
   pieces = gpu_check._pieces()
   assert seen == [pieces[:i] for i in range(4)]   # no skips before the fourth spawn

@@ -99,7 +99,7 @@ def _spawn(command, limit: float, env=None, log: pathlib.Path | None = None) -> 
 def _part_of(piece: str) -> str | None:
   """The persistent part a piece runs (None: the XLA core alone, or no part)."""
   kind, *args = piece.split(":")
-  if kind == "versions" or (kind == "layer" and args[0] == "xla"):
+  if not args or (kind == "layer" and args[0] == "xla"):   # versions, benchmark
     return None
   return args[0].removeprefix("split-")
 
@@ -277,7 +277,7 @@ def check(dry: bool, budget: float, paths: Paths) -> dict:
       paths.write(report)
 
   previous = signal.signal(signal.SIGTERM, _stop)
-  piece = None
+  piece, stopped = None, False
   try:
     for piece in _pieces():
       skip = _skip_reason(piece, results)
@@ -303,13 +303,18 @@ def check(dry: bool, budget: float, paths: Paths) -> dict:
                              paths.benchmark.with_suffix(".log"), left() - 5)
            if left() > 30 else {"status": "skipped", "why": "the budget is spent"})
   except Stopped:
-    stopped = {"status": "stopped", "why": "SIGTERM: the script's time limit"}
+    stopped = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    result = {"status": "stopped", "why": "SIGTERM: the script's time limit"}
     if piece == "benchmark":
-      stopped = _benchmark_summary(stopped, flags, paths.benchmark.with_suffix(".json"))
-    record(piece, stopped)
+      result = _benchmark_summary(result, flags, paths.benchmark.with_suffix(".json"))
+    record(piece, result)
     raise SystemExit(124) from None
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    # Stopped, SIGTERM stays ignored to the end: `timeout` sends it to its process
+    # group too, and a late one would end this process with its own status.
+    if not stopped:
+      signal.signal(signal.SIGTERM, previous)
   report["complete"] = True
   paths.write(report)
   return report
