@@ -35,7 +35,7 @@ def test_gpu_check_pieces_run_here_as_in_a_dry_run(tmp_path):
                       else gpu_pieces.run_piece(piece, dry=True))
   assert results["versions"]["backend"] == "cpu"
   unavailable = lambda part: {"status": "unavailable",
-                              "why": persistent_cores.why_not_here(part, jnp.float32)}
+                              "why": persistent_cores.why_not_here(part, jnp.float32, 16)}
   skipped = lambda why: {"status": "skipped", "why": why}
   untried = lambda rate: skipped(f"the part's trial at attention dropout {rate} did not "
                                  "pass (unavailable)")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 
-from allatt_jax.model.attention import keep_bits
+from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import persistent_pallas
 
 # The GPU the kernels are compiled for: the lent machines' H100 and H200 (sm_90a).
@@ -191,11 +191,12 @@ def persistent_part(shape, rate: float, tiles: persistent_pallas.Tiles | None = 
   kernels = dict(rate=rate, tiles=tiles, interpret=False)
 
   def forward_and_backward(qp, pk, pv, pw, dout, key):
-    bits = keep_bits.packed(key, (h, b, t, n), rate) if rate else None
-    acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, bits, **kernels)
+    rows, columns = ((dropout_mask.row_seeds(key, h, b, t), dropout_mask.column_seeds(key, n))
+                     if rate else (None, None))
+    acc, top, norm = persistent_pallas.forward(qp, pk, pv, pw, rows, columns, **kernels)
     delta = jnp.sum(acc * dout, -1) / norm
-    return acc, persistent_pallas.backward(qp, pk, pv, pw, bits, top, norm, delta, dout,
-                                           **kernels)
+    return acc, persistent_pallas.backward(qp, pk, pv, pw, rows, columns, top, norm, delta,
+                                           dout, **kernels)
 
   array = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
   return forward_and_backward, (array(h, b, t, dh), array(h, n, dh), array(h, n, dh),

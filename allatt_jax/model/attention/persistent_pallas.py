@@ -218,8 +218,8 @@ def _slot_grads_kernel(g: _Geometry, *refs):
 def _call(kernel, g: _Geometry, grid, in_specs, out_specs, out_shape, name, warps):
   """A pallas_call of one kernel with `warps` per program. At the default tiles, head
   size 64, bf16 with dropout, ptxas (Triton 3.9, sm_90a) gives the forward and query
-  gradient kernels 128 and 175 registers at 4 warps, the slot gradients' 232 at 8
-  warps (at 4: 255 and spills); see docs/performance.md."""
+  gradient kernels 128 and 165 registers at 4 warps, the slot gradients' 229 at 8
+  warps, no spills (`python -m allatt_jax.perf.gpu_compile`; docs/performance.md)."""
   params = (None if plgpu is None
             else plgpu.CompilerParams(num_warps=warps, num_stages=g.tiles.stages))
   return pl.pallas_call(
