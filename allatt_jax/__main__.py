@@ -11,6 +11,8 @@ import importlib
 import pathlib
 import sys
 
+from allatt_jax.config import interrupts
+
 # Name -> module, in the order a user meets them. A command module defines its flags
 # and `run(argv)`; the first sentence of its docstring is its summary in `usage`.
 COMMANDS = {
@@ -55,7 +57,10 @@ def run_command(command: str, argv=None) -> None:
   """Runs COMMAND on `argv` (its flags; default: sys.argv[1:]) as `python -m
   allatt_jax.COMMAND` runs it."""
   argv = sys.argv[1:] if argv is None else argv
-  importlib.import_module(COMMANDS[command]).run([sys.argv[0], *argv])
+  # A console script starts here: its imports end at once on Ctrl-C, as a `python -m`
+  # command's do (allatt_jax/__init__.py).
+  with interrupts.exiting_at_once():
+    importlib.import_module(COMMANDS[command]).run([sys.argv[0], *argv])
 
 
 def main() -> None:

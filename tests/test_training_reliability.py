@@ -490,6 +490,28 @@ def test_ctrl_c_is_told_at_once_and_a_second_exits_at_once_during_a_compile():
                                            preemption.SECOND_INTERRUPT], done.stderr
 
 
+# Ctrl-C while a run loads TensorFlow, whose C++ notices are hidden meanwhile (file
+# descriptor 2 pointed at a file: console.native_stderr_hidden).
+_CTRL_C_WHILE_NATIVE_STDERR_IS_HIDDEN = """
+import os, signal, time
+from allatt_jax.config import console
+from allatt_jax.training import preemption
+with preemption.PreemptionWatch() as watch:
+  with console.native_stderr_hidden():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)     # the thread told of the signal has read it
+  print(watch.reached())
+"""
+
+
+def test_the_ctrl_c_notice_shows_while_native_stderr_is_hidden():
+  done = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_NATIVE_STDERR_IS_HIDDEN],
+                        capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
+  assert done.stderr.splitlines() == [preemption.NOTICES[signal.SIGINT]], done.stderr
+
+
 def test_a_signal_stops_the_speed_comparison_at_its_next_timed_run(monkeypatch):
   timed = []
 

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from allatt_jax.config import config_base
 from allatt_jax.config import console
 from allatt_jax.config import errors
+from allatt_jax.config import interrupts
 
 # Flags defined through this module belong to the command that calls it (its --help).
 flags.disclaim_key_flags()
@@ -255,7 +256,9 @@ def _reported_main(main, argv, flag_names, fallback_advice):
   if flags.FLAGS.verbosity < 1:
     logging.get_absl_handler().addFilter(console.LibraryChatterFilter())
     logging.get_absl_handler().setFormatter(console.PlainFormatter())
-  with errors.reported_to_user(_exit_failed):
+  # The command's work starts: Ctrl-C now raises KeyboardInterrupt (interrupts.py),
+  # one line below, until a run's PreemptionWatch takes it over.
+  with errors.reported_to_user(_exit_failed), interrupts.keyboard_interrupts():
     if len(argv) > 1:
       raise errors.FlagError(f"unexpected arguments {argv[1:]}: flags take the form "
                              "--name=value (--help lists them).")

@@ -52,6 +52,11 @@ class Preempted(Exception):
     self.exit_status = exit_status
 
 
+# Ctrl-C while a command starts (its imports and flags: config/interrupts.py), which
+# ends it at once.
+INTERRUPTED_STARTING = (
+    "Interrupted (Ctrl-C) while the command was starting, before it began any work: "
+    "nothing was done. Rerun the same command to run it.")
 # Ctrl-C where no run listens for it (see reported_to_user).
 INTERRUPTED_OUTSIDE_TRAINING = (
     "Interrupted (Ctrl-C) outside a training step: nothing in progress was saved. "

@@ -8,7 +8,6 @@ left its result on disk), so a rerun redoes nothing that had finished.
 import contextlib
 import os
 import signal
-import sys
 import threading
 
 import jax
@@ -75,10 +74,13 @@ class PreemptionWatch:
       read_fd, write_fd = os.pipe()
       os.set_blocking(write_fd, False)    # the C-level handler must never wait
       self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-      thread = threading.Thread(target=self._on_wakeups, args=(read_fd,), daemon=True,
-                                name="PreemptionWatch")
+      # The notices go where stderr goes now: file descriptor 2 itself may be hidden
+      # for a moment later (console.native_stderr_hidden, while TensorFlow loads).
+      stderr_fd = os.dup(2)
+      thread = threading.Thread(target=self._on_wakeups, args=(read_fd, stderr_fd),
+                                daemon=True, name="PreemptionWatch")
       thread.start()
-      self._wakeups = (thread, read_fd, write_fd)
+      self._wakeups = (thread, read_fd, write_fd, stderr_fd)
     return self
 
   def __exit__(self, *exc_info) -> None:
@@ -86,11 +88,12 @@ class PreemptionWatch:
       signal.signal(signum, signal.SIG_DFL if previous is None else previous)
     self._previous = {}
     if self._wakeups is not None:
-      thread, read_fd, write_fd = self._wakeups
+      thread, read_fd, write_fd, stderr_fd = self._wakeups
       signal.set_wakeup_fd(self._previous_wakeup_fd)
       os.close(write_fd)                  # the thread reads the end of the pipe
       thread.join()
       os.close(read_fd)
+      os.close(stderr_fd)
       self._wakeups = None
 
   def _on_signal(self, signum, frame) -> None:
@@ -100,9 +103,9 @@ class PreemptionWatch:
     if self._signalled is None:
       self._signalled = signum
 
-  def _on_wakeups(self, read_fd: int) -> None:
-    """Tells of the first signal at once, and exits at a second Ctrl-C, whatever the
-    main thread is doing."""
+  def _on_wakeups(self, read_fd: int, stderr_fd: int) -> None:
+    """Tells of the first signal at once (on `stderr_fd`), and exits at a second
+    Ctrl-C, whatever the main thread is doing."""
     first = None
     while received := os.read(read_fd, 64):
       for signum in received:
@@ -110,9 +113,9 @@ class PreemptionWatch:
           continue
         if first is None:
           first = signum
-          print(NOTICES[signum], file=sys.stderr, flush=True)
+          os.write(stderr_fd, f"{NOTICES[signum]}\n".encode())
         elif signum == signal.SIGINT:
-          print(SECOND_INTERRUPT, file=sys.stderr, flush=True)
+          os.write(stderr_fd, f"{SECOND_INTERRUPT}\n".encode())
           # Now, from inside whatever the main thread waits on (a save, a step, a
           # compile): no cleanup runs that could wait for it.
           os._exit(errors.INTERRUPTED_EXIT_STATUS)   # pylint: disable=protected-access
