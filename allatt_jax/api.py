@@ -60,8 +60,27 @@ class Model:
 
   @property
   def heads_per_layer(self) -> tuple[int, ...]:
-    """Heads of each layer (a gated model's count its closed heads too)."""
+    """Heads of each layer: a gated model's, those its gates keep, as `costs()`, the
+    `costs` command and its export count them (`stored_heads_per_layer`: those its
+    parameters hold)."""
+    return self._kept.layer_heads
+
+  @property
+  def persistent_per_layer(self) -> tuple[int, ...]:
+    """Persistent slots each layer keeps, summed over its heads: a gated model's
+    without those of its closed heads and closed persistent groups (as `costs()`)."""
+    return tuple(self._kept.layer_slots)
+
+  @property
+  def stored_heads_per_layer(self) -> tuple[int, ...]:
+    """Heads of each layer its parameters hold: a gated model's closed heads too (the
+    unpruned shape), which its `prune_heads` numbers. An export's are its heads."""
     return self.lm.cfg.layer_heads
+
+  @functools.cached_property
+  def _kept(self) -> model_lib.ModelConfig:
+    """The model as it computes: a gated one without its closed heads and groups."""
+    return head_removal.running_model_config(self.lm.cfg, self.variables)
 
   def score(self, text: str) -> dict:
     """{'tokens', 'bpc' or 'ppl', 'nll' (nats per token), and 'unk' for words} of
@@ -112,8 +131,7 @@ class Model:
     its heads: per layer, and each head's persistent slots ('persistent_per_head', in
     the order `prune_heads` numbers them); a gated model's closed heads count as
     removed, as in its export."""
-    return cost_model.model_report(
-        self.config, head_removal.running_model_config(self.lm.cfg, self.variables))
+    return cost_model.model_report(self.config, self._kept)
 
   def prune_heads(self, heads: Mapping[int, Iterable[int]]) -> "Model":
     """A smaller model without `heads` ({layer: [head, ...]}, indices of this model's

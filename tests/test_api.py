@@ -226,9 +226,32 @@ def test_a_gated_model_saves_without_its_closed_heads(tmp_path):
 
   gated.save(tmp_path / "model")
   saved = allatt_jax.load(tmp_path / "model")
-  assert saved.heads_per_layer == (heads[0] - 1, *heads[1:])
+  assert saved.heads_per_layer == gated.heads_per_layer == (heads[0] - 1, *heads[1:])
   np.testing.assert_allclose(np.asarray(saved.log_probs(ids)[0]), np.asarray(log_probs),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_a_gated_model_tells_the_heads_and_slots_its_gates_keep_as_its_costs_do():
+  """One count of a pruning run's heads: its gates', in heads_per_layer as in costs()
+  and its export; the shape its parameters hold, closed heads too, beside it."""
+  model = untrained_model(gates=dict(enabled=True, persistent_group=4))
+  # Layer 0 closes head 1; layer 1 closes groups 0 and 3 of head 2 (16 slots a head).
+  gates = {"layer_0": {"attention": {
+               "logits": jnp.asarray([5.0, -5.0, 5.0, 5.0]),
+               "persistent_logits": jnp.full((4, 4), 5.0)}},
+           "layer_1": {"attention": {
+               "logits": jnp.full((4,), 5.0),
+               "persistent_logits": jnp.full((4, 4), 5.0).at[2, 0].set(-5.0)
+                                                          .at[2, 3].set(-5.0)}}}
+  gated = api.Model(trained_model.LoadedModel(
+      model.config, model.lm, {**model.variables, "gates": gates}, model.tokenizer))
+  costs = gated.costs()
+  assert gated.heads_per_layer == tuple(costs["heads_per_layer"]) == (3, 4)
+  assert gated.persistent_per_layer == tuple(costs["persistent_per_layer"]) == (48, 56)
+  assert gated.stored_heads_per_layer == (4, 4)
+  exported = gated.prune_heads({})
+  assert (exported.heads_per_layer, exported.persistent_per_layer) == ((3, 4), (48, 56))
+  assert exported.stored_heads_per_layer == (3, 4)
 
 
 def test_prune_persistent_groups_cuts_as_an_export_and_round_trips(tmp_path):
@@ -428,6 +451,8 @@ def test_gated_run_prunes_and_costs_as_its_export(pruned_run, ids):
                              np.asarray(exported.log_probs(ids)[0]), atol=1e-5)
   printed = json.loads(run_cli("costs", f"--checkpoint={pruned_run}").stdout)
   assert printed["heads_per_layer"] == list(exported.heads_per_layer)
+  assert gated.heads_per_layer == exported.heads_per_layer
+  assert gated.persistent_per_layer == exported.persistent_per_layer
   assert printed == exported.costs() == gated.costs()
   both = run_cli("costs", f"--checkpoint={pruned_run}", "--config=configs/demo.py",
                  check=False)
