@@ -370,16 +370,32 @@ def test_a_pruning_run_that_removes_nothing_says_so(tmp_path, demo_baseline, dat
 
 
 @pytest.mark.slow
-def test_a_budget_whose_gates_freeze_with_the_last_step_is_kept_by_the_final_state(
-    tmp_path, demo_baseline, data):
-  """The train loop's last pass trains no step: it decides the heads of gates that
-  freeze with the last step, on the final state."""
+def test_a_budget_whose_gates_freeze_with_the_last_step_is_saved_as_decided(
+    tmp_path, demo_baseline, data, monkeypatch, capsys):
+  """Gates that freeze with the last step are decided on the final state before it is
+  saved: every reader of the run's folder sees the export's heads, and a rerun decides
+  nothing new."""
   config = demo_config(data, target_sparsity=0.5, freeze_step=30)
   assert config.pipeline.prune_train.num_steps == 30
   report = run_pipeline(config, with_baseline(tmp_path, demo_baseline))
-  recorded = json.loads((tmp_path / "pruned" / loop.BUDGET_FILE).read_text())
-  assert recorded["step"] == 30
-  assert sum(report["pruned"]["heads_per_layer"]) == 4
+  run = tmp_path / "pruned"
+  recorded = json.loads((run / loop.BUDGET_FILE).read_text())
+  assert recorded["step"] == 30 and recorded["changed"] > 0
+  exported = report["pruned"]["heads_per_layer"]
+  assert sum(exported) == 4
+  # The last checkpoint: load, costs --checkpoint, plots.
+  assert list(api.load(run).heads_per_layer) == exported
+  assert list(model_export.trained_model_config(run)[1].layer_heads) == exported
+  drawn = []
+  monkeypatch.setattr(figures, "_draw_gates", lambda records, kept, *args: drawn.append(
+      [len(heads) for heads in kept]))
+  figures.gate_figure(run, tmp_path / "gates.png")
+  assert drawn == [exported]
+  # A rerun decides again on the saved state: nothing changes, nothing is said.
+  capsys.readouterr()
+  assert run_pipeline(config, tmp_path)["pruned"]["heads_per_layer"] == exported
+  assert "budget:" not in capsys.readouterr().out
+  assert json.loads((run / loop.BUDGET_FILE).read_text()) == recorded
 
 
 @pytest.mark.slow

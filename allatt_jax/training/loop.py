@@ -108,18 +108,23 @@ def _train_and_evaluate(setup: assembly.RunSetup, workdir,
   budgeted = setup.penalty.allowed is not None
   freeze_step = config.gates.freeze_step
 
+  # A budget decides the heads (and groups) kept on the state of its freeze, before
+  # anything logs, evaluates or saves that state: so every checkpoint from the freeze
+  # on, the last one included, holds the decided gates. Idempotent: a run resumed at
+  # its freeze (or a rerun of a finished run whose gates froze with its last step)
+  # decides the same again and changes nothing.
+  def decided(state, step: int):
+    if budgeted and step == freeze_step:
+      return _keep_budgeted_heads(setup, workdir, state, step)
+    return state
+
   # --- Train loop. Metrics stay on device until a log, evaluation or save reads them.
-  # Its last pass trains no step: gates that freeze with the last step are decided
-  # there, on the final state (idempotent, so a rerun of a finished run changes
-  # nothing).
+  state = decided(state, int(state.step))
   try:
-    for step in range(int(state.step), train_cfg.num_steps + 1):
-      if budgeted and step == freeze_step:
-        state = _keep_budgeted_heads(setup, workdir, state, step)
-      if step == train_cfg.num_steps:
-        break
+    for step in range(int(state.step), train_cfg.num_steps):
       state, metrics = setup.loop_steps[gated and step < freeze_step](state, *next(stream))
       done = step + 1
+      state = decided(state, done)
       progress_log.add(done, metrics)
 
       log = done % train_cfg.log_every_steps == 0 or done == train_cfg.num_steps
