@@ -585,6 +585,13 @@ def test_group_budget_warnings_say_what_the_budget_left_and_how_far_the_gates_we
   assert warnings(allowed=8, groups=groups - 1) == []
   [warning] = warnings(allowed=0, groups=0)
   assert f"keeps none of the 8 heads ({flags}.allow_empty=True)" in warning
+  # Heads kept with every group they hold: the heads alone met the budget.
+  [warning] = warnings(allowed=6, groups=24, by_gates=7, groups_by_gates=20)
+  assert (f"the budget {flags}.target_macs=1000.0 kept 6 of 8 heads, each with all its "
+          "persistent slots: no persistent group was pruned (the gates alone kept 20 "
+          "groups of their 7 heads), so the heads alone met the budget. To prune "
+          f"persistent groups rather than heads, gate the groups alone: {flags}.heads="
+          "False.") == warning
   # Far is a tenth of the budget between what the gates kept and what the budget did.
   assert warnings(allowed=6, groups=10, cost_by_gates=1099.0) == []
   [warning] = warnings(allowed=6, groups=10, cost_by_gates=1100.0)

@@ -391,6 +391,26 @@ def test_the_decision_line_says_which_kind_each_change_is_and_adds_up():
             - groups(decision["closed"])) == decision["groups"], budget_value
 
 
+def test_the_decision_line_says_when_the_heads_alone_met_the_budget():
+  """A group budget may keep every slot of the heads it keeps: the user asked to prune
+  groups too, and the line says that none was."""
+  heads = ((3.0, -4.0, 1.0, 2.0), (2.5, 1.5, 0.5, 0.2))
+  groups = (((5.0,) * 4,) * 4,) * 2
+  cfg = make_cfg()
+  gates = {f"layer_{i}": {"attention": {"logits": np.array(heads[i], np.float32),
+                                        "persistent_logits": np.array(groups[i], np.float32)}}
+           for i in range(2)}
+  line = lambda budget_value: freeze.keep_budgeted(cfg, gate_values.read(cfg, gates),
+                                                   budget.Penalty(
+      optax.constant_schedule(0.0), HARD, allowed=budget_value, units=_Units))[2]
+  # Each head ranks just above its groups: 42 keeps 3 heads and all their 12 groups.
+  assert line(42.0).endswith(
+      "the budget 42 keeps 3 heads and 12 groups (42), every kept head with all its "
+      "persistent slots: no group pruned: 4 decision(s) changed by logit rank (opened "
+      "none; closed 4 head(s) with their 16 open group(s))"), line(42.0)
+  assert "no group pruned" not in line(41.0)      # 3 heads, 11 groups
+
+
 @pytest.mark.parametrize("gate, budget_value", [
     (HARD, 38.0), (HARD, 62.0), (HARD, 97.5),
     (dataclasses.replace(HARD, heads=False), 97.5)])

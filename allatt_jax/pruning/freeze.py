@@ -158,6 +158,13 @@ def keep_within_budget(cfg: model_lib.ModelConfig, gates: gate_values.Gates, uni
   return new_gates, decision
 
 
+def keeps_every_group(decision: dict, groups_per_head: int) -> bool:
+  """Whether `keep_within_budget`'s decision keeps every persistent group of the heads
+  it keeps (some heads, at least): the heads alone met the budget."""
+  return bool(decision["allowed"]) and decision["groups"] == (
+      decision["allowed"] * groups_per_head)
+
+
 def _heads_line(decision: dict, num_heads: int) -> str:
   """`keep_open_heads`' decision on a model of `num_heads` heads, in a line."""
   line = (f"budget: the gates keep {decision['by_gates']} of {num_heads} heads at the "
@@ -176,6 +183,8 @@ def _units_line(decision: dict, num_heads: int, num_groups: int) -> str:
           f"freeze ({decision['cost_by_gates']:,.0f}); the budget {decision['budget']:,.0f} "
           f"keeps {decision['allowed']} heads and {decision['groups']} groups "
           f"({decision['cost']:,.0f})")
+  if keeps_every_group(decision, num_groups // num_heads):
+    line += ", every kept head with all its persistent slots: no group pruned"
   if not decision["changed"]:
     return line + ": kept as they are"
   # Each kind apart, and the groups that come and go with a head: the totals above

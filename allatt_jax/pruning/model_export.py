@@ -15,6 +15,7 @@ import numpy as np
 from etils import epath
 
 from allatt_jax.pruning import budget
+from allatt_jax.pruning import freeze
 from allatt_jax.runs import checkpointing
 from allatt_jax.config import console
 from allatt_jax import data as data_lib
@@ -215,22 +216,31 @@ def _group_budget_warnings(config: run_config.RunConfig, decision: dict, total: 
   gates = config.gates
   key = gates.budget_target
   asked = f"{gate_flags}.{key}={getattr(gates, key)}"
-  groups = total * config.model.num_persistent // gates.persistent_group
-  if decision["allowed"] == total and decision["groups"] == groups:
-    return [f"the budget {asked} allows all {total} heads and {groups} persistent "
-            "groups, so pruning removed nothing; ask for a smaller size."]
+  per_head = config.model.num_persistent // gates.persistent_group
+  if decision["allowed"] == total and decision["groups"] == total * per_head:
+    return [f"the budget {asked} allows all {total} heads and {total * per_head} "
+            "persistent groups, so pruning removed nothing; ask for a smaller size."]
   if not decision["allowed"]:
     return [f"the budget {asked} keeps none of the {total} heads ({gate_flags}."
             "allow_empty=True): the exported model has no attention."]
+  warnings = []
+  if freeze.keeps_every_group(decision, per_head):
+    warnings.append(
+        f"the budget {asked} kept {decision['allowed']} of {total} heads, each with all "
+        f"its persistent slots: no persistent group was pruned (the gates alone kept "
+        f"{decision['groups_by_gates']} groups of their {decision['by_gates']} heads), "
+        "so the heads alone met the budget. To prune persistent groups rather than "
+        f"heads, gate the groups alone: {gate_flags}.heads=False.")
   off = abs(decision["cost_by_gates"] - decision["cost"])
   if off >= 0.1 * decision["budget"]:
-    return [f"the gates alone kept a model of {decision['cost_by_gates']:,.0f} at the "
-            f"freeze, far from the budget's {decision['budget']:,.0f}: to fit it, the "
-            f"budget reversed {decision['changed']} of the gates' decisions by logit "
-            f"rank. To let the gates decide, give them more steps to settle before "
-            f"they freeze: a later {gate_flags}.freeze_step (now {gates.freeze_step}), or "
-            f"a longer target warm-up, {gate_flags}.budget_warmup_steps."]
-  return []
+    warnings.append(
+        f"the gates alone kept a model of {decision['cost_by_gates']:,.0f} at the "
+        f"freeze, far from the budget's {decision['budget']:,.0f}: to fit it, the "
+        f"budget reversed {decision['changed']} of the gates' decisions by logit "
+        f"rank. To let the gates decide, give them more steps to settle before "
+        f"they freeze: a later {gate_flags}.freeze_step (now {gates.freeze_step}), or "
+        f"a longer target warm-up, {gate_flags}.budget_warmup_steps.")
+  return warnings
 
 
 def trained_model_config(checkpoint, step: int | None = None
