@@ -42,7 +42,10 @@ def get_config(arg=None):
       # α = 0.5, τ = 1, the best variant of docs/experiments.md's distill suite (−0.01
       # to −0.08 bpc at 25-75% of heads removed). weight=0 is the paper's recipe.
       prune_distill=config_base.base_config().distill.copy_and_resolve_references(),
-      speed_batches=100,
+      # Valid batches each timed run of the speed comparison reads, in each of its
+      # interleaved rounds (allatt_jax/evaluation/speed.py): many short rounds agree
+      # from run to run better than a few long ones on a shared machine.
+      speed_batches=10,
   ))
   c.pipeline.prune_distill.weight = 0.5
   # With an adaptive softmax (own text at word level): the head cluster's KL, which on

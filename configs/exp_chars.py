@@ -65,11 +65,11 @@ def get_config(arg=None):
       # --suite=persistent: MAC budgets (fractions of the baseline's), each pruned by
       # heads only, by groups of this many persistent slots only, and by both, plain
       # and distilling with this variant; each export's inference speed on this many
-      # valid batches, against the baseline's.
+      # valid batches a round, against the baseline's (evaluation/speed.py).
       persistent_budgets=(0.5, 0.25),
       persistent_group=64,
       persistent_distill="logit",
-      speed_batches=50,
+      speed_batches=5,
   ))
   if args.tiny:
     c.model.update(dict(num_layers=2, d_model=32, num_heads=4, num_persistent=32))

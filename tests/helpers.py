@@ -2,7 +2,7 @@
 start of a run, a checkpoint's saved state, bit-exact comparison of trees, a port for
 a coordinator, gate logits of a model with gated persistent groups, a command run as
 a user runs it and its one error line, what a fresh interpreter prints, an error as
-sys.unraisablehook receives it."""
+sys.unraisablehook receives it, what a speed comparison measures."""
 import dataclasses
 import functools
 import os
@@ -134,6 +134,22 @@ def start_run(config, workdir, vocabulary: dict | None = None):
   workdir = run_files.run_path(workdir)
   workdir_checks.check_run(setup.run, setup.abstract_state, workdir, vocabulary)
   return setup, checkpointing.RunCheckpoints(workdir, keep=setup.run.checkpoint.keep)
+
+
+def measured_speeds(baseline: float, pruned: float, rounds: int = 3,
+                    busy: bool = False) -> dict:
+  """What `speed.tokens_per_s` measures of a baseline and a pruned model whose
+  tokens/s are `baseline` and `pruned` in every round, at 1e6 / tokens/s CPU µs per
+  token, on an idle machine or a `busy` one (0.9 of its 2 cores used by others)."""
+  speeds = {"rounds": rounds, "machine": {"cores": 2, "own_cores": 1.1 if busy else 1.9,
+                                          "other_cores": 0.9 if busy else 0.0,
+                                          "busy": busy}}
+  for name, tokens_per_s in (("baseline", baseline), ("pruned", pruned)):
+    speeds.update({f"{name}_tokens_per_s": tokens_per_s,
+                   f"{name}_tokens_per_s_rounds": [tokens_per_s] * rounds,
+                   f"{name}_cpu_us_per_token": 1e6 / tokens_per_s,
+                   f"{name}_cpu_us_per_token_rounds": [1e6 / tokens_per_s] * rounds})
+  return speeds
 
 
 def unraisable(error: BaseException, source=None):

@@ -227,10 +227,18 @@ def test_greedy_generation_continues_the_prompt_as_one_pass_over_it_would():
   np.testing.assert_array_equal(generated, greedy[len(prompt):])
 
 
-def test_each_model_keeps_its_best_speed_of_alternating_runs(monkeypatch):
-  """Timed in turns after an untimed compile each: on a shared machine the best of
-  each is the least disturbed comparison."""
-  timed = {"baseline": iter([100.0, 300.0, 200.0]), "pruned": iter([250.0, 150.0, 350.0])}
+def test_models_are_timed_in_interleaved_rounds_and_compared_round_by_round(monkeypatch):
+  """Each round times each model once, in turn, after an untimed compile each; a
+  model's speed is its median, a speed-up the median of the rounds' ratios (not the
+  ratio of the medians), CPU time per token beside."""
+  # Wall and CPU seconds of each model's timed run of 100 tokens, round by round: the
+  # machine slowed both models in round 2.
+  walls = {"baseline": iter([1.0, 4.0, 2.0]), "pruned": iter([0.25, 2.0, 2.0])}
+  cpus = {"baseline": iter([2.0, 2.2, 1.8]), "pruned": iter([1.0, 1.0, 1.2])}
+  clock = {"wall": 0.0, "cpu": 0.0}
+  monkeypatch.setattr(speed, "time", types.SimpleNamespace(
+      perf_counter=lambda: clock["wall"], monotonic=lambda: clock["wall"],
+      process_time=lambda: clock["cpu"]))
   calls = []
 
   def evaluator(lm, mesh, config):
@@ -239,13 +247,40 @@ def test_each_model_keeps_its_best_speed_of_alternating_runs(monkeypatch):
     def score(variables, tokens, max_batches):
       del variables, tokens
       calls.append((lm, max_batches))
-      return {"tokens_per_s": 0.0 if max_batches == 1 else next(timed[lm])}
+      if max_batches > 1:
+        clock["wall"] += next(walls[lm])
+        clock["cpu"] += next(cpus[lm])
+      return {"tokens": 100}
     return types.SimpleNamespace(score=score)
 
   monkeypatch.setattr(stream_eval.Evaluator, "from_config", evaluator)
   model = lambda name: types.SimpleNamespace(lm=name, variables=None)
-  speeds = speed.tokens_per_s(None, None, None, 5,
-                              {"baseline": model("baseline"), "pruned": model("pruned")})
-  assert speeds == {"baseline_tokens_per_s": 300.0, "pruned_tokens_per_s": 350.0}
+  speeds = speed.tokens_per_s(None, None, None, 5, {"baseline": model("baseline"),
+                                                    "pruned": model("pruned")}, rounds=3)
   assert calls[:2] == [("baseline", 1), ("pruned", 1)]
   assert calls[2:] == [("baseline", 5), ("pruned", 5)] * 3
+  assert speeds["rounds"] == 3
+  assert speeds["baseline_tokens_per_s_rounds"] == [100.0, 25.0, 50.0]
+  assert speeds["pruned_tokens_per_s_rounds"] == [400.0, 50.0, 50.0]
+  assert (speeds["baseline_tokens_per_s"], speeds["pruned_tokens_per_s"]) == (50.0, 50.0)
+  assert speeds["baseline_cpu_us_per_token"] == pytest.approx(20000.0)
+  assert speeds["pruned_cpu_us_per_token"] == pytest.approx(10000.0)
+  compared = speed.speedup(speeds)
+  assert compared["speedup"] == pytest.approx(2.0)                 # of 4, 2 and 1
+  assert compared["speedup_quartiles"] == pytest.approx([1.5, 3.0])
+  assert compared["cpu_speedup"] == pytest.approx(2.0)             # of 2, 2.2 and 1.5
+
+
+@pytest.mark.parametrize("ticks, load_average, other, busy", [
+    ((10.0, 30.0), None, 0.5, True),     # 2.0 of 2 cores used, 0.5 by others
+    ((10.0, 25.5), None, 0.05, False),   # 0.45 idle, but the others used only 0.05
+    ((10.0, 20.0), None, 0.0, False),    # this process alone
+    ((None, None), 3.0, 1.5, True),      # no /proc/stat: the load average, 3 of 2
+])
+def test_the_machine_counts_as_busy_when_others_took_cores_it_had_no_idle(
+    monkeypatch, ticks, load_average, other, busy):
+  monkeypatch.setattr(speed.os, "cpu_count", lambda: 2)
+  monkeypatch.setattr(speed.os, "getloadavg", lambda: (load_average, 0.0, 0.0))
+  # 10 s of wall time in which this process ran 15 CPU seconds.
+  load = speed._load((0.0, 0.0, ticks[0]), (10.0, 15.0, ticks[1]))  # pylint: disable=protected-access
+  assert load == {"cores": 2, "own_cores": 1.5, "other_cores": other, "busy": busy}

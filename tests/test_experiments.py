@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import data_fixtures
+from helpers import measured_speeds
 from allatt_jax.config import config_base
 from allatt_jax import data as data_lib
 from allatt_jax.pruning import cost_model
@@ -515,8 +516,8 @@ def test_only_groups_alone_have_a_size_they_cannot_prune_below(experiment):
 def test_the_persistent_table_compares_each_kind_with_heads_only_at_its_size(experiment,
                                                                             monkeypatch):
   # Timings as if every export ran 3 times as many tokens a second as the baseline.
-  monkeypatch.setattr(persistent.speed_lib, "tokens_per_s", lambda *args: {
-      "baseline_tokens_per_s": 1000.0, "pruned_tokens_per_s": 3000.0})
+  monkeypatch.setattr(persistent.speed_lib, "tokens_per_s",
+                      lambda *args: measured_speeds(1000.0, 3000.0))
   report = persistent.persistent(experiment)   # the suite's runs, reused
   header, _, *rows = [[cell.strip() for cell in line.strip("|").split("|")]
                       for line in report.markdown.splitlines()

@@ -4,6 +4,7 @@ import pathlib
 
 import pytest
 
+from helpers import measured_speeds
 from allatt_jax.config import config_base
 from allatt_jax.config import run_config
 from allatt_jax.reports import demo_report
@@ -15,7 +16,7 @@ BASELINE = {"heads_per_layer": [4, 4], "persistent_per_layer": [32, 32],
 PRUNED = {"heads_per_layer": [1, 2], "persistent_per_layer": [8, 8],
           "params_non_embedding": 500, "macs_per_token_non_embedding": 1000,
           "macs_per_token": 7000}
-SPEED = {"baseline_tokens_per_s": 200.0, "pruned_tokens_per_s": 300.0}
+SPEED = measured_speeds(200.0, 300.0)
 
 
 def report(**gates):
@@ -63,7 +64,10 @@ def table_rows(text):
 
 def test_the_table_shows_each_size_as_a_share_and_closed_groups_only_when_there_are():
   title, rows = table_rows(demo_report.summary_table(report(target_params=600.0)))
-  assert title == "wikitext_chars: speed-up 1.50x"
+  assert title == ("wikitext_chars: speed-up 1.50x (middle half of 3 rounds: 1.50-1.50; "
+                   "CPU time: 1.50x)")
+  assert rows["inference tokens/s"] == ["200", "300"]
+  assert rows["CPU µs per token"] == ["5,000.0", "3,333.3"]
   assert rows["params (non-emb.)"] == ["1,000", "500 (0.50)"]
   assert rows["MACs/token (non-emb.)"] == ["4,000", "1,000 (0.25)"]
   assert rows["MACs per token"] == ["1.00", "0.70"]
@@ -76,3 +80,12 @@ def test_the_table_shows_each_size_as_a_share_and_closed_groups_only_when_there_
   unchanged["pruned"]["persistent_per_layer"] = [8, 16]
   _, rows = table_rows(demo_report.summary_table(unchanged))
   assert "persistent vectors" not in rows and rows["params (non-emb.)"] == ["1,000", "500"]
+
+
+def test_the_speed_up_line_says_when_the_machine_was_busy_and_shows_the_spread():
+  built = report(lam=0.03)
+  built["speed"].update(measured_speeds(200.0, 300.0, rounds=5, busy=True))
+  built["speed"].update(speedup=1.48, speedup_quartiles=[1.41, 1.52], cpu_speedup=1.5)
+  assert demo_report.summary_table(built).splitlines()[0] == (
+      "wikitext_chars: speed-up 1.48x (middle half of 5 rounds: 1.41-1.52; CPU time: "
+      "1.50x), timed on a busy machine: other processes used 0.9 of its 2 cores")

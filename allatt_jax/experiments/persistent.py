@@ -4,7 +4,7 @@ At each MAC budget (`experiments.persistent_budgets`, fractions of the unpruned 
 per token), budget runs prune to the same size by heads only, by groups of persistent
 slots only (`gates.heads=False`), and by both, each plain and distilling; a kind that
 cannot reach a budget is left out and the table says so. Each export's inference speed
-is measured against the baseline's on the same tokens (alternating, best of 3).
+is measured against the baseline's on the same tokens (interleaved rounds: speed.py).
 """
 from allatt_jax.evaluation import speed as speed_lib
 from allatt_jax.reports import figures
@@ -112,7 +112,7 @@ def _by_gates(decision: dict, units: cost_model.UnitCosts) -> str:
 
 
 def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
-  """Each export's inference tokens/s over the baseline's, measured in turns."""
+  """Each export's inference speed-up over the baseline (`speed_lib.speedup`)."""
   corpus = exp.corpus
   baseline = trained_model.load(exp.run_dir(base.name))
   mesh = sharding.run_mesh(exp.base.mesh)
@@ -122,6 +122,6 @@ def _speedups(exp: runs_lib.Experiment, base, runs: dict, batches: int) -> dict:
     measured = speed_lib.tokens_per_s(exp.base, mesh, corpus.splits["valid"], batches,
                                       {"baseline": baseline,
                                        "pruned": trained_model.load(export)})
-    speed[r.name] = measured["pruned_tokens_per_s"] / measured["baseline_tokens_per_s"]
+    speed[r.name] = speed_lib.speedup(measured)["speedup"]
   return speed
 

@@ -81,7 +81,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "budget": budget},
       "speed": {
           **speeds,
-          "speedup": speeds["pruned_tokens_per_s"] / speeds["baseline_tokens_per_s"],
+          **speed.speedup(speeds),
           "macs_ratio": p["macs_per_token"] / b["macs_per_token"],
           "macs_ratio_non_embedding": (p["macs_per_token_non_embedding"]
                                        / b["macs_per_token_non_embedding"])},
@@ -128,6 +128,8 @@ def summary_table(report: dict) -> str:
         if _groups_pruned(report) else []),
       ("inference tokens/s", f"{s['baseline_tokens_per_s']:,.0f}",
        f"{s['pruned_tokens_per_s']:,.0f}"),
+      *([("CPU µs per token", f"{s['baseline_cpu_us_per_token']:,.1f}",
+          f"{s['pruned_cpu_us_per_token']:,.1f}")] if "rounds" in s else []),
       ("MACs per token", "1.00", f"{s['macs_ratio']:.2f}"),
       *([("MACs/token (non-emb.)", f"{b['macs_per_token_non_embedding']:,.0f}",
           f"{p['macs_per_token_non_embedding']:,.0f}"
@@ -137,5 +139,21 @@ def summary_table(report: dict) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
   lines.insert(1, "-+-".join("-" * w for w in widths))
-  return f"{report['dataset']}: speed-up {s['speedup']:.2f}x\n" + "\n".join(lines)
+  return f"{report['dataset']}: {speedup_line(s)}\n" + "\n".join(lines)
+
+
+def speedup_line(s: dict) -> str:
+  """'speed-up 1.70x (middle half of 30 rounds: 1.57-1.90; CPU time: 1.66x)': the
+  speed-up of report.json's 'speed', its spread over the rounds, the same in CPU time
+  per token, and whether the machine was busy (`speed.tokens_per_s`)."""
+  if "rounds" not in s:    # a report written before the rounds: one figure
+    return f"speed-up {s['speedup']:.2f}x"
+  low, high = s["speedup_quartiles"]
+  line = (f"speed-up {s['speedup']:.2f}x (middle half of {s['rounds']} rounds: "
+          f"{low:.2f}-{high:.2f}; CPU time: {s['cpu_speedup']:.2f}x)")
+  machine = s["machine"]
+  if machine["busy"]:
+    line += (f", timed on a busy machine: other processes used {machine['other_cores']:.1f}"
+             f" of its {machine['cores']} cores")
+  return line
 

@@ -13,6 +13,7 @@ import jax
 from allatt_jax.config import console
 from allatt_jax.reports import demo_report
 from allatt_jax.reports import figures
+from allatt_jax.evaluation import speed
 from allatt_jax.pruning import cost_model
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import preemption
@@ -111,7 +112,8 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
 
     if is_main:
       console.banner("Evaluation: inference speed of both models on valid "
-                     f"({stages.speed_batches} batches, best of 3)")
+                     f"({stages.speed_batches} batches, in {speed.ROUNDS} interleaved "
+                     "rounds)")
     baseline_model = trained_model.load(workdir / "baseline")
     pruned_model = trained_model.load(pruned["export"]["directory"])
     # Its timings are comparable only when measured together, so a part of it is not
