@@ -478,23 +478,32 @@ def test_a_size_given_as_a_fraction_is_reported_in_full_with_the_cost_met():
                              baseline, pruned, compared)
   met = compared["pruned"]["macs_per_token_non_embedding"]
   assert report["pruned"]["budget"] == {
-      "key": "target_macs", "value": 0.5 * unpruned, "unpruned": unpruned, "cost": met,
-      "allowed": 4, "by_gates": 4, "changed": 0, "opened": [], "closed": []}
+      "key": "target_macs", "asked": 0.5, "value": 0.5 * unpruned, "unpruned": unpruned,
+      "cost": met, "step": None, "allowed": 4, "by_gates": 4, "groups": None,
+      "groups_by_gates": None, "changed": 0, "opened": [], "closed": []}
   rows = _table_rows(report)
   ratio = compared["pruned"]["macs_per_token"] / compared["baseline"]["macs_per_token"]
   assert rows["MACs per token"] == ["1.00", f"{ratio:.2f}"]      # with the output layer
   assert rows["MACs/token (non-emb.)"] == [f"{unpruned:,.0f}",
                                            f"{met:,.0f} ({met / unpruned:.2f})"]
-  assert rows["budget target_macs"] == ["", f"{0.5 * unpruned:,.0f}"]
+  assert rows["budget target_macs"] == ["", f"0.5 ({0.5 * unpruned:,.0f})"]
   params = [compared[m]["params_non_embedding"] for m in ("baseline", "pruned")]
   assert rows["params (non-emb.)"] == [f"{params[0]:,}",
                                        f"{params[1]:,} ({params[1] / params[0]:.2f})"]
-  # A sparsity: the heads it keeps.
+  # A sparsity: the heads it keeps, and the sparsity met; the same keys.
   stages = assembly.checked_pipeline(demo_config({}, target_sparsity=0.5))
-  report = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
+  sparsity = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
+                               baseline, pruned, compared)
+  assert sparsity["pruned"]["budget"].keys() == report["pruned"]["budget"].keys()
+  assert (sparsity["pruned"]["budget"]["unpruned"], sparsity["pruned"]["budget"]["cost"],
+          sparsity["pruned"]["budget"]["asked"]) == (0.0, 0.5, 0.5)
+  assert _table_rows(sparsity)["budget target_sparsity"] == ["", "0.5 (4 heads)"]
+  # A figure asked as such: shown once.
+  stages = assembly.checked_pipeline(demo_config({}, target_macs=float(met)))
+  figure = demo_report.build(stages.baseline, stages.pruning, pathlib.Path("pruned"),
                              baseline, pruned, compared)
-  assert "unpruned" not in report["pruned"]["budget"]
-  assert _table_rows(report)["budget target_sparsity"] == ["", "0.5 (4 heads)"]
+  assert figure["pruned"]["budget"].keys() == report["pruned"]["budget"].keys()
+  assert _table_rows(figure)["budget target_macs"] == ["", f"{met:,.0f}"]
 
 
 # --- The vocabulary from the data.
@@ -532,7 +541,7 @@ def test_pruning_warnings_name_the_budget_and_its_value():
   everything = dict(allowed=total, by_gates=total, changed=0)
   [warning] = model_export.pruning_warnings(setup.run, total, total, everything,
                                             "--config.gates")
-  assert f"--config.gates.target_sparsity=0.0 allows all {total} heads" in warning
+  assert f"--config.gates.target_sparsity=0 allows all {total} heads" in warning
   far = dict(allowed=total // 2, by_gates=total, changed=total // 2)
   [warning] = model_export.pruning_warnings(setup.run, total, total // 2, far,
                                             "--config.gates")
@@ -582,13 +591,13 @@ def test_group_budget_warnings_say_what_the_budget_left_and_how_far_the_gates_we
       run, 8, decision["allowed"], {"budget": 1000.0, "cost": 1000.0, "changed": 1,
                                     "cost_by_gates": 1000.0, **decision}, flags)
   [warning] = warnings(allowed=8, groups=groups)
-  assert f"{flags}.target_macs=1000.0 allows all 8 heads and {groups} persistent" in warning
+  assert f"{flags}.target_macs=1,000 allows all 8 heads and {groups} persistent" in warning
   assert warnings(allowed=8, groups=groups - 1) == []
   [warning] = warnings(allowed=0, groups=0)
   assert f"keeps none of the 8 heads ({flags}.allow_empty=True)" in warning
   # Heads kept with every group they hold: the heads alone met the budget.
   [warning] = warnings(allowed=6, groups=24, by_gates=7, groups_by_gates=20)
-  assert (f"the budget {flags}.target_macs=1000.0 kept 6 of 8 heads, each with all its "
+  assert (f"the budget {flags}.target_macs=1,000 kept 6 of 8 heads, each with all its "
           "persistent slots: no persistent group was pruned (the gates alone kept 20 "
           "groups of their 7 heads), so the heads alone met the budget. To prune "
           f"persistent groups rather than heads, gate the groups alone: {flags}.heads="

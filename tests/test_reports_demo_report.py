@@ -43,8 +43,10 @@ def test_a_budget_runs_report_derives_its_figures():
   assert pruned["sparsity"] == pytest.approx(5 / 8)
   assert pruned["persistent_sparsity"] == pytest.approx(48 / 64)
   assert pruned["lambda"] is None
-  assert pruned["budget"] == {"key": "target_params", "value": 600.0, "allowed": 3,
-                              "groups": 4, "unpruned": 1000, "cost": 500}
+  assert pruned["budget"] == {"key": "target_params", "asked": 600.0, "value": 600.0,
+                              "unpruned": 1000, "cost": 500, "step": None, "allowed": 3,
+                              "by_gates": None, "groups": 4, "groups_by_gates": None,
+                              "changed": None, "opened": None, "closed": None}
   assert speed["speedup"] == pytest.approx(1.5)
   assert speed["macs_ratio"] == pytest.approx(0.7)
   assert speed["macs_ratio_non_embedding"] == pytest.approx(0.25)

@@ -78,6 +78,12 @@ def test_each_heads_verdict_is_the_exports(tmp_path, drawn):
   assert "budget target_sparsity=0.25, final head sparsity 25.0%" in title
 
 
+def test_a_budget_asked_as_a_fraction_is_titled_as_asked_beside_its_figure(tmp_path, drawn):
+  fig = draw(tmp_path, drawn, history(), [[0], [0]], enabled=True, freeze_step=20,
+             target_macs=226099.2, budget_fraction=0.4)
+  assert "budget target_macs=0.4 (226,099), final" in fig._suptitle.get_text()
+
+
 def test_a_history_without_decisions_shows_probabilities_throughout(tmp_path, drawn):
   records = [{k: v for k, v in r.items() if k != "decided"} for r in history()]
   fig = draw(tmp_path, drawn, records, [[0], [0]], enabled=True, lam=0.1,

@@ -334,6 +334,25 @@ def test_a_pruning_stage_with_other_settings_goes_to_a_new_folder(tmp_path):
       tmp_path / "report-2.json", tmp_path / "gates-2.png")
 
 
+def test_a_budget_asked_as_a_fraction_is_named_as_asked_beside_its_figure(tmp_path):
+  """A rerun at another fraction says what was typed, each with the figure it stands
+  for in thousands; a stage saved before the fraction was recorded resumes."""
+  def stage(target_macs):
+    config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
+    config.pipeline.prune_gates.target_macs = target_macs
+    return assembly.checked_pipeline(config).pruning
+
+  half = stage(0.5)
+  run_files.save_config(tmp_path / "pruned", half)
+  folder, why = pipeline.pruning_stage_dir(tmp_path, stage(0.4))
+  assert folder == tmp_path / "pruned-2"
+  assert why == (f"{tmp_path / 'pruned'} holds a pruning stage with other settings "
+                 "(gates.target_macs: 0.5 (10,272) -> 0.4 (8,218)), kept as it is")
+  before = run_config.derived_run(half, gates=dict(budget_fraction=None))
+  run_files.save_config(tmp_path / "pruned", before)
+  assert pipeline.pruning_stage_dir(tmp_path, half) == (tmp_path / "pruned", "")
+
+
 def test_a_single_runs_workdir_is_refused_as_a_pipelines_before_any_data_is_read(tmp_path):
   config = config_base.load(ROOT / "configs" / "demo.py", "tiny")
   config.data.data_dir = str(tmp_path / "tfds")     # where a read would prepare it

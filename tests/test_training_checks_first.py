@@ -166,12 +166,16 @@ def test_a_key_the_pipeline_section_leaves_keeps_the_baselines_flag():
       f"add {GATES}.allow_empty=True"]),
     # Below what no head holds: W_O's bias of each of 2 layers of width 32.
     (dict(target_params=10),
-     ["target_params=10 is below the 64 non-embedding parameters that no head holds",
+     ["target_params=10 (read as a count of non-embedding parameters; a fraction of the "
+      "unpruned model's 12,608 is a value below 1) is below the 64 non-embedding "
+      "parameters that no head holds",
       f"{GATES}.target_params=1744 (1 of 8 heads)",
       f"{GATES}.target_params=64 with {GATES}.allow_empty=True"]),
     (dict(target_params=10, allow_empty=True),
      ["below the 64 non-embedding parameters", f"{GATES}.target_params=64 (0 of 8 heads)"]),
-    (dict(target_params=1000), ["target_params=1000 leaves none of the model's 8 heads",
+    (dict(target_params=1000), ["target_params=1000 (read as a count of non-embedding "
+                                "parameters; a fraction of the unpruned model's 12,608 "
+                                "is a value below 1) leaves none of the model's 8 heads",
                                 f"{GATES}.target_params=1744 (1 of 8 heads)"]),
     # MACs per token at the eval shape: a head's persistent keys and values (2·16·32·8
     # MACs a step) are shared by the batch's 64 × 16 tokens.
@@ -194,9 +198,16 @@ def test_a_budget_that_no_head_count_meets_or_that_keeps_none_is_refused(keys, n
           model=dict(persistent_slots=((16, 8, 16, 16), (16, 16, 16, 16)))),
      "config.gates.target_params=2000.0: a budget counts heads of equal cost, but this "
      "model's heads keep different numbers of persistent vectors"),
-    # 1 is a count, not the fraction 1 of the unpruned model: named as it was given.
+    # 1 is a count, not the fraction 1 of the unpruned model: named as it was given,
+    # read as a count, and a fraction said to be a value below 1.
     (dict(gates=dict(enabled=True, freeze_step=20, target_params=1)),
-     "config.gates.target_params=1 is below the 64 non-embedding parameters"),
+     "config.gates.target_params=1 (read as a count of non-embedding parameters; a "
+     "fraction of the unpruned model's 12,608 is a value below 1) is below the 64 "
+     "non-embedding parameters"),
+    (dict(gates=dict(enabled=True, freeze_step=20, target_macs=1.5)),
+     "config.gates.target_macs=1.5 (read as a count of non-embedding MACs per token; a "
+     "fraction of the unpruned model's 20,544 is a value below 1) leaves none of the "
+     "model's 8 heads"),
     # Below 0 the nearest sparsity met keeps every head.
     (dict(gates=dict(enabled=True, freeze_step=20, target_sparsity=-0.25)),
      "target_sparsity=-0.25 is out of range: it is the fraction of the model's 8 heads to "
@@ -243,8 +254,8 @@ def test_a_budget_run_says_first_the_size_it_prunes_to():
   config.init_from = "none"   # from scratch: no model to read
   corpus = types.SimpleNamespace(vocab_size=27, splits={"train": np.arange(100) % 27})
   note = assembly.prepared_run(assembly.checked_config(config), corpus).note
-  assert note == ("Budget target_params: 6,304 non-embedding parameters, 0.50 of the "
-                  "unpruned model's 12,608."), note
+  assert note == ("Budget target_params=0.5: 6,304 non-embedding parameters, that "
+                  "fraction of the unpruned model's 12,608."), note
 
 
 def test_the_pruning_stages_banner_names_its_goal():
@@ -252,12 +263,14 @@ def test_the_pruning_stages_banner_names_its_goal():
       assembly.checked_pipeline(demo("prune_gates", **keys)).pruning)
   assert goal(lam=0.05) == "λ=0.05"
   assert goal(target_sparsity=0.5) == "target_sparsity=0.5: 4 of 8 heads"
-  assert goal(target_params=5000) == "target_params 5,000: 3 of 8 heads"
+  assert goal(target_params=5000) == "target_params=5,000: 3 of 8 heads"
+  # A fraction as it was asked, beside the figure it stands for.
+  assert goal(target_params=0.4) == "target_params=0.4 (5,043): 3 of 8 heads"
   groups = "groups of 8 persistent slots"
   assert goal(lam=0.05, persistent_group=8) == f"λ=0.05 over heads and {groups}"
   assert goal(lam=0.05, persistent_group=8, heads=False) == f"λ=0.05 over {groups}"
   assert goal(target_params=11000, persistent_group=8, heads=False) == (
-      f"target_params 11,000 over {groups}")
+      f"target_params=11,000 over {groups}")
 
 
 def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
@@ -276,11 +289,17 @@ def test_a_size_in_0_1_is_that_fraction_of_the_unpruned_models():
   assert pruning.gates.target_macs == 0.5 * macs
   assert cost_model.target_open_heads(pruning, cfg) == 4
   assert cost_model.budget_note(pruning, cfg) == (
-      f"Budget target_macs: {macs / 2:,.0f} non-embedding MACs per token, 0.50 of the "
-      f"unpruned model's {macs:,.0f}.")
+      f"Budget target_macs=0.5: {macs / 2:,.0f} non-embedding MACs per token, that "
+      f"fraction of the unpruned model's {macs:,.0f}.")
+  assert pruning.gates.budget_fraction == 0.5
+  # Resolved again (a checked config checked once more), it keeps what was asked.
+  assert assembly.checked_config(pruning).gates.budget_fraction == 0.5
   # A whole count is a count, as before.
   pruning = assembly.checked_pipeline(demo("prune_gates", target_params=5000)).pruning
-  assert pruning.gates.target_params == 5000
+  assert pruning.gates.target_params == 5000 and pruning.gates.budget_fraction is None
+  assert cost_model.budget_note(pruning, cfg) == (
+      "Budget target_params=5,000 non-embedding parameters: 0.40 of the unpruned model's "
+      "12,608.")
   # The checks apply to the figure, and say what the fraction stood for.
   with pytest.raises(ConfigError, match=(
       rf"target_macs=0.01 \(0.01 of the unpruned model's {macs:,.0f}: {macs / 100:,.0f}\) "
@@ -543,7 +562,8 @@ def test_a_group_budget_below_one_head_and_its_layer_is_refused_naming_one_that_
   with pytest.raises(ConfigError) as error:
     config_checks.check_config(run_config.RunConfig.of(config), 1)
   message = str(error.value)
-  assert f"target_params={value} leaves none of the model's 8 heads" in message, message
+  assert f"target_params={value} (read as a count" in message, message
+  assert ") leaves none of the model's 8 heads" in message, message
   assert (f"nearest budget that keeps a head: --config.gates.target_params={one_head} "
           in message), message
   # The budget it names passes.

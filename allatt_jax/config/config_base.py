@@ -55,10 +55,13 @@ def base_config() -> ml_collections.ConfigDict:
 
 def _settable(section) -> dict:
   """A section's defaults, where a None default becomes a reference of its type, so
-  that a flag can set it."""
+  that a flag can set it; without the keys the run sets itself (metadata
+  'set_by_run')."""
   hints = typing.get_type_hints(type(section))
   values = {}
   for field in dataclasses.fields(section):
+    if field.metadata.get("set_by_run"):
+      continue
     value = getattr(section, field.name)
     if value is None:
       kind = next(a for a in typing.get_args(hints[field.name]) if a is not type(None))

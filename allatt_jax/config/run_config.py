@@ -160,6 +160,11 @@ class GatesSection(_Section):
   target_sparsity: float | None = None
   target_params: float | None = None
   target_macs: float | None = None
+  # Set by the run, no flag: the fraction (0.5) a params or MACs budget was asked as,
+  # where `assembly` set the budget to the figure it stands for; None where the figure
+  # itself was asked. Lines show both (`budget_shown`).
+  budget_fraction: float | None = dataclasses.field(default=None,
+                                                    metadata={"set_by_run": True})
   lagrangian_lr: float = 1e-3          # ascent rate of the controller's multipliers
   # The controller's count σ(k·π) sharpens from k = 1 after the target warm-up to this
   # k at the freeze, towards the heads the export keeps (ours; 1 = the expected count
@@ -192,6 +197,21 @@ class GatesSection(_Section):
   def budget_target(self) -> str | None:
     """The budget key this section sets, or None for a fixed λ (or a baseline)."""
     return next(iter(self.budget_targets), None)
+
+  @property
+  def budget_shown(self) -> str:
+    """The budget as lines show it, as asked and in full: 'target_sparsity=0.5',
+    'target_macs=282,624', or for a fraction 'target_macs=0.5 (282,624)'; '' without
+    a budget."""
+    key = self.budget_target
+    if key is None:
+      return ""
+    value = getattr(self, key)
+    if key == "target_sparsity":
+      return f"{key}={value:g}"
+    if self.budget_fraction is not None:
+      return f"{key}={self.budget_fraction:g} ({value:,.0f})"
+    return f"{key}={value:,.0f}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -385,9 +385,9 @@ def target_open_heads(config: run_config.RunConfig, cfg: model_lib.ModelConfig) 
 
 
 def budget_note(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> str:
-  """What a run with a params or MACs budget says in its first lines: the figure it
-  prunes to (the one a fraction stood for, `budget_value`) and its share of the
-  unpruned model's; else ''."""
+  """What a run with a params or MACs budget says in its first lines: the budget as
+  asked, the figure it prunes to (the one a fraction stood for, `budget_value`) and
+  its share of the unpruned model's; else ''."""
   key = config.gates.budget_target
   if key not in ("target_params", "target_macs"):
     return ""
@@ -395,5 +395,9 @@ def budget_note(config: run_config.RunConfig, cfg: model_lib.ModelConfig) -> str
   value = getattr(config.gates, key)
   unit = ("non-embedding parameters" if key == "target_params"
           else "non-embedding MACs per token")
-  return (f"Budget {key}: {value:,.0f} {unit}, {value / unpruned:.2f} of the unpruned "
-          f"model's {unpruned:,.0f}.")
+  fraction = config.gates.budget_fraction
+  if fraction is None:
+    return (f"Budget {key}={value:,.0f} {unit}: {value / unpruned:.2f} of the unpruned "
+            f"model's {unpruned:,.0f}.")
+  return (f"Budget {key}={fraction:g}: {value:,.0f} {unit}, that fraction of the "
+          f"unpruned model's {unpruned:,.0f}.")

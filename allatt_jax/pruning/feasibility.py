@@ -82,11 +82,19 @@ def checked_budget(config: run_config.RunConfig) -> run_config.RunConfig:
   value, shown = asked, f"config.gates.{key}={asked}"
   if key != "target_sparsity":
     value = cost_model.budget_value(config, cfg)
-    config = run_config.derived_run(config, gates={key: value})
-    shown = f"config.gates.{key}={value}"
+    unpruned = cost_model.unpruned_cost(config, cfg)
+    # What the lines show beside the figure: the fraction asked, also where this
+    # config was resolved before (its figure then asked, its fraction recorded).
+    fraction = asked if 0 < asked < 1 else gates.budget_fraction
+    if fraction is not None and cost_model.budget_figure(key, fraction, unpruned) != value:
+      fraction = None
+    config = run_config.derived_run(config, gates={key: value, "budget_fraction": fraction})
     if 0 < asked < 1:   # a fraction: the errors say what it stood for
       shown = (f"config.gates.{key}={asked} ({asked:g} of the unpruned model's "
-               f"{cost_model.unpruned_cost(config, cfg):,.0f}: {value:,.0f})")
+               f"{unpruned:,.0f}: {value:,.0f})")
+    elif asked >= 1:    # a count, maybe meant as a fraction
+      shown = (f"config.gates.{key}={asked:g} (read as a count of {_UNITS[key]}; a "
+               f"fraction of the unpruned model's {unpruned:,.0f} is a value below 1)")
   # Advice in the form the budget was asked in: a fraction for a fraction.
   fraction_of = _fraction_of(config, cfg, key, asked)
   if gates.persistent_group:

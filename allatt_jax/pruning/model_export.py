@@ -187,14 +187,13 @@ def pruning_warnings(config: run_config.RunConfig, total: int, kept: int,
     return [f"pruning removed no head of {total} (λ={gates.lam}). Ask for a size with "
             f"{gate_flags}.target_sparsity=0.5 (or target_params, target_macs), or "
             f"raise {gate_flags}.lam."]
-  key = gates.budget_target
   if "groups" in decision:
     return _group_budget_warnings(config, decision, total, gate_flags)
   if decision["allowed"] == total:
-    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} allows all {total} heads, so "
+    return [f"the budget {gate_flags}.{gates.budget_shown} allows all {total} heads, so "
             "pruning removed none; ask for a smaller size."]
   if not decision["allowed"]:
-    return [f"the budget {gate_flags}.{key}={getattr(gates, key)} keeps none of the "
+    return [f"the budget {gate_flags}.{gates.budget_shown} keeps none of the "
             f"{total} heads ({gate_flags}.allow_empty=True): the exported model has no "
             "attention."]
   if abs(decision["by_gates"] - decision["allowed"]) >= max(2, total // 10):
@@ -214,8 +213,7 @@ def _group_budget_warnings(config: run_config.RunConfig, decision: dict, total: 
   """`pruning_warnings` of a budget over heads and persistent groups
   (`freeze.keep_within_budget`'s decision)."""
   gates = config.gates
-  key = gates.budget_target
-  asked = f"{gate_flags}.{key}={getattr(gates, key)}"
+  asked = f"{gate_flags}.{gates.budget_shown}"
   per_head = config.model.num_persistent // gates.persistent_group
   if decision["allowed"] == total and decision["groups"] == total * per_head:
     return [f"the budget {asked} allows all {total} heads and {total * per_head} "

@@ -41,16 +41,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
   both models as `compare_models` describes them, the pruning goal and the budget's
   decision."""
   b, p, speeds = compared["baseline"], compared["pruned"], compared["speed"]
-  key = prune_config.gates.budget_target
-  budget = None
-  if key:
-    budget = {"key": key, "value": getattr(prune_config.gates, key),
-              **(pruned["export"].get("budget") or {})}
-    if key != "target_sparsity":
-      # What the budget measures, of both models: the pruned one's is the cost met.
-      measured = ("params_non_embedding" if key == "target_params"
-                  else "macs_per_token_non_embedding")
-      budget.update(unpruned=b[measured], cost=p[measured])
+  budget = _budget(prune_config.gates, pruned["export"].get("budget"), b, p)
   return {
       "dataset": baseline_config.data.name,
       "metric": baseline["metric"],
@@ -74,10 +65,8 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "persistent_sparsity": (
               1.0 - sum(p["persistent_per_layer"]) / sum(b["persistent_per_layer"])
               if sum(b["persistent_per_layer"]) else 0.0),
-          # A fixed λ, or the budget asked for (a fraction's figure: `assembly.checked_config`'s),
-          # what it decided at the freeze and, of a size, the unpruned model's and the
-          # cost met.
-          "lambda": None if key else prune_config.gates.lam,
+          # A fixed λ, or the budget (`_budget`).
+          "lambda": None if budget else prune_config.gates.lam,
           "budget": budget},
       "speed": {
           **speeds,
@@ -87,6 +76,33 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
                                        / b["macs_per_token_non_embedding"])},
       "warnings": pruned["export"].get("warnings", []),
   }
+
+
+def _budget(gates, decision: dict | None, b: dict, p: dict) -> dict | None:
+  """report.json's 'budget' block, the same keys for every budget run (None without
+  a budget): 'key'; 'asked', as given (a fraction of the unpruned model, or a
+  figure); 'value', the figure it stands for; 'unpruned' and 'cost', what it measures
+  of both models (a sparsity: 0 and the sparsity met); and of the decision at the
+  freeze (`freeze.keep_budgeted`) 'step', the heads kept ('allowed') and kept by the
+  gates alone ('by_gates'), the same of persistent groups ('groups',
+  'groups_by_gates': None without group gates), and the decisions the budget
+  reversed ('changed', 'opened', 'closed')."""
+  key = gates.budget_target
+  if key is None:
+    return None
+  value = getattr(gates, key)
+  if key == "target_sparsity":
+    measured = (0.0, 1.0 - sum(p["heads_per_layer"]) / sum(b["heads_per_layer"]))
+  else:
+    name = "params_non_embedding" if key == "target_params" else "macs_per_token_non_embedding"
+    measured = (b[name], p[name])
+  decision = decision or {}
+  asked = value if gates.budget_fraction is None else gates.budget_fraction
+  return {"key": key, "asked": asked, "value": value, "unpruned": measured[0],
+          "cost": measured[1],
+          **{k: decision.get(k) for k in ("step", "allowed", "by_gates", "groups",
+                                           "groups_by_gates", "changed", "opened",
+                                           "closed")}}
 
 
 def _groups_pruned(report: dict) -> bool:
@@ -101,10 +117,13 @@ def _groups_pruned(report: dict) -> bool:
 
 def _budget_value(budget: dict) -> str:
   """The budget asked for, as the table shows it: a sparsity and the heads it keeps,
-  or a size in full."""
+  a size in full, or the fraction asked beside it."""
   if budget["key"] == "target_sparsity":
     return f"{budget['value']:g} ({budget['allowed']} heads)"
-  return f"{budget['value']:,.0f}"
+  asked = budget.get("asked", budget["value"])
+  if asked == budget["value"]:
+    return f"{budget['value']:,.0f}"
+  return f"{asked:g} ({budget['value']:,.0f})"
 
 
 def summary_table(report: dict) -> str:

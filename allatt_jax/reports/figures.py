@@ -280,8 +280,7 @@ def _draw_gates(records, kept, layer_heads, gates: run_config.GatesSection,
                  label="P(gate open) / decision" if shows_decisions else "P(gate open)")
   total = sum(layer_heads)
   sparsity = 1.0 - sum(len(k) for k in kept) / total
-  key = gates.budget_target
-  strength = f"budget {key}={getattr(gates, key)}" if key else f"λ={gates.lam:g}"
+  strength = f"budget {gates.budget_shown}" if gates.budget_target else f"λ={gates.lam:g}"
   if groups:
     kept_groups = sum(sum(groups[i][h]) for i, heads in enumerate(kept) for h in heads)
     strength += (f"; persistent groups of {gates.persistent_group} slots kept: "

@@ -31,7 +31,8 @@ RESUMABLE = ("train.num_steps", "train.log_every_steps", "eval.*", "checkpoint.*
              "mesh.*", "data.data_dir", "data.manual_dir", "model.head_block",
              "model.remat", "model.score_dtype", "model.vocab_block",
              "model.tail_capacity", "model.cluster_fractions", "model.attention_impl",
-             "model.persistent_impl", "gates.allow_empty", "model.auto_cutoffs")
+             "model.persistent_impl", "gates.allow_empty", "model.auto_cutoffs",
+             "gates.budget_fraction")
 # Settings of the budget controller, which a run without a budget never reads.
 BUDGET_ONLY = ("gates.budget_sharpness", "gates.budget_warmup_steps", "gates.lagrangian_lr")
 
@@ -96,8 +97,26 @@ def setting_differences(saved: run_config.RunConfig,
   ignored = lambda key: (any(key == k or key.startswith(k.rstrip("*")) for k in RESUMABLE)
                          or (ungated and key.startswith("gates."))
                          or (no_budget and key in BUDGET_ONLY))
-  return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
-          if old[k] != new[k] and not ignored(k)]
+  return _described([k for k in sorted(old.keys() & new.keys())
+                     if old[k] != new[k] and not ignored(k)], saved, config)
+
+
+def _described(keys, saved: run_config.RunConfig, config: run_config.RunConfig) -> list[str]:
+  """'key: saved -> now' of each of `keys`, a budget as lines show it: the fraction
+  asked beside the figure (`GatesSection.budget_shown`), for which
+  'gates.budget_fraction' stands too."""
+  saved, config = run_config.RunConfig.of(saved), run_config.RunConfig.of(config)
+
+  def shown(c):
+    values = {k: repr(v) for k, v in _leaves(c).items()}
+    if c.gates.budget_target:
+      values[f"gates.{c.gates.budget_target}"] = c.gates.budget_shown.split("=", 1)[1]
+    return values
+  old, new = shown(saved), shown(config)
+  budget = next((f"gates.{c.gates.budget_target}" for c in (config, saved)
+                 if c.gates.budget_target), "gates.budget_fraction")
+  keys = dict.fromkeys(budget if k == "gates.budget_fraction" else k for k in keys)
+  return [f"{k}: {old.get(k, 'None')} -> {new.get(k, 'None')}" for k in keys]
 
 
 def _leaves(config: run_config.RunConfig) -> dict:
@@ -283,8 +302,8 @@ def key_differences(saved: run_config.RunConfig, config: run_config.RunConfig,
     return {k: v for k, v in _leaves(c).items()
             if sections is None or k.split(".")[0] in sections}
   old, new = flat(saved), flat(config)
-  return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-          if old.get(k) != new.get(k)]
+  return _described([k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)],
+                    saved, config)
 
 
 def _config_differences(saved: run_config.RunConfig, config: run_config.RunConfig,

@@ -140,19 +140,16 @@ def run(stages: assembly.PreparedPipeline, workdir) -> dict:
 
 
 def _pruning_goal(prune_config: RunConfig) -> str:
-  """'λ=0.05', or the budget: 'target_sparsity=0.5: 16 of 32 heads' (with persistent
-  groups: 'target_macs 512,000 over heads and groups of 64 persistent slots')."""
+  """'λ=0.05', or the budget as asked and in full: 'target_macs=0.5 (282,624): 16 of
+  32 heads' (with persistent groups: 'target_macs=512,000 over heads and groups of 64
+  persistent slots')."""
   gates = prune_config.gates
-  key = gates.budget_target
   kinds = ("heads and " if gates.heads else "") + (
       f"groups of {gates.persistent_group} persistent slots")
-  if key is None:
+  if gates.budget_target is None:
     return f"λ={gates.lam}" + (f" over {kinds}" if gates.persistent_group else "")
-  value = getattr(gates, key)
-  # A size in full (the figure a fraction stood for: assembly.checked_config).
-  asked = f"{key}={value:g}" if key == "target_sparsity" else f"{key} {value:,.0f}"
   if gates.persistent_group:
-    return f"{asked} over {kinds}"
+    return f"{gates.budget_shown} over {kinds}"
   cfg = model_lib.ModelConfig.from_config(prune_config)
-  return (f"{asked}: {cost_model.target_open_heads(prune_config, cfg)} of "
+  return (f"{gates.budget_shown}: {cost_model.target_open_heads(prune_config, cfg)} of "
           f"{sum(cfg.layer_heads)} heads")
