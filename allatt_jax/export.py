@@ -10,7 +10,9 @@ itself) and step N to RUN/export-step-N; an existing export is replaced only wit
 from absl import flags
 
 from allatt_jax.config import cli
+from allatt_jax.model import transformer as model_lib
 from allatt_jax.pruning import model_export
+from allatt_jax.runs import run_files
 from allatt_jax.runs import trained_model
 
 _WORKDIR = flags.DEFINE_string(
@@ -30,6 +32,12 @@ def main(argv):
   out_dir = model_export.export_run(_WORKDIR.value, _OUT.value, _STEP.value,
                                     overwrite=_OVERWRITE.value)
   print(f"Exported the pruned model to {out_dir}")
+  # How the export numbers its heads, as a pruning run's own export says it.
+  note = model_export.renumbering_note(
+      *(model_lib.ModelConfig.from_config(run_files.load_config(folder))
+        for folder in (_WORKDIR.value, out_dir)))
+  if note:
+    print(note)
 
 
 def run(argv=None) -> None:

@@ -12,6 +12,8 @@ import jax
 
 from allatt_jax.config import cli
 from allatt_jax.parallel import distributed
+from allatt_jax.runs import run_files
+from allatt_jax.runs import workdir_checks
 from allatt_jax.training import pipeline
 from allatt_jax.training import assembly
 from allatt_jax.training import loop
@@ -34,6 +36,7 @@ _PROCESS_ID = flags.DEFINE_integer(
 def main(argv):
   del argv
   config = _CONFIG.value
+  workdir_checks.check_folder(run_files.run_path(_WORKDIR.value))
   distributed.initialize(distributed.settings_from(
       _COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
   if jax.process_count() > 1:

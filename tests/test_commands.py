@@ -68,10 +68,43 @@ def test_main_config_failing_to_load_names_the_file_and_the_error(tmp_path):
                         "defined")
 
 
+def test_main_workdir_that_is_a_file_is_refused_before_any_banner_or_data(tmp_path):
+  afile = tmp_path / "afile"
+  afile.write_text("notes")
+  for workdir, said in ((afile, "is a file"), (afile / "sub", f"lies under {afile}, a file")):
+    result = command("allatt_jax.main", "--config=configs/demo.py:tiny",
+                     f"--workdir={workdir}", tmp=tmp_path)
+    assert_one_error_line(result, f"--workdir {workdir} {said}, not a folder")
+    assert "==" not in result.stdout, result.stdout        # no stage's banner
+  assert not (tmp_path / "tfds").exists()                  # nor the dataset prepared
+  assert afile.read_text() == "notes"
+
+
 def test_export_of_a_pruning_run_without_checkpoints(tmp_path, prune_config):
   run_files.save_config(tmp_path, prune_config)
   result = command("allatt_jax.export", f"--workdir={tmp_path}")
   assert_one_error_line(result, str(tmp_path))
+
+
+def test_the_export_command_says_how_the_export_numbers_its_heads(tmp_path, prune_config):
+  """As a pruning run's own export says it (model_export.renumbering_note)."""
+  state = assembly.run_setup(prune_config).new_state()
+  gates = state.variables["gates"]
+  logits = gates["layer_0"]["attention"]["logits"].at[1].set(-5.0)   # head 1 closes
+  gates = {**gates, "layer_0": {"attention": {"logits": logits}}}
+  state = state.replace(variables={**state.variables, "gates": gates})
+  with checkpointing.RunCheckpoints(tmp_path / "run", async_save=False) as checkpoints:
+    checkpoints.save(1, state, {"position": 0, "epoch": 0, "row_length": 4499}, force=True)
+  tokenizer = data_lib.load_corpus("wikitext_chars", str(tmp_path / "tfds")).tokenizer
+  run_files.save_run(tmp_path / "run", prune_config, {}, tokenizer.to_dict())
+  result = command("allatt_jax.export", f"--workdir={tmp_path / 'run'}",
+                   f"--out={tmp_path / 'export'}")
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.splitlines() == [
+      f"Exported the pruned model to {tmp_path / 'export'}",
+      "The export numbers each layer's heads anew, 0 .. H-1: the heads kept, in the "
+      "order they had. Model.prune_heads and prune_persistent_groups take those numbers, "
+      "and Model.costs() lists each head's slots (persistent_per_head)."]
 
 
 @pytest.mark.slow

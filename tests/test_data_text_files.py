@@ -135,6 +135,9 @@ def test_cache_reused_then_rebuilt_on_content_or_option_change(tmp_path, tfds_pr
   assert chars.level == 'char' and len(tfds_prepares) == 3
   caches = sorted((tmp_path / 'data' / 'allatt_text').glob('text_files_*/1.0.0'))
   assert len(caches) == 2        # word and char, each with its own fingerprint
+  # Where the data command's help (its docstring and --data_dir) says they go.
+  data_command = (ROOT / 'allatt_jax' / 'data' / '__main__.py').read_text()
+  assert data_command.count('text_files_<hash>/1.0.0') == 2
   fingerprints = [json.loads((c / 'metadata.json').read_text()) for c in caches]
   assert {f['settings']['options']['level'] for f in fingerprints} == {'word', 'char'}
   load(tmp_path, (TRAIN + 'zebra\n', VALID, TEST))   # back to word: nothing rebuilt

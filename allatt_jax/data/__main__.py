@@ -5,7 +5,8 @@
       [--files=train.txt,valid.txt,test.txt --min_count=1 --max_vocab=0 --clean=]
   python -m allatt_jax.data --make_embedded_corpus_from=PATH/wikitext-2-raw
 
-The ids go to <data_dir>/allatt_text/<dataset>/1.0.0/, read there by every run.
+The ids go to <data_dir>/allatt_text/<dataset>/1.0.0/ (text_files: to
+text_files_<hash>/1.0.0/, the hash of its files and options), read there by every run.
 """
 import json
 
@@ -21,7 +22,8 @@ _DATASET = flags.DEFINE_enum('dataset', 'wikitext_chars', specs.DATASETS,
 _MANUAL_DIR, _DATA_DIR = cli.DEFINE_data_folders(
     "Folder holding the dataset's official files, or your own train/valid/test files "
     'for text_files (else TFDS downloads the official archive).',
-    'TFDS data folder: the ids go to DATA_DIR/allatt_text/DATASET/1.0.0 (default '
+    'TFDS data folder: the ids go to DATA_DIR/allatt_text/DATASET/1.0.0, for '
+    'text_files to DATA_DIR/allatt_text/text_files_<hash>/1.0.0 (default '
     '$TFDS_DATA_DIR or ~/tensorflow_datasets).')
 _LEVEL = flags.DEFINE_enum('level', '', ('',) + specs.LEVELS,
                            'text_files: word, char or byte (default word).')

@@ -128,6 +128,21 @@ def _leaves(config: run_config.RunConfig) -> dict:
   return leaves
 
 
+def check_folder(workdir: epath.Path) -> None:
+  """Raises ConfigError where `workdir`, or the nearest of the folders above it that
+  exists, is a file: made before a command reads any data or prints a banner, naming
+  the path given, as writing below it would fail later."""
+  for path in (workdir, *workdir.parents):
+    if not path.exists():
+      continue
+    if not path.is_dir():
+      what = "is a file" if path == workdir else f"lies under {path}, a file"
+      raise ConfigError(
+          f"--workdir {workdir} {what}, not a folder; runs, checkpoints and reports go "
+          "in a folder. Give the path of a folder: a new one, or the run's own.")
+    return
+
+
 def check_workdir(workdir: epath.Path) -> None:
   """Raises ConfigError unless `workdir` can be created and written."""
   probe = workdir / f".write-test-{uuid.uuid4().hex}"
