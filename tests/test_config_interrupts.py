@@ -27,12 +27,18 @@ LAST_LINES = (errors.INTERRUPTED_STARTING, errors.INTERRUPTED_OUTSIDE_TRAINING,
               "Interrupted: saved a checkpoint", "Interrupted after")
 
 
+# `python ARGS` with SIGINT at its default, whatever this process's is: set, then exec,
+# in a Python of its own (no Python code may run in a forked child of this
+# multithreaded process, as a preexec_fn would).
+_WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, "
+                        "signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])")
+
+
 def _started(args, tmp_path) -> subprocess.Popen:
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "TFDS_DATA_DIR": str(tmp_path / "tfds")}
   return subprocess.Popen(
-      [sys.executable, "-m", *args], cwd=ROOT, env=env, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+      [sys.executable, "-c", _WITH_DEFAULT_SIGINT, sys.executable, "-m", *args], cwd=ROOT,
+      env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _seconds_to(args, tmp_path) -> float:

@@ -9,10 +9,11 @@ those are. Its own handler raises KeyboardInterrupt there, and two places lose i
   interpreter prints "Exception ignored in ..." and the command goes on.
 
 So a command has two handlers before its run's own:
-- `exit_at_once` while it starts (the first statement of every command module, and of
-  `python -m allatt_jax`, until `cli.run` has parsed its flags): nothing has been done
-  that a stop could lose, so Ctrl-C prints one line and ends the process at once,
-  status 130, whatever the main thread was running;
+- `exit_at_once` while it starts: from the package's `__init__` under `python -m`
+  (`module_run_by_python`), or a console script's first call (`exiting_at_once`),
+  until `cli.run` has parsed its flags. Nothing has been done that a stop could lose,
+  so Ctrl-C prints one line and ends the process at once, status 130, whatever the
+  main thread was running;
 - `keyboard_interrupts` while its `main` runs: KeyboardInterrupt, which `cli` turns into
   one line and status 130, raised where Python would raise it, except inside a gc
   callback or a finaliser, where it is delivered again a moment later.
@@ -60,6 +61,11 @@ def exit_at_once() -> None:
     signal.signal(signal.SIGINT, _end_at_once)
 
 
+def exiting_at_once():
+  """`exit_at_once` until the block ends, then SIGINT's handler as it was."""
+  return _sigint_handled_by(_end_at_once)
+
+
 def module_run_by_python() -> str:
   """MODULE of `python [options] -m MODULE ...` (from `sys.orig_argv`), else ''."""
   args = iter(sys.orig_argv[1:])
@@ -73,19 +79,6 @@ def module_run_by_python() -> str:
     elif not arg.startswith("-"):       # a script's path: no -m
       break
   return ""
-
-
-@contextlib.contextmanager
-def exiting_at_once():
-  """`exit_at_once` until the block ends, then SIGINT's handler as it was."""
-  if not _handles_sigint():
-    yield
-    return
-  previous = signal.signal(signal.SIGINT, _end_at_once)
-  try:
-    yield
-  finally:
-    _restore(previous)
 
 
 def _in_callback(frame) -> bool:
@@ -108,22 +101,23 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
   raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
 def keyboard_interrupts():
   """Ctrl-C raises KeyboardInterrupt in the block, as Python's own handler does, but
   never inside a gc callback or a finaliser, which would drop it."""
+  return _sigint_handled_by(_raise_keyboard_interrupt)
+
+
+@contextlib.contextmanager
+def _sigint_handled_by(handler):
+  """`handler` for SIGINT in the block (where `_handles_sigint`), then the one before,
+  unless that ended the command's start, which is over for good once its work has
+  begun."""
   if not _handles_sigint():
     yield
     return
-  previous = signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+  previous = signal.signal(signal.SIGINT, handler)
   try:
     yield
   finally:
-    _restore(previous)
-
-
-def _restore(previous) -> None:
-  """SIGINT's handler back to `previous`, unless that ended the command's start, which
-  is over for good once its work has begun."""
-  if previous is not _end_at_once:
-    signal.signal(signal.SIGINT, previous)
+    if previous is not _end_at_once:
+      signal.signal(signal.SIGINT, previous)

@@ -94,7 +94,8 @@ def _budget(gates, decision: dict | None, b: dict, p: dict) -> dict | None:
   if key == "target_sparsity":
     measured = (0.0, 1.0 - sum(p["heads_per_layer"]) / sum(b["heads_per_layer"]))
   else:
-    name = "params_non_embedding" if key == "target_params" else "macs_per_token_non_embedding"
+    name = ("params_non_embedding" if key == "target_params"
+            else "macs_per_token_non_embedding")
     measured = (b[name], p[name])
   decision = decision or {}
   asked = value if gates.budget_fraction is None else gates.budget_fraction
