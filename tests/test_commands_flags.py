@@ -122,7 +122,12 @@ def test_export_writes_the_step_asked_for_where_asked_and_replaces_only_when_ask
   assert succeeded(export("--step=1")) == f"Exported the pruned model to {first}\n"
   assert exported_heads(first) == [4, 4]
   out = tmp_path / "smaller"
-  assert succeeded(export(f"--out={out}")) == f"Exported the pruned model to {out}\n"
+  # Heads removed: the note on their numbers follows, as the pipeline's export says it.
+  assert succeeded(export(f"--out={out}")) == (
+      f"Exported the pruned model to {out}\nThe export numbers each layer's heads anew, "
+      "0 .. H-1: the heads kept, in the order they had. Model.prune_heads and "
+      "prune_persistent_groups take those numbers, and Model.costs() lists each head's "
+      "slots (persistent_per_head).\n")
   assert exported_heads(out) == [3, 4]
   assert_one_error_line(export(f"--out={out}", "--step=1"), "--overwrite")
   assert exported_heads(out) == [3, 4]
