@@ -120,6 +120,11 @@ def test_ctrl_c_inside_a_gc_callback_is_raised_once_the_callback_returns(monkeyp
   # test in this process left.
   monkeypatch.setattr(interrupts, "_handles_sigint", lambda: True)
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  inside_callback = []    # for each run of the handler: whether it ran inside a callback
+  in_callback = interrupts._in_callback
+  monkeypatch.setattr(interrupts, "_in_callback",
+                      lambda frame: inside_callback.append(in_callback(frame)) or
+                      inside_callback[-1])
 
   def callback(phase, info):
     del info
@@ -134,14 +139,18 @@ def test_ctrl_c_inside_a_gc_callback_is_raised_once_the_callback_returns(monkeyp
   try:
     with pytest.raises(KeyboardInterrupt), interrupts.keyboard_interrupts():
       armed.append(True)
-      gc.collect()
       deadline = time.monotonic() + 10.0   # as long as it takes, on a loaded machine
       while time.monotonic() < deadline:
+        if armed:
+          # Again until the main thread's own collection runs: while another thread
+          # collects, gc.collect() returns at once without one.
+          gc.collect()
         time.sleep(0.01)
   finally:
     gc.callbacks.remove(callback)
     signal.signal(signal.SIGINT, previous)
   assert not dropped, [d.exc_value for d in dropped]
+  assert inside_callback[0] and not inside_callback[-1], inside_callback
 
 
 @pytest.mark.parametrize("argv, module", [
