@@ -301,17 +301,20 @@ def _timed_as(config, *, walls, gated_walls, distill_walls, eval_rates, peaks):
                "parts": {part: {"flops": 1e5, "bytes": 2e5}
                          for part in ("output_layer", "attention")}}, usages=usages, own_distill=False, **extra)
 
-  def model(heads, rate, proxy_bytes):
+  def model(heads, rate, proxy_bytes, segment_s_rounds=(0.1, 0.2, 0.4)):
     return types.SimpleNamespace(
         heads_kept=heads / 4, cfg=dataclasses.replace(cfg, heads_per_layer=(heads, heads)),
         figures=lambda: {"tokens_per_s": rate, "compile_s": 0.5,
+                         "segment_s_rounds": list(segment_s_rounds),
                          "proxy": {"bytes": proxy_bytes}})
 
   steps = {"baseline": step(config, walls), "gated": step(config, gated_walls),
            "distill": step(config, distill_walls)}
-  # Variant "two": its train step at twice the baseline's walls, its model at half
-  # the full model's rate.
-  variant = (step(config, [2 * w for w in walls]), model(4, eval_rates[0] / 2, 100.0))
+  # Variant "two": its train step at 0.4, 0.6 and 1.2 s a round (its median twice the
+  # baseline's); its model at half the full model's rate, its rounds' seconds 4, 2 and
+  # 1 times the full model's.
+  variant = (step(config, [0.4, 0.6, 1.2]),
+             model(4, eval_rates[0] / 2, 100.0, segment_s_rounds=(0.4, 0.4, 0.4)))
   timed = bench_report.Timed(
       config=config, plan=timing.BenchmarkPlan(
           train_steps=2, variants={"two": {"model": {"head_block": 2}}}),
@@ -359,10 +362,14 @@ def test_the_report_is_the_medians_of_its_rounds_and_their_ratios(tiny_run):
   assert two["train"]["step_s"] == pytest.approx(0.3)
   assert two["train_tokens_per_s_ratio"] == pytest.approx(0.5)
   assert two["eval_tokens_per_s_ratio"] == pytest.approx(0.5)
+  # Each round's ratio: train 0.1/0.2, 0.2/0.3, 0.15/0.6 a step, eval 0.25, 0.5, 1.
+  assert two["train_ratio_quartiles"] == pytest.approx([0.375, 7 / 12])
+  assert two["eval_ratio_quartiles"] == pytest.approx([0.375, 0.75])
   lines = bench_report.summary(report).splitlines()
-  assert any(line.startswith(f"variant two: train {tokens / 0.3:,.0f} tokens/s = x0.500 "
-                             "of the config's, eval (all heads) 500 tokens/s = x0.500")
-             for line in lines), lines
+  assert any(line.startswith(
+      f"variant two: train {tokens / 0.3:,.0f} tokens/s = x0.500 (rounds' middle half "
+      "x0.375-x0.583) of the config's, eval (all heads) 500 tokens/s = x0.500 (rounds' "
+      "middle half x0.375-x0.750)") for line in lines), lines
   assert f"gated step overhead {0.25 / 0.15 - 1:+.1%} per token" in "\n".join(lines)
   # A variant whose evaluation the plan leaves out (variant_evaluations=False).
   timed.variants["two"] = (timed.variants["two"][0], None)

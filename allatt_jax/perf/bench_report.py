@@ -227,6 +227,11 @@ def _proxy(proxy: dict) -> list[str]:
           f"{parts['attention']['bytes'] / 1e6:.4g} MB"]
 
 
+def _spread(quartiles: list[float]) -> str:
+  """The rounds' middle half of a variant's ratio."""
+  return f" (rounds' middle half x{quartiles[0]:.3f}-x{quartiles[1]:.3f})"
+
+
 def _variants(report: dict) -> list[str]:
   base = report["train"]["baseline"]
   lines = []
@@ -235,10 +240,12 @@ def _variants(report: dict) -> list[str]:
     evaluation = ("eval not timed" if v["eval"] is None else
                   f"eval (all heads) {v['eval']['tokens_per_s']:,.0f} tokens/s"
                   + (f" = x{v['eval_tokens_per_s_ratio']:.3f}"
+                     f"{_spread(v['eval_ratio_quartiles'])}"
                      if v["eval_tokens_per_s_ratio"] else ""))
     lines.append(
         f"variant {name}: train {train['tokens_per_s']:,.0f} tokens/s = "
-        f"x{v['train_tokens_per_s_ratio']:.3f} of the config's, {evaluation}; "
+        f"x{v['train_tokens_per_s_ratio']:.3f}{_spread(v['train_ratio_quartiles'])} of "
+        f"the config's, {evaluation}; "
         f"{proxy['flops'] / 1e6:.4g} MFLOP, {proxy['bytes'] / 1e6:.4g} MB per token "
         f"(config {base['proxy']['flops'] / 1e6:.4g}, {base['proxy']['bytes'] / 1e6:.4g}); "
         f"XLA temporaries {(train['xla_temp_bytes'] or 0) / 1e6:,.0f} MB "

@@ -10,6 +10,7 @@ fails the checks is a ConfigError, before anything compiles.
 import ast
 import dataclasses
 import difflib
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,9 +144,26 @@ def entry(overrides, train: dict, evaluation: dict, base_train: dict,
   """A variant's report: its overrides, its baseline train step's figures (`train`,
   as the config's), its evaluation's with every head (None: not timed), and their
   tokens/s as ratios to the config's, measured in the same rounds (None for the
-  evaluation where it or the plan's `heads_kept` leaves out 1.0)."""
+  evaluation where it or the plan's `heads_kept` leaves out 1.0), with the spread of
+  those ratios round by round: the quartiles of each round's ratio."""
+  timed_eval = bool(evaluation and base_eval)
   return {"overrides": {section: dict(keys) for section, keys in overrides.items()},
           "train": train, "eval": evaluation,
           "train_tokens_per_s_ratio": train["tokens_per_s"] / base_train["tokens_per_s"],
+          "train_ratio_quartiles": _quartiles(base_train["step_s_rounds"],
+                                              train["step_s_rounds"]),
           "eval_tokens_per_s_ratio": (evaluation["tokens_per_s"] / base_eval["tokens_per_s"]
-                                      if evaluation and base_eval else None)}
+                                      if timed_eval else None),
+          "eval_ratio_quartiles": (_quartiles(base_eval["segment_s_rounds"],
+                                              evaluation["segment_s_rounds"])
+                                   if timed_eval else None)}
+
+
+def _quartiles(base_seconds, variant_seconds) -> list[float]:
+  """[first, third] quartile of the rounds' speed ratios, config's seconds over the
+  variant's (one round: its ratio twice)."""
+  ratios = [b / v for b, v in zip(base_seconds, variant_seconds)]
+  if len(ratios) < 2:
+    return ratios * 2
+  first, _, third = statistics.quantiles(ratios, n=4, method="inclusive")
+  return [first, third]

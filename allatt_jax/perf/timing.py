@@ -262,10 +262,12 @@ class Inference:
     return self._first_s - min(self.seconds)
 
   def figures(self) -> dict:
-    """Tokens/s (median of the timed rounds), compile time, and the compiled step's
-    XLA temporaries and proxy figures (`hlo_counts.step_proxy`)."""
+    """Tokens/s (median of the timed rounds), each round's seconds per segment,
+    compile time, and the compiled step's XLA temporaries and proxy figures
+    (`hlo_counts.step_proxy`)."""
     return {"tokens_per_s": self.tokens_per_segment / statistics.median(self.seconds[1:]),
-            "compile_s": self.compile_s, **self._compiled_figures}
+            "segment_s_rounds": self.seconds[1:], "compile_s": self.compile_s,
+            **self._compiled_figures}
 
   @functools.cached_property
   def _compiled_figures(self) -> dict:
