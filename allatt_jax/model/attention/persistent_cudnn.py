@@ -14,7 +14,7 @@ against (1, H, N, dh); reshapes, no copies).
   from the residuals it is handed; handed the merged softmax's lse and output
   instead of the part's own, it yields the part's gradients under the merged
   softmax. jax has no public call for that, so its custom VJP's backward rule
-  (`_dot_product_attention_bwd_rule`, jax 0.10) is called directly, its parameters
+  (`_dot_product_attention_bwd_rule`, jax 0.10 to 0.12) is called directly, its parameters
   filled by name and its residuals (the forward rule's array arguments, then the
   statistics and the output) built here. A jax whose rules take other parameters
   makes `why_not_here` say so, and 'auto' leaves this part out.
@@ -43,16 +43,20 @@ def _module():
 
 
 def _values(fa, query, key, value) -> dict:
-  """Every parameter of jax 0.10's cuDNN rules, by name, for attention without mask,
-  bias, dropout or packing, scale 1 (the queries come scaled)."""
+  """Every parameter of the cuDNN rules of jax 0.10 to 0.12, by name, for attention
+  without mask, bias, dropout, packing or score modifier, scale 1 (the queries come
+  scaled)."""
   not_used = jnp.zeros(0, query.dtype)
   return dict(query=query, key=key, value=value, bias=not_used, q_seqlen=not_used,
               kv_seqlen=not_used, q_offsets=not_used, kv_offsets=not_used,
               page_table_k=not_used, page_table_v=not_used, scale=1.0, seed=0,
               dropout_rate=0.0, variadic_args=(False, False), mask_type=fa.MaskType.NO_MASK,
               layout=fa.AttentionLayout.BNTH.value, sliding_window_length=None,
-              # The backward rule's parameter of this name receives the cuDNN version
-              # (nondiff_argnums); neither is read by it.
+              # jax 0.12's flex attention: no score modifier, so no arguments of one
+              # (a residual of the forward rule there).
+              score_mod=None, score_mod_args=(),
+              # jax 0.10 and 0.11's backward rule names the cuDNN version it receives
+              # (nondiff_argnums) is_training; neither is read by it.
               is_training=True, cudnn_version=0, return_residual=False)
 
 
@@ -60,8 +64,8 @@ def _values(fa, query, key, value) -> dict:
 _KNOWN = frozenset((
     "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
     "page_table_k", "page_table_v", "scale", "seed", "dropout_rate", "variadic_args",
-    "mask_type", "layout", "sliding_window_length", "is_training", "cudnn_version",
-    "return_residual", "res", "grad_output"))
+    "mask_type", "layout", "sliding_window_length", "score_mod", "score_mod_args",
+    "is_training", "cudnn_version", "return_residual", "res", "grad_output"))
 
 
 def _unknown_parameters(fa) -> list[str]:
