@@ -349,7 +349,7 @@ def test_pallas_part_matches_the_xla_part(rate, closed, closed_scale, tiles, mon
   args, mask, dout = core_inputs(t=5, n=70, dh=12, closed=closed, closed_scale=closed_scale)
   qp, pk, pv, pw = args[2], args[6], args[7], args[8]
   part = persistent_cores.Part("pallas", tiles)
-  run = lambda p: jax.jit(functools.partial(persistent_cores.outputs_and_grads, p, rate,
+  run = lambda p: jax.jit(functools.partial(persistent_trial.outputs_and_grads, p, rate,
                                             jnp.float32))(qp, pk, pv, pw, *seeds(rate, qp, pk),
                                                           dout)
   for name, got, expected in zip(("out", "lse", "dqp", "dpk", "dpv", "dpw"), run(part),
@@ -359,7 +359,7 @@ def test_pallas_part_matches_the_xla_part(rate, closed, closed_scale, tiles, mon
     else:
       assert np.all(np.isfinite(got)), name
       assert_close(got, expected, name, tolerance=3e-6)
-  monkeypatch.setattr(persistent_cores, "part", lambda *_: part)
+  monkeypatch.setattr(core_choice, "persistent_part", lambda *_: part)
   got, expected = run_cores(
       functools.partial(split_core.attend, rate, 2, False, jnp.float32, persistent="pallas"),
       functools.partial(xla_core.attend, rate, 2, False, jnp.float32),
@@ -375,7 +375,7 @@ def test_pallas_part_lowers_for_the_gpu(tiles):
   others) in bf16 with dropout and slot weights, with the tiles' warps and pipeline
   stages, for an abstract GPU (test_perf_gpu_compile.py compiles them)."""
   rate = 0.2
-  args = persistent_cores.trial_problem(jnp.bfloat16, rate, True, h=2, b=2, t=24, n=70, dh=12)
+  args = persistent_trial.trial_problem(jnp.bfloat16, rate, True, h=2, b=2, t=24, n=70, dh=12)
   kernels = dict(rate=rate, tiles=tiles, interpret=False)
 
   def forward_and_backward(qp, pk, pv, pw, rows, columns, dout):
@@ -465,8 +465,8 @@ def test_cudnn_part_refuses_head_dims_cudnn_cannot_take(monkeypatch):
     why_not = persistent_cudnn.why_not_here(jnp.bfloat16, head_dim)
     assert why_not == (f"cuDNN's attention takes head dimensions up to 256 in multiples "
                        f"of 8 and this model's heads have {head_dim}")
-  assert persistent_cores.part("cudnn", 0.0, False, jnp.bfloat16, 12).name == "xla"
-  assert persistent_cores.part("cudnn", 0.0, False, jnp.bfloat16, 16).name == "cudnn"
+  assert core_choice.persistent_part("cudnn", 0.0, False, jnp.bfloat16, 12).name == "xla"
+  assert core_choice.persistent_part("cudnn", 0.0, False, jnp.bfloat16, 16).name == "cudnn"
 
 
 def test_a_jaxlib_without_triton_imports_the_model_and_says_why_pallas_cannot_run():
@@ -476,11 +476,12 @@ def test_a_jaxlib_without_triton_imports_the_model_and_says_why_pallas_cannot_ru
 import sys
 sys.modules["jax.experimental.pallas.triton"] = None   # its import now fails
 from allatt_jax.model import transformer
+from allatt_jax.model.attention import core_choice
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.config.errors import ConfigError
 print(persistent_cores.why_not_here("pallas", "float32", 64))
 try:
-  persistent_cores.check_config("split", "pallas", 0.0, "float32", False, 64)
+  core_choice.check_persistent_impl("split", "pallas", 0.0, "float32", False, 64)
 except ConfigError as e:
   print(e)
 """
@@ -498,18 +499,18 @@ def test_choices_and_refusals(monkeypatch):
   # On a CPU: 'auto' is the XLA core (the CPU demo computes what it computed), and
   # the split core's 'auto' persistent part is XLA's.
   assert not core_choice.use_split("auto", 0.0) and core_choice.use_split("split", 0.2)
-  assert persistent_cores.part("auto", 0.3, True, jnp.float32, 8).name == "xla"
+  assert core_choice.persistent_part("auto", 0.3, True, jnp.float32, 8).name == "xla"
   # Asked for where they cannot run (a model read from disk): the XLA part.
   for impl in ("pallas", "cudnn"):
-    assert persistent_cores.part(impl, 0.0, False, jnp.bfloat16, 8).name == "xla"
+    assert core_choice.persistent_part(impl, 0.0, False, jnp.bfloat16, 8).name == "xla"
   with pytest.raises(ConfigError, match=r"^config\.model\.persistent_impl='cudnn': cuDNN's "
                      r"attention dropout cannot follow the step's key.*\(attention dropout "
                      r"here: 0\.2\)\. Use --config\.model\.persistent_impl=auto"):
-    persistent_cores.part("cudnn", 0.2, False, jnp.bfloat16, 8)
+    core_choice.persistent_part("cudnn", 0.2, False, jnp.bfloat16, 8)
   with pytest.raises(ConfigError, match="cannot weight persistent slots"):
-    persistent_cores.part("cudnn", 0.0, True, jnp.bfloat16, 8)
+    core_choice.persistent_part("cudnn", 0.0, True, jnp.bfloat16, 8)
   with pytest.raises(ConfigError, match=r"persistent_impl='flash' is unknown"):
-    persistent_cores.part("flash", 0.0, False, jnp.float32, 8)
+    core_choice.persistent_part("flash", 0.0, False, jnp.float32, 8)
 
   config = config_base.base_config()
   config.model.update(dict(vocab_size=11, num_persistent=8, attention_impl="split"))
@@ -551,7 +552,7 @@ def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
 
   def seconds(name, rate, weighted, dtype, limit):
     del rate
-    assert limit == persistent_cores.TRIAL_SECONDS
+    assert limit == core_choice.TRIAL_SECONDS
     if name == "pallas" and weighted:   # a stalled compile, its process ended
       raise TimeoutError(f"not done within {limit:g} s; its process was ended")
     if name == "pallas" and dtype == "float16":
@@ -559,17 +560,17 @@ def test_auto_picks_the_fastest_part_that_passes_its_trial(monkeypatch):
     return {"xla": 3e-3, "pallas": 2e-3, "cudnn": 1e-3}[name]
 
   monkeypatch.setattr(persistent_trial, "seconds", seconds)
-  persistent_cores._auto.cache_clear()
+  core_choice._auto.cache_clear()
   try:
     assert core_choice.use_split("auto", 0.0) and not core_choice.use_split("auto", 0.2)
-    choose = lambda rate, weighted, dtype=jnp.bfloat16: persistent_cores.part(
+    choose = lambda rate, weighted, dtype=jnp.bfloat16: core_choice.persistent_part(
         "auto", rate, weighted, dtype, 64).name
     assert choose(0.0, False) == "cudnn"
     assert choose(0.2, False) == "pallas"   # cuDNN's dropout would not follow the key
     assert choose(0.2, True) == "xla"       # Pallas stalled, cuDNN cannot weight slots
     assert choose(0.2, False, jnp.float16) == "xla"   # Pallas disagreed
   finally:
-    persistent_cores._auto.cache_clear()
+    core_choice._auto.cache_clear()
 
 
 def test_a_trial_refuses_a_part_that_disagrees_with_the_xla_part(monkeypatch):
@@ -583,8 +584,8 @@ def test_a_trial_refuses_a_part_that_disagrees_with_the_xla_part(monkeypatch):
   monkeypatch.setitem(persistent_cores.PARTS, "pallas", Inflated("xla"))
   with pytest.raises(RuntimeError,
                      match=r"^it disagrees with the XLA part \(out: max difference "):
-    persistent_cores.trial("pallas", 0.0, False, "float32", steps=1)
-  assert persistent_cores.trial("xla", 0.0, False, "float32", steps=1) > 0
+    persistent_trial.trial("pallas", 0.0, False, "float32", steps=1)
+  assert persistent_trial.trial("xla", 0.0, False, "float32", steps=1) > 0
 
 
 _SHARDED = """
@@ -594,6 +595,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, sys.argv[1])
 import test_model_split_core as t
 from allatt_jax.model.attention import xla_core
+from allatt_jax.model.attention import core_choice
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.parallel import sharding
 from allatt_jax.model.attention import split_core
@@ -610,7 +612,7 @@ with jax.set_mesh(mesh):
     core = functools.partial(split_core.attend, 0.3, 4, False, jnp.float32, persistent=name)
     if name == "pallas":
       part = persistent_cores.Part("pallas", t.SMALL_TILES)
-      persistent_cores.part = lambda *a: part
+      core_choice.persistent_part = lambda *a: part
     got = jax.jit(functools.partial(t.outputs_and_grads, core, 0.3))(args, mask, dout)
     differences[name] = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
                             for a, b in zip(got, expected))

@@ -31,6 +31,7 @@ from allatt_jax.model.attention import relative
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import persistent_cores
 from allatt_jax.model.attention import persistent_pallas
+from allatt_jax.model.attention import persistent_trial
 from allatt_jax.model.attention import split_core
 
 PARTS = ("xla", "pallas", "cudnn")
@@ -95,9 +96,9 @@ def _part(name: str, rate: float, dry: bool) -> dict:
   why_not = _unavailable(name, rate, dtype)
   if why_not:
     return {"status": "unavailable", "why": why_not}
-  args = persistent_cores.trial_problem(jnp.dtype(dtype), rate, False,
+  args = persistent_trial.trial_problem(jnp.dtype(dtype), rate, False,
                                         **SMALL["dry" if dry else "gpu"])
-  run = lambda part: functools.partial(persistent_cores.outputs_and_grads,
+  run = lambda part: functools.partial(persistent_trial.outputs_and_grads,
                                        persistent_cores.PARTS[part], rate, jnp.float32)
   start = time.perf_counter()
   got = jax.jit(run(name)).lower(*args).compile()(*args)
@@ -146,9 +147,9 @@ def _part_alone(part: persistent_cores.Part, rate: float, dry: bool, calls: int 
   dtype = _dtype(dry)
   h, b, t, _, n, dh = LAYER["dry" if dry else "gpu"]
   args = [jnp.asarray(x) if x is not None else None for x in
-          persistent_cores.trial_problem(np.dtype(jnp.dtype(dtype)), rate, False, h=h, b=b,
+          persistent_trial.trial_problem(np.dtype(jnp.dtype(dtype)), rate, False, h=h, b=b,
                                          t=t, n=n, dh=dh)]
-  result = _timed(functools.partial(persistent_cores.outputs_and_grads, part, rate, dtype),
+  result = _timed(functools.partial(persistent_trial.outputs_and_grads, part, rate, dtype),
                   args, calls)
   # Flash attention's count: 4·M·N·dh forward, 2.5 times that backward.
   result["tflop_per_s"] = 14 * h * b * t * n * dh / (result["ms"] * 1e-3) / 1e12

@@ -19,7 +19,6 @@ from allatt_jax import data as data_lib
 from allatt_jax.pruning import feasibility
 from allatt_jax.model import transformer as model_lib
 from allatt_jax.training import optim
-from allatt_jax.model.attention import persistent_cores
 from allatt_jax.config import run_config
 from allatt_jax.parallel import sharding
 from allatt_jax.config.errors import ConfigError
@@ -204,7 +203,7 @@ def _check_names(config):
                        ("model.same_length_keys", relative.SAME_LENGTH_KEYS),
                        ("model.score_dtype", SCORE_DTYPES),
                        ("model.attention_impl", core_choice.IMPLS),
-                       ("model.persistent_impl", persistent_cores.IMPLS),
+                       ("model.persistent_impl", core_choice.PERSISTENT_IMPLS),
                        ("train.optimizer", optim.OPTIMIZERS),
                        ("distill.kl_clusters", KL_CLUSTERS)):
     if _value(config, key) not in choices:
@@ -242,8 +241,8 @@ def _check_model(config):
         f"[0, 1] per cluster of the adaptive softmax (cutoffs {tuple(m.cutoffs)}: "
         f"{len(m.cutoffs) + 1}); () counts them from the dataset.")
   weighted = bool(config.gates.enabled and config.gates.persistent_group)
-  persistent_cores.check_config(m.attention_impl, m.persistent_impl, m.dropout_attn, m.dtype,
-                                weighted, m.d_model // m.num_heads)
+  core_choice.check_persistent_impl(m.attention_impl, m.persistent_impl, m.dropout_attn,
+                                    m.dtype, weighted, m.d_model // m.num_heads)
   if m.kind == "txl" and m.d_ff < 1:
     raise ConfigError("config.model.d_ff=0 but a 'txl' model has a feed-forward "
                       "sub-layer; set it (the paper's TXL uses 4 * d_model).")

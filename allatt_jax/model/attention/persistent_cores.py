@@ -1,8 +1,7 @@
-"""The persistent part of the split core (split_core.py), pluggable: `model.persistent_impl`
-picks 'xla' (the reference, plain jnp, runs anywhere), 'pallas' (flash kernels,
-persistent_pallas.py), 'cudnn' (the vendor's fused attention, persistent_cudnn.py)
-or 'auto' (on a GPU the fastest of those that pass a trial of seconds, once per
-process; 'xla' elsewhere).
+"""The persistent part of the split core (split_core.py), in three implementations:
+'xla' (the reference, plain jnp, runs anywhere), 'pallas' (flash kernels,
+persistent_pallas.py) and 'cudnn' (the vendor's fused attention, persistent_cudnn.py);
+which one a layer runs, `model.persistent_impl`, is core_choice.py's.
 
 A part scores queries qp (H, B, T, dh) against their head's N persistent slots (keys
 pk and values pv (H, N, dh), shared by every batch row; no position term, no shift, no
@@ -23,24 +22,14 @@ As in the XLA core, a closed slot's exponent is capped at 80, so w·exp is 0, no
 """
 import dataclasses
 import functools
-import statistics
-import time
 
-from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import dropout_mask
 from allatt_jax.model.attention import persistent_cudnn
 from allatt_jax.model.attention import persistent_pallas
-from allatt_jax.model.attention import persistent_trial
-from allatt_jax.config.errors import ConfigError
-
-IMPLS = ("auto", "xla", "pallas", "cudnn")
-# Seconds each candidate of 'auto' may take to start, compile, check and time.
-TRIAL_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +66,7 @@ class Part:
                       delta, out, dout)
 
 
-PARTS = {name: Part(name) for name in IMPLS[1:]}
+PARTS = {name: Part(name) for name in ("xla", "pallas", "cudnn")}
 
 
 def _scores(qp, pk, score_dtype):
@@ -187,144 +176,3 @@ def refusal(impl: str, rate: float, weighted: bool) -> str | None:
     return ("cuDNN's attention cannot weight persistent slots by their gates "
             "(gates.persistent_group)")
   return None
-
-
-def part(impl: str, rate: float, weighted: bool, dtype, head_dim: int) -> Part:
-  """The part `model.persistent_impl=impl` runs for a layer with attention dropout
-  `rate`, slot weights (`weighted`), compute `dtype` and heads of `head_dim`: 'auto'
-  as the module says; an
-  implementation that cannot run here falls back to 'xla' with a warning (a model read
-  from disk; a command's own config is refused by `check_config`).
-
-  Raises:
-    ConfigError: an unknown `impl`, or 'cudnn' with attention dropout or slot weights.
-  """
-  if impl not in IMPLS:
-    raise ConfigError(f"config.model.persistent_impl={impl!r} is unknown; choose one of "
-                      f"{', '.join(map(repr, IMPLS))}.")
-  if impl == "auto":
-    return PARTS[_auto(bool(rate), weighted, jnp.dtype(dtype).name, head_dim)]
-  refused = refusal(impl, rate, weighted)
-  if refused:
-    raise ConfigError(f"config.model.persistent_impl={impl!r}: {refused}. Use "
-                      "--config.model.persistent_impl=auto, pallas or xla.")
-  why_not = why_not_here(impl, dtype, head_dim)
-  if why_not:
-    _warn_once(impl, why_not)
-    return PARTS["xla"]
-  return PARTS[impl]
-
-
-def check_config(attention_impl: str, impl: str, dropout_attn: float, dtype: str,
-                 weighted: bool, head_dim: int) -> None:
-  """Raises ConfigError if a model with these settings asks for a persistent part
-  that cannot run here, or must not run (`refusal`); the split core runs where
-  `attention_impl` is 'split', or 'auto' on a GPU for the layers without attention
-  dropout (so there cuDNN's part may serve a model trained with dropout)."""
-  if attention_impl not in ("split", "auto") or impl in ("auto", "xla"):
-    return
-  rate = 0.0 if attention_impl == "auto" else dropout_attn
-  why_not = refusal(impl, rate, weighted) or why_not_here(impl, dtype, head_dim)
-  if why_not:
-    raise ConfigError(f"config.model.persistent_impl={impl!r} asks for the persistent "
-                      f"part's {impl} implementation, but {why_not}. Use "
-                      "--config.model.persistent_impl=auto (the fastest that runs) or =xla.")
-
-
-@functools.cache
-def _warn_once(impl: str, why_not: str) -> None:
-  logging.warning("persistent_impl=%r does not run here (%s); using the XLA part.", impl,
-                  why_not)
-
-
-@functools.cache
-def _auto(dropout: bool, weighted: bool, dtype: str, head_dim: int) -> str:
-  """'xla' off the GPU; on it the fastest part whose trial passes within
-  TRIAL_SECONDS, each in a process of its own (persistent_trial.py; the XLA part's
-  own trial only times it)."""
-  if jax.default_backend() != "gpu":
-    return "xla"
-  rate = 0.2 if dropout else 0.0
-  seconds = {}
-  for name in PARTS:
-    why_not = refusal(name, rate, weighted) or why_not_here(name, dtype, head_dim)
-    try:
-      if why_not:
-        raise RuntimeError(why_not)
-      seconds[name] = persistent_trial.seconds(name, rate, weighted, dtype, TRIAL_SECONDS)
-    except Exception as e:  # pylint: disable=broad-except  # whatever fails is not chosen
-      logging.info("persistent_impl='auto': %s left out (%s: %s)", name, type(e).__name__,
-                   str(e).strip().splitlines()[0] if str(e).strip() else "")
-  best = min(seconds, key=seconds.get) if seconds else "xla"
-  logging.info("persistent_impl='auto' chose %r (trial seconds per step: %s)", best,
-               {k: f"{v:.2e}" for k, v in seconds.items()})
-  return best
-
-
-def trial_problem(dtype, rate: float, weighted: bool, h=2, b=8, t=128, n=512, dh=64):
-  """(qp, pk, pv, pw, row_seeds, column_seeds, dout) of a persistent part's trial, as
-  NumPy arrays (jnp ones would be staged into whatever is tracing); `weighted`: every
-  fourth slot closed."""
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: rng.standard_normal(shape).astype(dtype)
-  pw = (np.arange(n) % 4 != 0)[None].repeat(h, 0).astype(dtype) if weighted else None
-  key_2 = np.array([3, 4], np.uint32)
-  row_seeds, column_seeds = ((np.asarray(dropout_mask.row_seeds(key_2, h, b, t)),
-                              np.asarray(dropout_mask.column_seeds(key_2, n)))
-                             if rate else (None, None))
-  return (normal(h, b, t, dh), normal(h, n, dh), normal(h, n, dh), pw, row_seeds,
-          column_seeds, normal(h, b, t, dh))
-
-
-def outputs_and_grads(part_: Part, rate: float, score_dtype, qp, pk, pv, pw, row_seeds,
-                      column_seeds, dout):
-  """A part alone as the only softmax: (out, lse, dqp, dpk, dpv, dpw)."""
-  acc, top, norm = part_.forward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, row_seeds,
-                                 column_seeds)
-  out = (acc / norm[..., None]).astype(dout.dtype)
-  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), -1)
-  grads = part_.backward(rate, qp.shape[0], score_dtype, qp, pk, pv, pw, row_seeds,
-                         column_seeds, top, norm, delta, out, dout)
-  return (out, top + jnp.log(norm), *grads)
-
-
-def mismatch(got, expected, tolerance: float) -> str | None:
-  """What of (out, lse, dqp, dpk, dpv, dpw) differs by more than `tolerance` of its
-  largest value, or None."""
-  for name, g, e in zip(("out", "lse", "dqp", "dpk", "dpv", "dpw"), got, expected):
-    if e is None:
-      continue
-    g, e = (np.asarray(x, np.float32) for x in (g, e))
-    scale = float(np.abs(e).max()) or 1.0
-    if not np.all(np.abs(g - e) <= tolerance * scale):
-      return f"{name}: max difference {np.abs(g - e).max():.3g} of {scale:.3g}"
-  return None
-
-
-def trial(name: str, rate: float, weighted: bool, dtype, steps: int = 5) -> float:
-  """Seconds per forward and backward step of part `name` on `trial_problem` (median
-  of `steps`), after checking it against the XLA part (5% of each result's largest
-  value; bf16 round-off gives about 1%). Compiled ahead of time: callable while
-  another function traces.
-
-  Raises:
-    RuntimeError: the part disagrees with the XLA part.
-  """
-  args = trial_problem(jnp.dtype(dtype), rate, weighted)
-
-  def compiled(part_name):
-    fn = jax.jit(functools.partial(outputs_and_grads, PARTS[part_name], rate, jnp.float32))
-    return fn.lower(*args).compile()
-
-  fn = compiled(name)
-  got = jax.block_until_ready(fn(*args))
-  if name != "xla":
-    wrong = mismatch(got, compiled("xla")(*args), 0.05)
-    if wrong:
-      raise RuntimeError(f"it disagrees with the XLA part ({wrong})")
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)

@@ -33,13 +33,13 @@ import jax.numpy as jnp
 
 from allatt_jax.model.attention import xla_core
 from allatt_jax.model.attention import dropout_mask
-from allatt_jax.model.attention import persistent_cores
+from allatt_jax.model.attention import core_choice
 
 
 def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv, mask_TxK,
            keys_2x2, pw=None, *, persistent: str = "auto"):
   """`xla_core.attend` (same arguments and result) as the split core, its
-  persistent part `model.persistent_impl=persistent` (persistent_cores.part).
+  persistent part `model.persistent_impl=persistent` (core_choice.persistent_part).
 
   head_block: heads per step of the context part's loop (and the XLA persistent
   part's). remat: recompute the context weights in the backward pass instead of
@@ -49,7 +49,8 @@ def attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v, r_pad, pk, pv
   if pk is None:
     return xla_core.attend(rate, head_block, remat, score_dtype, qu, qv, qp, k, v,
                            r_pad, pk, pv, mask_TxK, keys_2x2, pw)
-  part = persistent_cores.part(persistent, rate, pw is not None, qp.dtype, qp.shape[-1])
+  part = core_choice.persistent_part(persistent, rate, pw is not None, qp.dtype,
+                                     qp.shape[-1])
   row_seeds, column_seeds = ((dropout_mask.row_seeds(keys_2x2[1], *qp.shape[:3]),
                               dropout_mask.column_seeds(keys_2x2[1], pk.shape[1]))
                              if rate else (None, None))
