@@ -81,18 +81,17 @@ def test_a_lambda_runs_table_is_the_one_the_readme_quotes():
   speeds = [number(c) for c in cells["inference tokens/s"]]
   speed = {"baseline_tokens_per_s": speeds[0], "pruned_tokens_per_s": speeds[1],
            "speedup": speeds[1] / speeds[0], "macs_ratio": number(cells["MACs per token"][1])}
-  # The speed-up measured in rounds (speed.py), with its spread; or, in a table made
-  # before the rounds, the one figure.
+  # The speed-up measured in rounds (speed.py), with its spread.
   rounds = re.search(r"speed-up ([\d.]+)x \(middle half of (\d+) rounds: ([\d.]+)-([\d.]+);"
                      r" CPU time: ([\d.]+)x\)(, timed on a busy machine: other processes "
                      r"used ([\d.]+) of its (\d+) cores)?$", title)
-  if rounds:
-    speed.update(speedup=float(rounds[1]), rounds=int(rounds[2]),
-                 speedup_quartiles=[float(rounds[3]), float(rounds[4])],
-                 cpu_speedup=float(rounds[5]),
-                 machine={"busy": bool(rounds[6]), "other_cores": float(rounds[7] or 0),
-                          "cores": int(rounds[8] or 0)},
-                 **{f"{name}_cpu_us_per_token": number(cells["CPU µs per token"][i])
-                    for i, name in enumerate(("baseline", "pruned"))})
+  assert rounds, title
+  speed.update(speedup=float(rounds[1]), rounds=int(rounds[2]),
+               speedup_quartiles=[float(rounds[3]), float(rounds[4])],
+               cpu_speedup=float(rounds[5]),
+               machine={"busy": bool(rounds[6]), "other_cores": float(rounds[7] or 0),
+                        "cores": int(rounds[8] or 0)},
+               **{f"{name}_cpu_us_per_token": number(cells["CPU µs per token"][i])
+                  for i, name in enumerate(("baseline", "pruned"))})
   report = {"dataset": title.split(":")[0], "metric": "bpc", **models, "speed": speed}
   assert demo_report.summary_table(report) == table
