@@ -1,6 +1,6 @@
 r"""Compiles a config's train step for a large mesh without running it or allocating state.
 
-  python -m allatt_jax.compile_check --config=configs/wt103_base.py --devices=32 --mesh=8,4
+  python -m allatt_jax.compile_check --config=configs/wt103_base.py --devices=16 --mesh=8,2
 
 A pipeline config (configs/demo.py) compiles both stages' steps, the pruning stage's
 with its gates (and teacher, where it distills), and `--json` holds both reports by
