@@ -14,6 +14,11 @@ from allatt_jax.evaluation import speed
 from allatt_jax.config.run_config import RunConfig
 from allatt_jax.runs.trained_model import LoadedModel
 
+# Where the input and output layers, which pruning heads leaves as they are, take at
+# least this share of the pruned model's MACs per token, the report says why the
+# speed-up stays small.
+OUTER_LAYERS_SHARE_TO_WARN = 0.5
+
 
 def compare_models(config: RunConfig, mesh: jax.sharding.Mesh, tokens, num_batches,
                    baseline_model: LoadedModel, pruned_model: LoadedModel,
@@ -42,6 +47,7 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
   decision."""
   b, p, speeds = compared["baseline"], compared["pruned"], compared["speed"]
   budget = _budget(prune_config.gates, pruned["export"].get("budget"), b, p)
+  speedup = speed.speedup(speeds)
   return {
       "dataset": baseline_config.data.name,
       "metric": baseline["metric"],
@@ -70,12 +76,29 @@ def build(baseline_config: RunConfig, prune_config: RunConfig, pruned_dir, basel
           "budget": budget},
       "speed": {
           **speeds,
-          **speed.speedup(speeds),
+          **speedup,
           "macs_ratio": p["macs_per_token"] / b["macs_per_token"],
           "macs_ratio_non_embedding": (p["macs_per_token_non_embedding"]
                                        / b["macs_per_token_non_embedding"])},
-      "warnings": pruned["export"].get("warnings", []),
+      "warnings": [*pruned["export"].get("warnings", []),
+                   *_outer_layers_bound(b, p, speedup["speedup"])],
   }
+
+
+def _outer_layers_bound(b: dict, p: dict, speedup: float) -> list[str]:
+  """A warning where the input and output layers hold most of the pruned model's MACs
+  per token (a large vocabulary): pruning heads shrinks only the rest."""
+  outer = p["macs_per_token"] - p["macs_per_token_non_embedding"]
+  if outer < OUTER_LAYERS_SHARE_TO_WARN * p["macs_per_token"]:
+    return []
+  return [f"the input and output layers, which pruning heads leaves as they are, take "
+          f"{outer:,.0f} of the pruned model's {p['macs_per_token']:,.0f} MACs per token "
+          f"({outer / p['macs_per_token']:.0%}). So the layers' MACs went to "
+          f"{p['macs_per_token_non_embedding'] / b['macs_per_token_non_embedding']:.2f} of "
+          f"the baseline's but the whole model's to "
+          f"{p['macs_per_token'] / b['macs_per_token']:.2f}, and it runs {speedup:.2f}x as "
+          "fast. A smaller vocabulary makes it faster: --config.data.max_vocab, or at word "
+          "level --config.data.min_count."]
 
 
 def _budget(gates, decision: dict | None, b: dict, p: dict) -> dict | None:
