@@ -15,8 +15,9 @@ So a command has two handlers before its run's own:
   so Ctrl-C prints one line and ends the process at once, status 130, whatever the
   main thread was running;
 - `keyboard_interrupts` while its `main` runs: KeyboardInterrupt, which `cli` turns into
-  one line and status 130, raised where Python would raise it, except inside a gc
-  callback or a finaliser, where it is delivered again a moment later.
+  one line and status 130, raised where Python would raise it, except inside a garbage
+  collection (gc callbacks, weakref callbacks, finalisers) or a finaliser, where it is
+  delivered again a moment later.
 
 A SIGINT ignored when the process started (a background job of a shell script) stays
 ignored, as Python leaves it.
@@ -81,9 +82,25 @@ def module_run_by_python() -> str:
   return ""
 
 
+# Whether the main thread is inside a garbage collection, between its callbacks' 'start'
+# and 'stop' (`_track_collection`, first of gc.callbacks while `keyboard_interrupts`
+# runs): there the weakref callbacks and finalisers it runs drop what they raise.
+_main_thread_collecting = False
+
+
+def _track_collection(phase, info) -> None:
+  del info
+  global _main_thread_collecting
+  if threading.current_thread() is threading.main_thread():
+    _main_thread_collecting = phase == "start"
+
+
 def _in_callback(frame) -> bool:
-  """Whether `frame` runs inside a gc callback or a finaliser, where an exception is
-  printed as 'Exception ignored' and dropped."""
+  """Whether `frame` runs where an exception is printed as 'Exception ignored' and
+  dropped: inside the main thread's garbage collection (a gc callback, a weakref
+  callback, a finaliser), or a finaliser or gc callback anywhere."""
+  if _main_thread_collecting:
+    return True
   callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
   while frame is not None:
     if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
@@ -101,10 +118,17 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
   raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
 def keyboard_interrupts():
   """Ctrl-C raises KeyboardInterrupt in the block, as Python's own handler does, but
-  never inside a gc callback or a finaliser, which would drop it."""
-  return _sigint_handled_by(_raise_keyboard_interrupt)
+  never inside a garbage collection (its gc callbacks, weakref callbacks, finalisers)
+  or a finaliser, which would drop it."""
+  gc.callbacks.insert(0, _track_collection)
+  try:
+    with _sigint_handled_by(_raise_keyboard_interrupt):
+      yield
+  finally:
+    gc.callbacks.remove(_track_collection)
 
 
 @contextlib.contextmanager
